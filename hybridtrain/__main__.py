@@ -1,0 +1,93 @@
+"""``python -m hybridtrain +recipe=NAME key=value ...``: compose, validate, launch.
+
+Hydra composes the config once, here; the plan is validated before any worker starts; the
+resolved ``config.yaml`` and ``plan.json`` are written into the run directory, which the
+workers (started by the deepspeed runner) read.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from hybridtrain.config import CONF_DIR, register_schema
+
+register_schema()
+
+
+def summary(plan, hf_config, params: int) -> str:
+    """Derived numbers printed at start-up."""
+    lines = [
+        f"model     {hf_config.model_type}: {params / 1e6:.2f}M parameters, {plan.num_layers} layers, "
+        f"vocab {plan.vocab_size} (padded to {plan.padded_vocab_size})",
+        f"plan      dp={plan.dp} x tp={plan.tp} x pp={plan.pp} = {plan.world_size} rank(s), "
+        f"ZeRO-{plan.zero_stage}, {plan.precision}",
+        f"batch     global {plan.global_batch_size} = micro {plan.micro_batch_size} x accumulation "
+        f"{plan.grad_accum} x dp {plan.dp}; {plan.tokens_per_step} tokens/step "
+        f"({plan.global_batch_size} x {plan.seq_len})",
+    ]
+    for s in range(plan.pp):
+        names = plan.stage_layers(s)
+        blocks = sum(n.startswith("block.") for n in names)
+        lines.append(f"stage {s}   {blocks} block(s): {', '.join(names)}")
+    if plan.pp > 1:
+        bubble = (plan.pp - 1) / (plan.grad_accum + plan.pp - 1)
+        lines.append(f"pipeline  {plan.grad_accum} micro-batches per step, 1F1B bubble (pp-1)/(m+pp-1) = {bubble:.1%}")
+    return "\n".join("[hybridtrain] " + ln for ln in lines)
+
+
+def run(cfg: DictConfig) -> int:
+    """Validate and launch one composed config; return the exit code."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hybridtrain.config import save_config, to_config
+    from hybridtrain.data.embedded import prepare_tokens
+    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.launch.local import launch
+    from hybridtrain.models.build import meta_model
+    from hybridtrain.plan import PlanError, machine_facts, resolve
+
+    typed = to_config(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    typed.run_dir = str(run_dir)
+    machine = machine_facts()
+    try:
+        plan, hf_config = resolve(typed, machine)
+    except PlanError as err:
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
+    params = sum(p.numel() for p in meta_model(hf_config).parameters())
+    print(summary(plan, hf_config, params), flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(typed, run_dir / "config.yaml")
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    tokens = prepare_tokens(typed.data)
+    samples = PackedSamples(tokens, plan.seq_len, typed.trainer.seed).num_samples
+    if samples < plan.global_batch_size:
+        print(f"[hybridtrain] config error: trainer.global_batch_size: the data has only {samples} samples of "
+              f"data.seq_len={plan.seq_len} tokens, fewer than one global batch", file=sys.stderr)
+        return 2
+    code = launch(run_dir, plan, typed.launcher, machine, tokens)
+    if code != 0:
+        print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
+              f"the run directory is {run_dir}", file=sys.stderr)
+    return code
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    """Console-script entry point (``hybridtrain ...``)."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

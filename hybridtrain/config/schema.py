@@ -1,0 +1,135 @@
+"""Typed schema of a hybridtrain run.
+
+Hydra merges the YAML groups in ``conf/`` (and a ``+recipe=`` overlay) into these
+dataclasses, so an unknown key or a wrong type is rejected before anything runs.
+Library code receives the narrow sub-config it needs, never the whole tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Which HuggingFace causal LM to build."""
+
+    model_type: str = "gpt2"
+    """HF ``model_type`` of the architecture: ``gpt2`` or ``llama``."""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """Overrides of the HF config under their HF names (``n_layer``, ``num_key_value_heads``...).
+    ``vocab_size`` defaults to the tokenizer's vocabulary."""
+    attn_implementation: str = "sdpa"
+    """HF attention kernel: ``sdpa`` or ``eager``."""
+    vocab_pad_multiple: int = 1
+    """The embedding and LM head are padded to a multiple of ``vocab_pad_multiple * parallel.tp``
+    rows; the padded logits are masked, so padding never changes the loss."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split over processes (world = dp x tp x pp)."""
+
+    dp: Optional[int] = None
+    """Data-parallel replicas. ``null``: whatever the launcher's devices leave after tp x pp
+    (1 on a machine without GPUs)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads, MLP width and vocabulary are split Megatron-style."""
+    pp: int = 1
+    """Pipeline stages (DeepSpeed PipelineModule, 1F1B schedule). ``pp>1`` with one
+    micro-batch per step is naive model parallelism."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch on each data-parallel replica."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage over the data-parallel replicas: 0-3 with pp=1, 0-1 with pp>1."""
+    partition: str = "blocks"
+    """Pipeline stage boundaries: ``blocks`` (decoder blocks spread evenly, embedding on the first
+    stage, norm and head on the last), ``uniform`` (every pipeline layer counts 1) or
+    ``parameters`` (balance parameter counts)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of storing them."""
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is cut into samples."""
+
+    name: str = "embedded"
+    """Data source. ``embedded``: the King James Bible shipped in the package."""
+    seq_len: int = 128
+    """Tokens per sample; text is packed into blocks of this length."""
+    tokenizer: Optional[str] = None
+    """Path to a ``tokenizer.json`` or HF tokenizer folder; ``null``: the embedded BPE tokenizer."""
+    cache_dir: Optional[str] = None
+    """Where tokenized data is cached; ``null``: ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 6e-4
+    """Peak learning rate, reached at the end of warmup."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not to biases or norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
+    warmup_steps: int = 10
+    """Linear warmup steps from ``lr * min_lr_ratio`` to ``lr``."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to ``lr * min_lr_ratio`` at ``trainer.max_steps``."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    global_batch_size: int = 8
+    """Samples per optimizer step = micro_batch_size x gradient accumulation x dp."""
+    seed: int = 1234
+    """Seeds weights, data order and dropout; the same seed gives the same weights under any plan."""
+    log_every: int = 1
+    """Write a metrics line every this many steps."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU)."""
+
+
+@dataclass
+class LauncherConfig:
+    """How worker processes are started."""
+
+    name: str = "local"
+    """``local``: the deepspeed runner on this machine."""
+    nodes: int = 1
+    """Machines the job spans; the local launcher runs on one."""
+    devices: Optional[int] = None
+    """Devices per node. ``null``: the number of CUDA GPUs, or on a machine without GPUs
+    no limit (CPU processes)."""
+    master_port: Optional[int] = None
+    """Rendezvous port; ``null`` picks a free one."""
+    threads_per_rank: Optional[int] = None
+    """CPU threads per worker; ``null``: the machine's cores divided by the local ranks."""
+    timeout_minutes: int = 10
+    """Collective timeout: a rank that stops answering ends the job after this long."""
+    dry_run: bool = False
+    """Validate, write ``config.yaml`` and print the launch command without starting workers."""
+
+
+@dataclass
+class Config:
+    """A whole run: what Hydra composes and what is saved as ``config.yaml``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    run_dir: Optional[str] = None
+    """Output folder; filled from ``hydra.run.dir`` at launch."""

@@ -1,0 +1,116 @@
+"""From plan to DeepSpeed engine: the DeepSpeed config, the model pieces, ``deepspeed.initialize``.
+
+pp > 1: a :class:`HybridPipelineModule` (DeepSpeed ``PipelineModule``, 1F1B) whose stage
+boundaries come from the plan and whose TP group is the pipeline grid's slice group.
+pp = 1: a :class:`~hybridtrain.models.stages.SequentialLM` in DeepSpeed's ordinary engine
+(ZeRO 0-3), with a ``PipelineParallelGrid`` of one stage as ``mpu``, so both paths use the same
+rank layout (``rank = pipe * dp * tp + data * tp + model``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hybridtrain.config.schema import Config
+from hybridtrain.plan.validate import Plan
+
+
+def lr_lambda(optim, max_steps: int) -> Callable[[int], float]:
+    """Learning-rate multiplier of optimizer step ``s`` (0-based): linear warmup, then cosine.
+
+    Written here instead of DeepSpeed's ``WarmupCosineLR`` because that one trains its first
+    step at learning rate 0; the single-process reference loop uses this same function.
+    """
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+
+    def ratio(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return ratio
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices and embeddings (``ndim >= 2``), none on biases and norms."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
+    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written)."""
+    o = cfg.optim
+    conf: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+            "torch_adam": True}},
+        "zero_optimization": {"stage": plan.zero_stage},
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if plan.pp > 1:
+        # Only the hidden states cross stages; partitioning them over TP is Megatron-specific.
+        conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    return conf
+
+
+@dataclass
+class Built:
+    """An initialised engine and the facts the loop needs about this rank."""
+
+    engine: Any
+    dp_rank: int
+    tp_rank: int
+    stage: int
+    model_state_bytes: int
+    """Bytes of this rank's parameters (the model-state part that does not depend on ZeRO)."""
+
+
+def build(cfg: Config, plan: Plan, hf_config) -> Built:
+    """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up)."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs, sequential_model
+    from hybridtrain.models.build import ModelBuilder, meta_model
+    from hybridtrain.models.families import get_family
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.layers import VocabParallelLoss
+
+    topo = PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp, num_dp=plan.dp)
+    tp = TPContext()
+    builder = ModelBuilder(family=get_family(cfg.model.model_type), hf_config=hf_config,
+                           hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
+                           padded_vocab=plan.padded_vocab_size,
+                           activation_checkpointing=cfg.parallel.activation_checkpointing)
+    loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
+    scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
+    conf = ds_config(cfg, plan)
+    with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
+        if plan.pp > 1:
+            model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,
+                                         tp=tp, stage_bounds=plan.stage_bounds)
+            grid, mpu = model._grid, None  # the pipeline engine takes its grid from the module
+        else:
+            grid = PipelineParallelGrid(topology=topo)
+            tp.bind_grid(grid)
+            model, mpu = sequential_model(builder, loss_fn), grid
+    engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
+                                      model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
+                 stage=grid.get_stage_id() if plan.pp > 1 else 0, model_state_bytes=state_bytes)

@@ -1,0 +1,63 @@
+"""The local launcher: the deepspeed runner on this machine, one process per rank."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.plan.validate import Machine, Plan
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(launcher: LauncherConfig, plan: Plan, machine: Machine) -> int:
+    """CPU threads for each worker so the ranks of this node do not oversubscribe its cores."""
+    if launcher.threads_per_rank:
+        return launcher.threads_per_rank
+    local_ranks = plan.world_size // plan.nodes
+    return max(1, machine.cpu_cores // local_ranks)
+
+
+def command(run_dir: Path, plan: Plan, port: int) -> list[str]:
+    """The deepspeed runner command line that starts every rank of this node."""
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner",
+            "--num_gpus", str(plan.world_size), "--master_port", str(port),
+            "--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
+
+
+def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine, tokens: Path) -> int:
+    """Start ``plan.world_size`` workers through the deepspeed runner; return the job's exit code.
+
+    The runner kills every rank when one fails, so a dead rank ends the job with a non-zero code.
+    """
+    if launcher.nodes != 1:
+        raise SystemExit(f"launcher.nodes={launcher.nodes}: the local launcher runs on one machine; "
+                         "use launcher.nodes=1 (multi-node launchers are not available yet)")
+    port = launcher.master_port or free_port()
+    threads = threads_per_rank(launcher, plan, machine)
+    env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               HYBRIDTRAIN_TOKENS=str(tokens), PYTHONUNBUFFERED="1")
+    cmd = command(run_dir, plan, port)
+    print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
+    if launcher.dry_run:
+        return 0
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, _frame):  # pass Ctrl-C / SIGTERM to the runner and its ranks
+        os.killpg(proc.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

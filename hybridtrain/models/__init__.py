@@ -1,0 +1,1 @@
+"""HF model adapters, seeded sharded construction and pipeline layers."""

@@ -1,0 +1,177 @@
+"""Build the local pieces of an HF causal LM: meta model, seeded init, TP sharding.
+
+The whole HF model is created on the meta device (no memory). Each pipeline layer then
+materialises only the HF unit it owns (one decoder block, the embedding, ...) on the CPU,
+initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
+(so every plan, and a plain single-process HF model, gets identical weights), and keeps only
+this rank's tensor shard. The full unit exists only transiently while it is sliced.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+
+from hybridtrain.models.families import Family, TPRule, padded_vocab  # noqa: F401  (re-export)
+from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+
+
+def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
+                 attn_implementation: str, eos_token_id: int | None = None):
+    """The HF ``PretrainedConfig`` for ``model_type`` with ``overrides`` applied.
+
+    ``vocab_size`` and the BOS/EOS ids (the tokenizer's) are used unless the overrides set them.
+    """
+    from transformers import AutoConfig
+
+    special = {} if eos_token_id is None else {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
+    kwargs = {"vocab_size": vocab_size, **special, **overrides}
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    cfg._attn_implementation = attn_implementation
+    cfg.use_cache = False
+    return cfg
+
+
+def meta_model(hf_config) -> nn.Module:
+    """The full HF causal LM on the meta device (parameters have shapes, no storage)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
+
+
+def unit_seed(seed: int, name: str) -> int:
+    """Seed of HF unit ``name`` (e.g. ``transformer.h.3``): independent of plan and rank."""
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def init_unit(hf_model: nn.Module, name: str, seed: int) -> nn.Module:
+    """Initialise HF unit ``name`` of ``hf_model`` in place with HF's ``_init_weights``.
+
+    Runs under a forked RNG seeded by :func:`unit_seed`, so the values do not depend on what
+    else this process initialised before. Used both by workers and by the single-process
+    reference model of the tests.
+    """
+    unit = hf_model.get_submodule(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(unit_seed(seed, name))
+        unit.apply(hf_model._init_weights)  # children first, as HF's own post-order init
+    return unit
+
+
+def reference_model(hf_config, family: Family, seed: int) -> nn.Module:
+    """A plain, unsharded HF model with exactly the weights hybridtrain's workers start from."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
+    for name in unit_names(family, hf_config):
+        init_unit(model, name, seed)
+    return model
+
+
+def unit_names(family: Family, hf_config) -> list[str]:
+    """The HF units hybridtrain initialises separately, in pipeline order."""
+    names = [family.embed] + ([family.position_embed] if family.position_embed else [])
+    names += [f"{family.blocks}.{i}" for i in range(getattr(hf_config, family.n_layers))]
+    names.append(family.final_norm)
+    if not hf_config.tie_word_embeddings:
+        names.append(family.head)
+    return names
+
+
+@dataclass
+class ModelBuilder:
+    """What every pipeline layer of one rank needs to build its piece of the model."""
+
+    family: Family
+    hf_config: Any
+    hf_model: nn.Module
+    """The meta-device HF model; units are materialised from it one at a time."""
+    seed: int
+    tp: TPContext
+    padded_vocab: int
+    activation_checkpointing: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.hf_config.tie_word_embeddings)
+
+    def materialize(self, name: str) -> nn.Module:
+        """Give HF unit ``name`` real CPU storage and its seeded initial values."""
+        unit = self.hf_model.get_submodule(name)
+        unit.to_empty(device="cpu")
+        return init_unit(self.hf_model, name, self.seed)
+
+    def vocab_shard(self, name: str) -> tuple[torch.Tensor, int]:
+        """This rank's rows ``[start, start + V_pad/tp)`` of the padded ``[V, H]`` matrix ``name``."""
+        full = self.materialize(name).weight.detach()
+        pad = self.padded_vocab - full.shape[0]
+        if pad:
+            full = torch.cat([full, full.new_zeros(pad, full.shape[1])])
+        start, stop = self.tp.shard(self.padded_vocab)
+        return full[start:stop].clone(), start
+
+    def block(self, index: int) -> nn.Module:
+        """Decoder block ``index`` with its linears replaced by this rank's TP shards."""
+        block = self.materialize(f"{self.family.blocks}.{index}")
+        shard_block(block, self.family, self.tp)
+        return block
+
+
+def shard_block(block: nn.Module, family: Family, tp: TPContext) -> None:
+    """Apply ``family.tp_plan`` to ``block`` in place (see :class:`~hybridtrain.models.families.TPRule`)."""
+    for name, rule in family.tp_plan.items():
+        try:
+            linear = block.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
+                             f"which is not a module of {type(block).__name__}") from None
+        block.set_submodule(name, _shard_linear(linear, rule, tp))
+    if tp.size == 1:
+        return
+    for name in family.input_copy:
+        block.get_submodule(name).register_forward_pre_hook(_CopyInput(tp), with_kwargs=True)
+    for path in family.heads_per_rank_attrs:
+        owner, attr = path.rsplit(".", 1)
+        module = block.get_submodule(owner)
+        setattr(module, attr, getattr(module, attr) // tp.size)
+
+
+def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext) -> nn.Module:
+    weight = linear.weight.detach()
+    weight = weight.t() if rule.conv1d else weight  # -> [out, in]
+    bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
+    if rule.style == "column":
+        # Split each fused sub-block (q | k | v) on the output dim, keep this rank's part of each.
+        parts = weight.chunk(rule.fused, dim=0)
+        w = torch.cat([p.chunk(tp.size, dim=0)[tp.rank] for p in parts]).contiguous()
+        b = None
+        if bias is not None:
+            b = torch.cat([p.chunk(tp.size)[tp.rank] for p in bias.chunk(rule.fused)]).contiguous()
+        return ColumnParallelLinear(w, b)
+    if rule.style == "row":
+        w = weight.chunk(tp.size, dim=1)[tp.rank].contiguous()  # [out, in/tp]
+        return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
+    raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use 'column' or 'row'")
+
+
+class _CopyInput:
+    """Forward pre-hook: Megatron "f" on a module's hidden-state input (positional or keyword)."""
+
+    def __init__(self, tp: TPContext):
+        self.tp = tp
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            return (copy_to_tp(args[0], self.tp), *args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], self.tp)
+        return args, kwargs

@@ -1,0 +1,112 @@
+"""Pipeline layers: the HF model cut into pieces that pass one tensor between them.
+
+DeepSpeed's pipeline may only send tensors across a stage boundary, and every float tensor
+received gets ``requires_grad``; so each piece takes and returns the hidden states
+``[B, S, H]`` only (token ids ``[B, S]`` into the first), and the causal mask, positions and
+rotary tables are recomputed inside every block.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridtrain.models.build import ModelBuilder
+from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+
+
+class TokenEmbedding(VocabParallelEmbedding):
+    """HF token embedding, vocabulary-parallel; also the tied LM head (``as_head=True``)."""
+
+    def __init__(self, builder: ModelBuilder):
+        weight, start = builder.vocab_shard(builder.family.embed)
+        super().__init__(weight, start, builder.vocab_size, builder.tp)
+
+
+def tied_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward_fn`` of the tied head on the last stage: logits from the embedding weight."""
+    return embedding(hidden, as_head=True)
+
+
+class PositionEmbedding(nn.Module):
+    """GPT-2's learned positions (``wpe``, replicated over TP) plus embedding dropout."""
+
+    def __init__(self, builder: ModelBuilder):
+        super().__init__()
+        self.wpe = builder.materialize(builder.family.position_embed)
+        self.drop = nn.Dropout(builder.hf_config.embd_pdrop)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        pos = torch.arange(hidden.shape[1], device=hidden.device)
+        return self.drop(hidden + self.wpe(pos).unsqueeze(0))
+
+
+class DecoderBlock(nn.Module):
+    """One HF decoder block (``GPT2Block`` / ``LlamaDecoderLayer``), TP-sharded."""
+
+    def __init__(self, builder: ModelBuilder, index: int):
+        super().__init__()
+        self.block = builder.block(index)
+        self.hf_config = builder.hf_config
+        self.checkpointing = builder.activation_checkpointing
+        self.rotary = None
+        if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
+            rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
+            self.rotary = rotary_cls(config=builder.hf_config)
+
+    def _run(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, S]
+        # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask.
+        mask = create_causal_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
+                                  cache=None, position_ids=pos)
+        if self.rotary is None:
+            return self.block(hidden, attention_mask=mask)
+        cos_sin = self.rotary(hidden, position_ids=pos)
+        return self.block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, H]
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._run, hidden, use_reentrant=False)
+        return self._run(hidden)
+
+
+class FinalNorm(nn.Module):
+    """The HF final norm (``ln_f`` / ``norm``), replicated over TP."""
+
+    def __init__(self, builder: ModelBuilder):
+        super().__init__()
+        self.norm = builder.materialize(builder.family.final_norm)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class LMHead(VocabParallelHead):
+    """Untied LM head: vocabulary-parallel logits ``[B, S, V_pad/tp]``."""
+
+    def __init__(self, builder: ModelBuilder):
+        weight, start = builder.vocab_shard(builder.family.head)
+        super().__init__(weight, start, builder.vocab_size, builder.tp)
+
+
+class SequentialLM(nn.Module):
+    """All pipeline layers in one process (pp=1), for DeepSpeed's ordinary engine.
+
+    ``forward(input_ids, labels)`` returns the mean token loss; a tied head reuses the embedding
+    module itself, so its weight is one parameter.
+    """
+
+    def __init__(self, layers: list[nn.Module], head: nn.Module | None, loss_fn):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.head = head  # None: tied to layers[0]
+        self.loss_fn = loss_fn
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = input_ids
+        for layer in self.layers:
+            hidden = layer(hidden)
+        logits = self.layers[0](hidden, as_head=True) if self.head is None else self.head(hidden)
+        return self.loss_fn(logits, labels)

@@ -1,0 +1,1 @@
+"""Tensor-parallel layers and process-group handles."""

@@ -1,0 +1,152 @@
+"""Megatron-style tensor-parallel layers built from weight shards.
+
+The collectives are DeepSpeed's own autograd ops (``deepspeed.module_inject.layers``:
+``ColumnParallel`` = identity forward / all-reduce backward, ``RowParallel`` = all-reduce
+forward / identity backward) run on the pipeline grid's TP group, and the loss is DeepSpeed's
+``vocab_parallel_cross_entropy``. DeepSpeed's *layer classes* (``LinearLayer``,
+``VocabParallelEmbedding``) are not used: they shard an already materialised full module in
+place under AutoTP's process-wide mode flags, while hybridtrain builds each shard directly
+(from a seeded init or, later, a safetensors slice) on the local stage only.
+
+Sharded parameters carry ``tensor_model_parallel=True`` and ``partition_dim`` so that
+DeepSpeed's gradient-norm computation counts every shard once (replicated parameters stay
+untagged and are counted on TP rank 0 only).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybridtrain.parallel.context import TPContext
+
+
+def tag_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Mark ``param`` as split over the TP group along ``dim`` (read by DeepSpeed's grad norm)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+    return param
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Megatron "f": identity forward, all-reduce of the input gradient over the TP group."""
+    if tp.size == 1:
+        return x
+    from deepspeed.module_inject.layers import ColumnParallel
+
+    return ColumnParallel.apply(tp.group, x)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Megatron "g": all-reduce (sum) forward over the TP group, identity backward."""
+    if tp.size == 1:
+        return x
+    from deepspeed.module_inject.layers import RowParallel
+
+    # RowParallel reduces ``x.contiguous()`` in place and returns ``x``: pass a contiguous tensor.
+    return RowParallel.apply(tp.group, x.contiguous(), False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y[..., out/tp] = x W_r^T + b_r``: output features split, weight ``[out/tp, in]``.
+
+    The input is expected to be already wrapped by :func:`copy_to_tp` (once per module input,
+    see ``input_copy`` in the family plans), so the layer itself runs no collective.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = tag_sharded(nn.Parameter(weight), 0)
+        self.bias = tag_sharded(nn.Parameter(bias), 0) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, in] -> [B, S, out/tp]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r W_r^T + b``: input features split, weight ``[out, in/tp]``, bias replicated."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = tag_sharded(nn.Parameter(weight), 1)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, in/tp] -> [B, S, out]
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with rows ``[vocab_start, vocab_end)`` of the padded vocabulary.
+
+    ``forward(ids)`` looks up local rows and all-reduces; ``forward(hidden, as_head=True)`` is the
+    tied LM head: vocabulary-parallel logits ``[B, S, V_pad/tp]`` with padded columns masked to
+    ``-inf`` (they never win the softmax and get no gradient). Calling the head through this
+    module's ``forward`` keeps ZeRO-3 parameter gathering working for the tied weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = tag_sharded(nn.Parameter(weight), 0)  # [V_pad/tp, H]
+        self.vocab_start = vocab_start
+        self.vocab_end = vocab_start + weight.shape[0]
+        self.vocab_size = vocab_size  # real (unpadded) vocabulary
+
+    def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
+        if as_head:
+            return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp)
+        if self.tp.size == 1:
+            return F.embedding(x, self.weight)
+        outside = (x < self.vocab_start) | (x >= self.vocab_end)  # [B, S]
+        local = (x - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [B, S, H]
+        return reduce_from_tp(out, self.tp)
+
+
+class VocabParallelHead(nn.Module):
+    """Untied LM head: weight ``[V_pad/tp, H]``, returns vocabulary-parallel logits (no gather)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = tag_sharded(nn.Parameter(weight), 0)
+        self.vocab_start = vocab_start
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp)
+
+
+def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_size: int,
+                          tp: TPContext) -> torch.Tensor:
+    """``[B, S, H] -> [B, S, V_pad/tp]`` logits of this rank's vocabulary slice, padding masked."""
+    logits = F.linear(copy_to_tp(x, tp), weight)
+    n_real = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    if n_real < weight.shape[0]:  # padded rows (vocab padded to a multiple of tp)
+        pad = torch.arange(weight.shape[0], device=logits.device) >= n_real
+        logits = logits.masked_fill(pad, float("-inf"))
+    return logits
+
+
+class VocabParallelLoss:
+    """Mean token cross-entropy over vocabulary-parallel logits (DeepSpeed's implementation).
+
+    No rank ever holds full-vocabulary logits: max, sum-exp and the target logit are all-reduced
+    over the TP group. Labels equal to ``-100`` are ignored.
+    """
+
+    def __init__(self, padded_vocab: int, tp: TPContext):
+        self.padded_vocab = padded_vocab
+        self.tp = tp  # read at call time: the group is bound after construction
+        self.__name__ = "vocab_parallel_cross_entropy"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
+        start, stop = self.tp.shard(self.padded_vocab)
+        return vocab_parallel_cross_entropy(
+            logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
+            global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="mean")

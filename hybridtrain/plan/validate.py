@@ -1,0 +1,203 @@
+"""The plan: every cross-key rule, checked before any process is launched.
+
+:func:`build_plan` is a pure function of the typed config, the HF model config and a few
+machine facts (:class:`Machine`), so each rule is unit-tested without processes. Every
+violation raises :class:`PlanError` naming the key path, the values and a fix.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from hybridtrain.config.schema import Config
+from hybridtrain.models.families import FAMILIES, Family, get_family, mlp_width_of, padded_vocab
+from hybridtrain.plan.partition import METHODS, partition
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DATA_SOURCES = ("embedded",)
+LAUNCHERS = ("local",)
+
+
+class PlanError(ValueError):
+    """A config that cannot run; the message names the key, the values and a fix."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Facts about where the job runs, gathered at the launch boundary."""
+
+    gpus_per_node: int = 0
+    """CUDA devices visible on this node (0: CPU processes)."""
+    fp16_supported: bool = True
+    """Whether the device can train in fp16 (DeepSpeed refuses fp16 on most CPUs)."""
+    cpu_cores: int = 1
+
+
+@dataclass
+class Plan:
+    """The resolved parallel layout of a run (saved next to ``config.yaml``)."""
+
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+    nodes: int
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    zero_stage: int
+    precision: str
+    seq_len: int
+    tokens_per_step: int
+    vocab_size: int
+    padded_vocab_size: int
+    num_layers: int
+    layer_names: list[str] = field(default_factory=list)
+    """Pipeline layers in order (``embed``, ``pos_embed``, ``block.0``..., ``final_norm``, ``head``)."""
+    stage_bounds: list[int] = field(default_factory=list)
+    """Stage ``s`` holds ``layer_names[stage_bounds[s]:stage_bounds[s+1]]``."""
+
+    def stage_layers(self, stage: int) -> list[str]:
+        """Pipeline layer names of ``stage``."""
+        return self.layer_names[self.stage_bounds[stage]:self.stage_bounds[stage + 1]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _need(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise PlanError(key, message)
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_hf_overrides(model_type: str, overrides: dict) -> None:
+    """Reject ``model.config`` keys the HF config class does not have (typos would be silently kept)."""
+    from transformers import AutoConfig
+
+    known = set(AutoConfig.for_model(model_type).to_dict())
+    known |= {"tie_word_embeddings", "vocab_size", "n_inner", "head_dim", "attention_bias", "mlp_bias"}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {close}?" if close else ""
+            raise PlanError(f"model.config.{key}", f"{model_type} HF config has no field {key!r}{hint}")
+
+
+def layer_names(family: Family, num_layers: int) -> list[str]:
+    """Pipeline layer names of ``family`` in order."""
+    pre = ["embed"] + (["pos_embed"] if family.position_embed else [])
+    return pre + [f"block.{i}" for i in range(num_layers)] + ["final_norm", "head"]
+
+
+def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
+               layer_params: Optional[list[int]] = None) -> Plan:
+    """Check every rule and return the resolved :class:`Plan`; raise :class:`PlanError` on the first violation."""
+    par, tr, lau = cfg.parallel, cfg.trainer, cfg.launcher
+    _need(cfg.model.model_type in FAMILIES, "model.model_type",
+          f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
+    family = get_family(cfg.model.model_type)
+    _need(cfg.model.attn_implementation in ATTN_IMPLEMENTATIONS, "model.attn_implementation",
+          f"{cfg.model.attn_implementation!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
+    _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
+          f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
+    _need(lau.name in LAUNCHERS, "launcher.name", f"{lau.name!r} is not one of {list(LAUNCHERS)}")
+    _need(cfg.data.name in DATA_SOURCES, "data.name", f"{cfg.data.name!r} is not one of {list(DATA_SOURCES)}")
+
+    for key in ("tp", "pp", "micro_batch_size"):
+        _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
+    _need(par.dp is None or par.dp >= 1, "parallel.dp", f"must be >= 1 or null (fill the devices), got {par.dp}")
+    _need(lau.nodes >= 1, "launcher.nodes", f"must be >= 1, got {lau.nodes}")
+    _need(lau.devices is None or lau.devices >= 1, "launcher.devices", f"must be >= 1 or null, got {lau.devices}")
+
+    # World size against the devices.
+    per_node = lau.devices if lau.devices is not None else (machine.gpus_per_node or None)
+    model_ranks = par.tp * par.pp
+    if per_node is None:  # CPU processes: no device limit; dp defaults to 1
+        dp = par.dp or lau.nodes
+        if lau.nodes > 1:
+            _need(dp * model_ranks % lau.nodes == 0, "parallel.dp",
+                  f"dp x tp x pp = {dp * model_ranks} ranks do not spread evenly over launcher.nodes={lau.nodes}")
+    else:
+        total = per_node * lau.nodes
+        _need(model_ranks <= total, "parallel.tp",
+              f"tp x pp = {par.tp} x {par.pp} = {model_ranks} ranks exceed the {total} devices "
+              f"(launcher.nodes={lau.nodes} x launcher.devices={per_node}); lower tp or pp, or add devices")
+        dp = par.dp if par.dp is not None else total // model_ranks
+        world = dp * model_ranks
+        _need(world == total if par.dp is None else world <= total, "parallel.dp",
+              f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} does not fit the {total} devices "
+              f"(launcher.nodes={lau.nodes} x launcher.devices={per_node}); use dp <= {total // model_ranks}"
+              + ("" if par.dp is not None else f" and tp x pp dividing {total}"))
+    world = dp * model_ranks
+
+    # Batch arithmetic: global = micro x accumulation x dp.
+    unit = par.micro_batch_size * dp
+    _need(tr.global_batch_size >= 1 and tr.global_batch_size % unit == 0, "trainer.global_batch_size",
+          f"{tr.global_batch_size} is not divisible by parallel.micro_batch_size x dp = "
+          f"{par.micro_batch_size} x {dp} = {unit}; use a multiple of {unit} "
+          f"(e.g. {max(unit, tr.global_batch_size // unit * unit)}) or change micro_batch_size/dp")
+    grad_accum = tr.global_batch_size // unit
+
+    # Model shape against tp and pp.
+    num_layers = int(getattr(hf_config, family.n_layers))
+    for key, value in [(family.heads, getattr(hf_config, family.heads)),
+                       (family.kv_heads, getattr(hf_config, family.kv_heads, None) if family.kv_heads else None),
+                       (family.mlp_width, mlp_width_of(family, hf_config))]:
+        if key is None or value is None:
+            continue
+        _need(int(value) % par.tp == 0, "parallel.tp",
+              f"parallel.tp={par.tp} must divide model.config.{key}={value}; "
+              f"use tp in {_divisors(int(value), 16)}")
+    _need(num_layers >= par.pp, "parallel.pp",
+          f"parallel.pp={par.pp} exceeds the model's {num_layers} layers (model.config.{family.n_layers}); "
+          f"use pp <= {num_layers}")
+    max_pos = getattr(hf_config, family.max_positions, None)
+    _need(cfg.data.seq_len >= 1 and (max_pos is None or cfg.data.seq_len <= max_pos), "data.seq_len",
+          f"{cfg.data.seq_len} must be in [1, model.config.{family.max_positions}={max_pos}]")
+    model_vocab = int(hf_config.vocab_size)
+    _need(vocab_size <= model_vocab, "model.config.vocab_size",
+          f"the tokenizer has {vocab_size} tokens but the model only {model_vocab}; "
+          f"set model.config.vocab_size >= {vocab_size} or leave it unset")
+
+    # DeepSpeed limits.
+    _need(0 <= par.zero_stage <= 3, "parallel.zero_stage", f"must be 0, 1, 2 or 3, got {par.zero_stage}")
+    _need(par.pp == 1 or par.zero_stage <= 1, "parallel.zero_stage",
+          f"zero_stage={par.zero_stage} with parallel.pp={par.pp}: DeepSpeed's pipeline engine supports "
+          "ZeRO 0 and 1 only; use parallel.zero_stage=1, or pp=1 for ZeRO-2/3")
+    _need(tr.precision in PRECISIONS, "trainer.precision", f"{tr.precision!r} is not one of {list(PRECISIONS)}")
+    _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
+          "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
+    _need(par.partition in METHODS, "parallel.partition",
+          f"{par.partition!r} is not a method; use one of {list(METHODS)}")
+
+    # Loop.
+    _need(tr.max_steps >= 1, "trainer.max_steps", f"must be >= 1, got {tr.max_steps}")
+    _need(tr.log_every >= 1, "trainer.log_every", f"must be >= 1, got {tr.log_every}")
+    _need(0 <= cfg.optim.warmup_steps <= tr.max_steps, "optim.warmup_steps",
+          f"{cfg.optim.warmup_steps} must be in [0, trainer.max_steps={tr.max_steps}]")
+    _need(cfg.optim.lr > 0, "optim.lr", f"must be > 0, got {cfg.optim.lr}")
+    _need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
+          f"must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    _need(0 <= cfg.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    _need(cfg.optim.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {cfg.optim.grad_clip}")
+
+    names = layer_names(family, num_layers)
+    n_pre = 2 if family.position_embed else 1
+    bounds = partition(par.partition, n_pre, num_layers, 2, par.pp, layer_params)
+    return Plan(
+        dp=dp, tp=par.tp, pp=par.pp, world_size=world, nodes=lau.nodes,
+        micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,
+        global_batch_size=tr.global_batch_size, zero_stage=par.zero_stage, precision=tr.precision,
+        seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,
+        vocab_size=model_vocab, padded_vocab_size=padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple),
+        num_layers=num_layers, layer_names=names, stage_bounds=bounds)

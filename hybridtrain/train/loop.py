@@ -1,0 +1,88 @@
+"""The training loop: one optimizer step per global batch, metrics and progress on rank 0."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridtrain.config.schema import Config
+from hybridtrain.data.sampler import BatchLayout, PackedSamples
+from hybridtrain.engine import Built, lr_lambda
+from hybridtrain.plan.validate import Plan
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (global rank 0 only)."""
+
+    def __init__(self, path: Path | None):
+        self._file = open(path, "a", buffering=1) if path is not None else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _step_pipeline(built: Built, stream) -> float:
+    return float(built.engine.train_batch(data_iter=stream))
+
+
+def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: BatchLayout) -> float:
+    import torch
+    import torch.distributed as dist
+
+    engine = built.engine
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for input_ids, labels in samples.micro_batches(step, layout, built.dp_rank):
+        loss = engine(input_ids.to(engine.device), labels.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total /= layout.grad_accum
+    if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
+        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
+        total /= layout.dp
+    return float(total)
+
+
+def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir: Path, is_rank0: bool) -> list[float]:
+    """Run ``trainer.max_steps`` optimizer steps; return the per-step losses."""
+    layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
+    engine = built.engine
+    stream = samples.stream(0, layout, built.dp_rank) if plan.pp > 1 else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None)
+    bar = None
+    if is_rank0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+    lr_at = lr_lambda(cfg.optim, cfg.trainer.max_steps)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.trainer.max_steps):
+        t0 = time.perf_counter()
+        loss = (_step_pipeline(built, stream) if plan.pp > 1
+                else _step_sequential(built, samples, step, layout))
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        tokens_per_sec = plan.tokens_per_step / dt
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
+            bar.update(1)
+        if (step + 1) % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
+            norm = engine.get_global_grad_norm()
+            writer.write({
+                "step": step + 1, "loss": loss, "lr": cfg.optim.lr * lr_at(step),
+                "grad_norm": float(norm) if norm is not None else None,
+                "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
+                "elapsed_s": time.perf_counter() - start,
+                "model_state_bytes": built.model_state_bytes,
+            })
+    if bar is not None:
+        bar.close()
+    writer.close()
+    return losses
