@@ -60,7 +60,7 @@ class PackedSamples:
         """``(input_ids, labels)``, each ``[len(indices), seq_len]`` int64."""
         s = self.seq_len
         blocks = np.stack([np.asarray(self.tokens[i * s:i * s + s + 1], dtype=np.int64) for i in indices])
-        return blocks[:, :-1], blocks[:, 1:]
+        return np.ascontiguousarray(blocks[:, :-1]), np.ascontiguousarray(blocks[:, 1:])
 
     def micro_batches(self, step: int, layout: BatchLayout, dp_rank: int) -> Iterator[tuple]:
         """This data-parallel rank's ``grad_accum`` micro-batches of ``step`` as torch tensors."""

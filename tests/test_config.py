@@ -1,0 +1,165 @@
+"""The real Hydra config: every recipe composes and validates; the schema rejects bad keys;
+the resolved config round-trips; the CLI's dry run writes what workers read."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ConfigKeyError
+
+from helpers_unit import RECIPES, compose_config, compose_raw, run_cli
+from hybridtrain.config import Config, load_config, save_config, to_config
+from hybridtrain.plan import Machine, machine_facts, resolve
+
+
+def test_recipes_are_found():
+    # guards the parametrisation below: an empty glob would make every recipe test vanish
+    assert {"gpt_tiny", "gpt_small", "llama_tiny", "llama_7b"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_validates(recipe):
+    cfg = compose_config(f"+recipe={recipe}")
+    assert isinstance(cfg, Config)
+    # CPU processes unless the recipe pins launcher.devices (llama_7b: 4 nodes x 8 GPUs)
+    plan, hf_config = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=8))
+
+    par = cfg.parallel
+    assert (plan.tp, plan.pp) == (par.tp, par.pp)
+    assert par.dp is None or plan.dp == par.dp
+    assert plan.world_size == plan.dp * plan.tp * plan.pp
+    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.dp == cfg.trainer.global_batch_size
+    assert plan.tokens_per_step == cfg.trainer.global_batch_size * cfg.data.seq_len
+    assert plan.padded_vocab_size % (plan.tp * cfg.model.vocab_pad_multiple) == 0
+    assert plan.vocab_size <= plan.padded_vocab_size < plan.vocab_size + plan.tp * cfg.model.vocab_pad_multiple
+    bounds = plan.stage_bounds
+    assert len(bounds) == plan.pp + 1 and bounds[0] == 0 and bounds[-1] == len(plan.layer_names)
+    assert all(a < b for a, b in zip(bounds, bounds[1:])), f"empty stage in {bounds}"
+    for key, value in cfg.model.config.items():  # every recipe override reaches the HF config
+        assert getattr(hf_config, key) == value, key
+
+
+def test_llama_7b_recipe_arithmetic():
+    """The numbers the recipe's header states: 32 ranks, 8 blocks per stage, 1M tokens per step."""
+    plan, _ = resolve(compose_config("+recipe=llama_7b"), Machine())
+    assert (plan.dp, plan.tp, plan.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
+    assert plan.grad_accum == 256 and plan.tokens_per_step == 256 * 4096
+    assert [sum(n.startswith("block.") for n in plan.stage_layers(s)) for s in range(4)] == [8, 8, 8, 8]
+    assert plan.stage_layers(0)[0] == "embed" and plan.stage_layers(3)[-2:] == ["final_norm", "head"]
+
+
+def test_overrides_reach_the_typed_config():
+    cfg = compose_config("+recipe=gpt_tiny", "parallel.tp=2", "trainer.precision=bf16", "model.config.n_layer=2")
+    assert cfg.parallel.tp == 2 and cfg.trainer.precision == "bf16" and cfg.model.config["n_layer"] == 2
+    assert cfg.data.seq_len == 32  # from the recipe, not conf/data/embedded.yaml's 128
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(ConfigCompositionException, match="parallel.tpp"):
+        compose_raw(["+recipe=gpt_tiny", "parallel.tpp=2"])
+
+
+def test_appended_unknown_key_is_rejected_by_the_schema():
+    # "+key=value" bypasses Hydra's struct check; the conversion to the typed Config must still refuse it
+    raw = compose_raw(["+recipe=gpt_tiny", "+parallel.tpp=2"])
+    with pytest.raises(ConfigKeyError, match="tpp"):
+        to_config(raw)
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_raw(["+recipe=gpt_tiny", "parallel.tp=two"])
+    text = f"{info.value}\n{info.value.__cause__}"
+    assert "parallel.tp" in text and "two" in text
+
+
+def test_unknown_recipe_lists_the_available_ones():
+    with pytest.raises(MissingConfigException) as info:
+        compose_raw(["+recipe=nope"])
+    text = str(info.value)
+    assert "recipe/nope" in text
+    for name in RECIPES:
+        assert name in text
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_save_load_round_trip(recipe, tmp_path):
+    cfg = compose_config(f"+recipe={recipe}")
+    cfg.run_dir = str(tmp_path)  # a non-default value of every kind of field survives
+    save_config(cfg, tmp_path / "config.yaml")
+    back = load_config(tmp_path / "config.yaml")
+    assert back == cfg
+    assert dataclasses.asdict(back) == dataclasses.asdict(cfg)
+
+
+def test_load_config_checks_the_schema(tmp_path):
+    cfg = compose_config("+recipe=gpt_tiny")
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "bad.yaml").write_text(text.replace("  tp: 1\n", "  tp: 1\n  tpp: 2\n"))
+    assert "tpp: 2" in (tmp_path / "bad.yaml").read_text()
+    with pytest.raises(ConfigKeyError, match="tpp"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_plan_code_does_not_import_deepspeed():
+    code = ("import hybridtrain, hybridtrain.plan, hybridtrain.plan.validate, hybridtrain.config, sys; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- the real CLI, in dry-run mode ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory):
+    """Token cache shared by the CLI runs of this module (the corpus is tokenized once)."""
+    return tmp_path_factory.mktemp("token_cache")
+
+
+def test_cli_dry_run_writes_config_and_plan(tmp_path, cli_cache):
+    run_dir = tmp_path / "run"
+    overrides = ["+recipe=gpt_tiny", "launcher.dry_run=true"]
+    proc = run_cli([*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, cache_dir=cli_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "launching 1 rank(s)" in proc.stdout
+
+    saved = load_config(run_dir / "config.yaml")
+    expected = compose_config(*overrides)
+    expected.run_dir = str(run_dir.resolve())
+    assert saved == expected
+    plan, _ = resolve(expected, machine_facts())
+    assert json.loads((run_dir / "plan.json").read_text()) == plan.to_dict()
+    assert list(cli_cache.glob("embedded-*.npy")), "the dry run did not cache the tokens"
+
+
+def test_cli_bad_plan_exits_2_before_writing_the_plan(tmp_path, cli_cache):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5", f"hydra.run.dir={run_dir}"],
+                   cwd=tmp_path, cache_dir=cli_cache)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "plan.json").exists()
+
+
+def test_cli_llama_7b_dry_run_is_refused_for_its_data(tmp_path, cli_cache):
+    """What really happens: one global batch (256 x 4096 tokens) is more than the embedded corpus
+    holds, so the CLI stops with a config error before it reaches the launcher."""
+    proc = run_cli(["+recipe=llama_7b", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path, cache_dir=cli_cache)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trainer.global_batch_size" in proc.stderr and "data.seq_len=4096" in proc.stderr
+
+
+def test_cli_local_launcher_refuses_several_nodes(tmp_path, cli_cache):
+    # short samples so the data check passes and the local launcher's node check is reached
+    proc = run_cli(["+recipe=llama_7b", "launcher.dry_run=true", "data.seq_len=32",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, cache_dir=cli_cache)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "launcher.nodes=4" in proc.stderr and "launcher.nodes=1" in proc.stderr
+    assert "launching" not in proc.stdout

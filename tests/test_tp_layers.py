@@ -1,0 +1,365 @@
+"""Every tensor-parallel layer against its unsharded twin, forward and backward, at tp=2 and tp=3.
+
+All cases for one TP degree run inside one spawned group of gloo ranks (spawning and importing
+DeepSpeed dominate the cost); each case's checks come back as ``{check: (got, want)}`` per rank
+and are asserted here, in the parent, one test per (tp, case). Every rank builds the same full
+(unsharded) module and inputs from a fixed seed, shards a copy, runs both, and compares:
+
+* outputs: the sharded output (gathered over ranks when it is split) vs the full output;
+* gradients: the input gradient, and each sharded parameter's gradient vs the matching slice of
+  the full parameter's gradient (replicated parameters vs the full gradient itself);
+* DeepSpeed grad-norm tags: sharded parameters carry ``tensor_model_parallel`` and their split
+  dimension, replicated ones carry no tag.
+
+The upstream gradient is a fixed random tensor (``y.backward(g)``), not a loss, so every output
+element is checked in the backward pass too.
+"""
+from __future__ import annotations
+
+import copy
+import traceback
+from functools import partial
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tp_harness import WorldRun, run_world
+
+TP_DEGREES = (2, 3)
+# fp32 throughout; sharded and full runs only differ in summation order.
+RTOL, ATOL = 1e-6, 1e-6
+BLOCK_RTOL, BLOCK_ATOL = 1e-5, 1e-6  # a whole decoder block: attention softmax, norms, GELU/SiLU
+B, S = 2, 5  # batch, sequence
+
+Checks = Dict[str, Tuple[Any, Any]]
+"""``{check name: (got, want)}``: tensors are compared with ``assert_close``, anything else with ``==``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Cases: run inside every rank (see run_cases); each returns this rank's checks.
+# --------------------------------------------------------------------------------------------
+
+def _rows(n: int, tp) -> slice:
+    """This rank's slice of ``n`` items, computed here independently of ``TPContext.shard``."""
+    step = n // tp.size
+    return slice(tp.rank * step, (tp.rank + 1) * step)
+
+
+def _gather_last(x: torch.Tensor, tp) -> torch.Tensor:
+    """All-gather ``[..., n/tp]`` shards into ``[..., n]`` (test-side oracle, plain torch.distributed)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.detach().contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _tags(param: nn.Parameter) -> Tuple[bool, Any]:
+    return getattr(param, "tensor_model_parallel", False), getattr(param, "partition_dim", None)
+
+
+def case_column_linear(tp) -> Checks:
+    from hybridtrain.parallel.layers import ColumnParallelLinear, copy_to_tp
+
+    torch.manual_seed(1)
+    full = nn.Linear(10, 12)  # out=12 splits over 2 and 3
+    x = torch.randn(B, S, 10)
+    g = torch.randn(B, S, 12)
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref)
+    y_ref.backward(g)
+
+    rows = _rows(12, tp)
+    layer = ColumnParallelLinear(full.weight.detach()[rows].clone(), full.bias.detach()[rows].clone())
+    x_par = x.clone().requires_grad_()
+    y = layer(copy_to_tp(x_par, tp))  # [B, S, 12/tp]
+    y.backward(g[..., rows])
+    return {
+        "output gathered": (_gather_last(y, tp), y_ref.detach()),
+        "input grad (all-reduced by copy_to_tp)": (x_par.grad, x_ref.grad),
+        "weight grad rows": (layer.weight.grad, full.weight.grad[rows]),
+        "bias grad rows": (layer.bias.grad, full.bias.grad[rows]),
+        "weight tags": (_tags(layer.weight), (True, 0)),
+        "bias tags": (_tags(layer.bias), (True, 0)),
+    }
+
+
+def case_row_linear(tp) -> Checks:
+    from hybridtrain.parallel.layers import RowParallelLinear
+
+    torch.manual_seed(2)
+    full = nn.Linear(12, 10)  # in=12 splits over 2 and 3
+    x = torch.randn(B, S, 12)
+    g = torch.randn(B, S, 10)
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref)
+    y_ref.backward(g)
+
+    cols = _rows(12, tp)
+    layer = RowParallelLinear(full.weight.detach()[:, cols].clone(), full.bias.detach().clone(), tp)
+    x_par = x[..., cols].clone().requires_grad_()
+    y = layer(x_par)  # [B, S, 10], all-reduced
+    y.backward(g)
+    return {
+        "output (all-reduced)": (y.detach(), y_ref.detach()),
+        "input grad cols": (x_par.grad, x_ref.grad[..., cols]),
+        "weight grad cols": (layer.weight.grad, full.weight.grad[:, cols]),
+        "bias grad (replicated)": (layer.bias.grad, full.bias.grad),
+        "weight tags": (_tags(layer.weight), (True, 1)),
+        "bias tags": (_tags(layer.bias), (False, None)),
+    }
+
+
+def _padded_table(vocab: int, hidden: int, tp) -> Tuple[torch.Tensor, int, slice]:
+    """A full ``[V, H]`` table, the padded vocabulary size and this rank's rows of it."""
+    from hybridtrain.models.families import padded_vocab
+
+    v_pad = padded_vocab(vocab, tp.size)
+    assert v_pad % tp.size == 0 and vocab <= v_pad < vocab + tp.size, (vocab, tp.size, v_pad)
+    return torch.randn(vocab, hidden), v_pad, _rows(v_pad, tp)
+
+
+def _shard_rows(full: torch.Tensor, v_pad: int, rows: slice) -> torch.Tensor:
+    padded = torch.cat([full, full.new_zeros(v_pad - full.shape[0], full.shape[1])])  # [V_pad, H]
+    return padded[rows].clone()
+
+
+def _pad_rows(t: torch.Tensor, v_pad: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(v_pad - t.shape[0], *t.shape[1:])])
+
+
+def case_embedding(tp, vocab: int) -> Checks:
+    from hybridtrain.parallel.layers import VocabParallelEmbedding
+
+    torch.manual_seed(3)
+    weight, v_pad, rows = _padded_table(vocab, 8, tp)
+    ids = torch.randint(0, vocab, (B, S))
+    ids[0, :2] = torch.tensor([0, vocab - 1])  # both ends of the real vocabulary
+    g = torch.randn(B, S, 8)
+    full = nn.Embedding.from_pretrained(weight.clone(), freeze=False)
+    y_ref = full(ids)
+    y_ref.backward(g)
+
+    layer = VocabParallelEmbedding(_shard_rows(weight, v_pad, rows), rows.start, vocab, tp)
+    y = layer(ids)  # [B, S, H], all-reduced
+    y.backward(g)
+    return {
+        "output (all-reduced)": (y.detach(), y_ref.detach()),
+        "weight grad rows (padding rows zero)": (layer.weight.grad, _pad_rows(full.weight.grad, v_pad)[rows]),
+        "weight tags": (_tags(layer.weight), (True, 0)),
+    }
+
+
+def _head_checks(tp, vocab: int, make_head: Callable, seed: int) -> Checks:
+    torch.manual_seed(seed)
+    weight, v_pad, rows = _padded_table(vocab, 8, tp)
+    x = torch.randn(B, S, 8)
+    g = torch.randn(B, S, v_pad)
+    w_ref = weight.clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    logits_ref = x_ref @ w_ref.t()  # [B, S, V]
+    logits_ref.backward(g[..., :vocab])
+
+    head = make_head(_shard_rows(weight, v_pad, rows), rows.start, vocab, tp)
+    x_par = x.clone().requires_grad_()
+    logits = head(x_par)  # [B, S, V_pad/tp], padded columns -inf
+    logits.backward(g[..., rows])  # the -inf columns must pass no gradient on
+    gathered = _gather_last(logits, tp)  # [B, S, V_pad]
+    return {
+        "real logits gathered": (gathered[..., :vocab], logits_ref.detach()),
+        "padded logits are -inf": (bool(torch.isneginf(gathered[..., vocab:]).all()), True),
+        "input grad (all-reduced)": (x_par.grad, x_ref.grad),
+        "weight grad rows (padding rows zero)": (head.weight.grad, _pad_rows(w_ref.grad, v_pad)[rows]),
+        "weight tags": (_tags(head.weight), (True, 0)),
+    }
+
+
+def case_tied_head(tp, vocab: int) -> Checks:
+    from hybridtrain.parallel.layers import VocabParallelEmbedding
+
+    def make(weight, start, vocab_size, tp_):
+        emb = VocabParallelEmbedding(weight, start, vocab_size, tp_)
+        head = partial(emb, as_head=True)
+        head.weight = emb.weight
+        return head
+
+    return _head_checks(tp, vocab, make, seed=4)
+
+
+def case_untied_head(tp, vocab: int) -> Checks:
+    from hybridtrain.parallel.layers import VocabParallelHead
+
+    return _head_checks(tp, vocab, VocabParallelHead, seed=5)
+
+
+def case_loss(tp, vocab: int) -> Checks:
+    from hybridtrain.parallel.layers import VocabParallelLoss
+
+    torch.manual_seed(6)
+    _, v_pad, rows = _padded_table(vocab, 1, tp)
+    logits = torch.randn(B, S, vocab) * 3
+    labels = torch.randint(0, vocab, (B, S))
+    labels[0, :3] = torch.tensor([0, vocab - 1, -100])
+    labels[1, -1] = -100
+    full = logits.clone().requires_grad_()
+    loss_ref = F.cross_entropy(full.view(-1, vocab), labels.view(-1), ignore_index=-100)
+    loss_ref.backward()
+
+    # What the head hands the loss: padded vocabulary columns at -inf.
+    padded = torch.cat([logits, logits.new_full((B, S, v_pad - vocab), float("-inf"))], dim=-1)
+    local = padded[..., rows].clone().requires_grad_()  # [B, S, V_pad/tp]
+    loss = VocabParallelLoss(v_pad, tp)(local, labels)
+    loss.backward()
+    grad_ref = torch.cat([full.grad, full.grad.new_zeros(B, S, v_pad - vocab)], dim=-1)[..., rows]
+    return {
+        "loss": (loss.detach(), loss_ref.detach()),
+        "logits grad cols": (local.grad, grad_ref),
+    }
+
+
+# -- whole HF decoder blocks ------------------------------------------------------------------
+
+_BLOCK_CONFIGS = {
+    "gpt2": dict(n_embd=96, n_head=12, n_layer=1, n_positions=16,
+                 resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
+    "llama": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16, attention_bias=True),
+}
+
+
+def _column_index(out: int, fused: int, tp) -> torch.Tensor:
+    """Output rows of a column-parallel weight kept by this rank: its slice of each fused sub-block."""
+    sub = out // fused
+    return torch.cat([torch.arange(i * sub, (i + 1) * sub)[_rows(sub, tp)] for i in range(fused)])
+
+
+def case_block(tp, model_type: str) -> Checks:
+    from hybridtrain.models.build import hf_config_of, reference_model, shard_block
+    from hybridtrain.models.families import get_family
+
+    family = get_family(model_type)
+    cfg = hf_config_of(model_type, _BLOCK_CONFIGS[model_type], vocab_size=10,
+                       attn_implementation="sdpa", eos_token_id=0)
+    full = reference_model(cfg, family, seed=7).get_submodule(f"{family.blocks}.0")
+    torch.manual_seed(8)
+    with torch.no_grad():  # unit norms and zero biases would hide a mis-sliced or dropped term
+        for p in full.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    sharded = copy.deepcopy(full)
+    shard_block(sharded, family, tp)
+
+    hidden = int(getattr(cfg, family.hidden))
+    x = torch.randn(B, S, hidden)
+    g = torch.randn(B, S, hidden)
+    kwargs: Dict[str, Any] = {"attention_mask": None}  # sdpa + no mask: causal
+    if family.rotary_embed:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        pos = torch.arange(S).unsqueeze(0)  # [1, S]
+        kwargs.update(position_ids=pos, position_embeddings=LlamaRotaryEmbedding(config=cfg)(x, position_ids=pos))
+
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref, **kwargs)
+    y_ref.backward(g)
+    x_par = x.clone().requires_grad_()
+    y = sharded(x_par, **kwargs)
+    y.backward(g)
+
+    checks: Checks = {"output": (y.detach(), y_ref.detach()), "input grad": (x_par.grad, x_ref.grad)}
+    full_params = dict(full.named_parameters())
+    seen = set()
+    for module_name, rule in family.tp_plan.items():
+        module = sharded.get_submodule(module_name)
+        w_grad = full_params[f"{module_name}.weight"].grad
+        w_grad = w_grad.t() if rule.conv1d else w_grad  # HF Conv1D stores [in, out]
+        out_features, in_features = w_grad.shape
+        if rule.style == "column":
+            idx = _column_index(out_features, rule.fused, tp)
+            checks[f"{module_name}.weight grad rows"] = (module.weight.grad, w_grad[idx])
+            checks[f"{module_name}.weight tags"] = (_tags(module.weight), (True, 0))
+        else:
+            cols = _rows(in_features, tp)
+            checks[f"{module_name}.weight grad cols"] = (module.weight.grad, w_grad[:, cols])
+            checks[f"{module_name}.weight tags"] = (_tags(module.weight), (True, 1))
+        seen.add(f"{module_name}.weight")
+        if module.bias is not None:
+            b_grad = full_params[f"{module_name}.bias"].grad
+            if rule.style == "column":
+                checks[f"{module_name}.bias grad rows"] = (module.bias.grad, b_grad[idx])
+                checks[f"{module_name}.bias tags"] = (_tags(module.bias), (True, 0))
+            else:
+                checks[f"{module_name}.bias grad (replicated)"] = (module.bias.grad, b_grad)
+                checks[f"{module_name}.bias tags"] = (_tags(module.bias), (False, None))
+            seen.add(f"{module_name}.bias")
+    replicated = [name for name, _ in sharded.named_parameters() if name not in seen]
+    for name, p in sharded.named_parameters():
+        if name not in seen:
+            checks[f"{name} grad (replicated)"] = (p.grad, full_params[name].grad)
+            checks[f"{name} tags"] = (_tags(p), (False, None))
+    checks["has replicated norm params"] = (len(replicated) >= 2, True)
+    checks["parameter names unchanged"] = (sorted(n for n, _ in sharded.named_parameters()), sorted(full_params))
+    return checks
+
+
+CASES: Dict[str, Callable] = {
+    "column_linear": case_column_linear,
+    "row_linear": case_row_linear,
+    **{f"embedding_V{v}": partial(case_embedding, vocab=v) for v in (10, 11)},
+    **{f"tied_head_V{v}": partial(case_tied_head, vocab=v) for v in (10, 11)},
+    **{f"untied_head_V{v}": partial(case_untied_head, vocab=v) for v in (10, 11)},
+    **{f"loss_V{v}": partial(case_loss, vocab=v) for v in (10, 11)},
+    "block_gpt2": partial(case_block, model_type="gpt2"),
+    "block_llama": partial(case_block, model_type="llama"),
+}
+"""V=10 is unpadded at tp=2 and padded to 12 at tp=3; V=11 is padded to 12 at both."""
+
+
+def run_cases(rank: int, world: int, emit) -> None:
+    """Child entry: run every case on one TP group spanning all ranks; a failing case emits its traceback.
+
+    Cases run in the same order on every rank, so an exception raised symmetrically (the usual
+    kind) leaves the ranks in step; a one-sided one hangs a peer until the harness kills it.
+    """
+    import torch.distributed as dist
+
+    from hybridtrain.parallel.context import TPContext
+
+    tp = TPContext(group=dist.new_group(list(range(world))), rank=rank, size=world)
+    for name, case in CASES.items():
+        try:
+            emit(name, case(tp))
+        except Exception:
+            emit(name, f"rank {rank}, case {name} raised:\n{traceback.format_exc()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Tests (parent process)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=TP_DEGREES, ids=lambda n: f"tp{n}")
+def tp_run(request) -> WorldRun:
+    """All cases run once per TP degree, in one group of spawned gloo ranks."""
+    return run_world(run_cases, request.param, timeout_s=180)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp_layer_matches_unsharded(tp_run: WorldRun, case: str) -> None:
+    block = case.startswith("block_")
+    rtol, atol = (BLOCK_RTOL, BLOCK_ATOL) if block else (RTOL, ATOL)
+    for rank, emitted in enumerate(tp_run.emitted):
+        if case not in emitted:
+            pytest.fail(f"tp={tp_run.world} rank {rank} returned nothing for {case}:\n{tp_run.problem_report()}")
+        checks = emitted[case]
+        if isinstance(checks, str):  # the child's traceback
+            pytest.fail(checks)
+        for check, (got, want) in checks.items():
+            where = f"tp={tp_run.world} rank {rank} {case}: {check}"
+            if isinstance(want, torch.Tensor):
+                assert got is not None, f"{where}: no gradient"
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{where}\n{m}")
+            else:
+                assert got == want, where
+    assert not tp_run.problems, tp_run.problem_report()
