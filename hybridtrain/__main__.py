@@ -64,6 +64,9 @@ def run(cfg: DictConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(typed, run_dir / "config.yaml")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    if typed.launcher.dry_run:
+        print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
+        return 0
     tokens = prepare_tokens(typed.data)
     samples = PackedSamples(tokens, plan.seq_len, typed.trainer.seed).num_samples
     if samples < plan.global_batch_size:

@@ -29,9 +29,11 @@ import torch.nn.functional as F
 from tp_harness import WorldRun, run_world
 
 TP_DEGREES = (2, 3)
-# fp32 throughout; sharded and full runs only differ in summation order.
-RTOL, ATOL = 1e-6, 1e-6
-BLOCK_RTOL, BLOCK_ATOL = 1e-5, 1e-6  # a whole decoder block: attention softmax, norms, GELU/SiLU
+# fp32 throughout; sharded and full runs differ only in summation order. Tolerances are relative
+# to each tensor's largest entry: a whole decoder block measured <= 6e-7 of it at tp=2, while a
+# mis-sliced or missing term is off by O(1).
+REL_TOL = 1e-6
+BLOCK_REL_TOL = 2e-6
 B, S = 2, 5  # batch, sequence
 
 Checks = Dict[str, Tuple[Any, Any]]
@@ -347,8 +349,7 @@ def tp_run(request) -> WorldRun:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_layer_matches_unsharded(tp_run: WorldRun, case: str) -> None:
-    block = case.startswith("block_")
-    rtol, atol = (BLOCK_RTOL, BLOCK_ATOL) if block else (RTOL, ATOL)
+    rel = BLOCK_REL_TOL if case.startswith("block_") else REL_TOL
     for rank, emitted in enumerate(tp_run.emitted):
         if case not in emitted:
             pytest.fail(f"tp={tp_run.world} rank {rank} returned nothing for {case}:\n{tp_run.problem_report()}")
@@ -359,7 +360,27 @@ def test_tp_layer_matches_unsharded(tp_run: WorldRun, case: str) -> None:
             where = f"tp={tp_run.world} rank {rank} {case}: {check}"
             if isinstance(want, torch.Tensor):
                 assert got is not None, f"{where}: no gradient"
-                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{where}\n{m}")
+                scale = max(1.0, want.abs().max().item())
+                torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale, msg=lambda m: f"{where}\n{m}")
             else:
                 assert got == want, where
     assert not tp_run.problems, tp_run.problem_report()
+
+
+def _raise_on_last_rank(rank: int, world: int, emit) -> None:
+    """Harness self-test target: the last rank raises, the others emit and then hang."""
+    import time
+
+    if rank == world - 1:
+        raise ValueError("boom from the last rank")
+    emit("before", {"rank": rank})
+    time.sleep(3600)  # a hung rank (gloo would notice a dead peer inside a collective)
+
+
+def test_harness_reports_child_traceback_and_kills_hung_peer() -> None:
+    """The contract every test above relies on: no hang, and the failing rank's own traceback."""
+    run = run_world(_raise_on_last_rank, 2, timeout_s=60, grace_s=1.0, deepspeed_comm=False)
+    report = run.problem_report()
+    assert "ValueError: boom from the last rank" in report and "in _raise_on_last_rank" in report, report
+    assert "rank 0 killed" in report, report
+    assert run.emitted == [{"before": {"rank": 0}}, {}]

@@ -25,9 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-import time as _tt; _T=_tt.time()
 import torch
-print("torch import", _tt.time()-_T, flush=True)
 import torch.multiprocessing as mp
 
 Emit = Callable[[str, Any], None]
@@ -58,21 +56,23 @@ class WorldRun:
         return "\n".join(self.problems) if self.problems else "(all ranks exited cleanly)"
 
 
-def run_world(target: Target, world: int, timeout_s: float = 120.0) -> WorldRun:
+def run_world(target: Target, world: int, timeout_s: float = 120.0, grace_s: float = 5.0,
+              deepspeed_comm: bool = True) -> WorldRun:
     """Spawn ``world`` ranks running ``target`` and wait at most ``timeout_s`` seconds.
 
-    When one rank dies, the others get a short grace period (they are usually blocked in a
+    When one rank dies, the others get ``grace_s`` seconds (they are usually blocked in a
     collective with it) and are then killed, so a failure never hangs the test session.
+    ``deepspeed_comm=False`` skips ``deepspeed.init_distributed`` (plain ``torch.distributed``).
     """
     out = Path(tempfile.mkdtemp(prefix=f"tp_world{world}_"))
     try:
         ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(target, rank, world, port, str(out)), daemon=True)
-                 for rank in range(world)]
+        procs = [ctx.Process(target=_child, args=(target, rank, world, port, str(out), deepspeed_comm),
+                             daemon=True) for rank in range(world)]
         for p in procs:
             p.start()
-        problems = _wait(procs, time.monotonic() + timeout_s, grace_s=5.0)
+        problems = _wait(procs, time.monotonic() + timeout_s, grace_s)
         emitted: List[Dict[str, Any]] = []
         for rank in range(world):
             rank_dir = out / f"rank{rank}"
@@ -101,24 +101,24 @@ def _wait(procs, deadline: float, grace_s: float) -> List[str]:
     return problems
 
 
-def _child(target: Target, rank: int, world: int, port: int, out: str) -> None:
+def _child(target: Target, rank: int, world: int, port: int, out: str, deepspeed_comm: bool) -> None:
     rank_dir = Path(out) / f"rank{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
-    import time as _t; T0=_t.time(); P=lambda m: print(rank, m, f'{_t.time()-T0:.2f}', flush=True)
     try:
         torch.set_num_threads(1)  # ranks share 2 cores
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world, timeout=timedelta(seconds=120))
-        # deepspeed.comm's TorchBackend JIT-builds a CPU shared-memory all-reduce (~25 s) that
-        # gloo does not need.
-        P('pg'); importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        import deepspeed
+        if deepspeed_comm:
+            # deepspeed.comm's TorchBackend JIT-builds a CPU shared-memory all-reduce (~25 s)
+            # that gloo does not need.
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+            import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+            # torch.distributed is already up, so this only wraps it (deepspeed.comm's ``cdb``).
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
-        P('dsinit')
         def emit(key: str, value: Any) -> None:
             tmp = rank_dir / f"{key}.tmp"
             torch.save(value, tmp)

@@ -118,7 +118,8 @@ class LauncherConfig:
     timeout_minutes: int = 10
     """Collective timeout: a rank that stops answering ends the job after this long."""
     dry_run: bool = False
-    """Validate, write ``config.yaml`` and print the launch command without starting workers."""
+    """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
+    without preparing data or starting workers (also for cluster recipes on a laptop)."""
 
 
 @dataclass

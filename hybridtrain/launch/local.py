@@ -48,8 +48,6 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
                HYBRIDTRAIN_TOKENS=str(tokens), PYTHONUNBUFFERED="1")
     cmd = command(run_dir, plan, port)
     print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
-    if launcher.dry_run:
-        return 0
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def forward(signum, _frame):  # pass Ctrl-C / SIGTERM to the runner and its ranks

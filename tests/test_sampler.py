@@ -1,0 +1,168 @@
+"""Sample order (``hybridtrain.data.sampler``) is a function of (seed, step) only: every batch
+layout sees the same global batch; plus the embedded corpus' token cache."""
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+import hybridtrain.data.embedded as embedded
+from hybridtrain.config import DataConfig
+from hybridtrain.data.sampler import BatchLayout, PackedSamples
+
+SEQ = 4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]  # (dp, micro_batch_size)
+
+
+def synthetic(num_samples: int, seq_len: int = SEQ, seed: int = 7) -> PackedSamples:
+    """Samples over ``np.arange``: a token's value is its position, so every row can be checked."""
+    return PackedSamples(np.arange(num_samples * seq_len + 1, dtype=np.int64), seq_len, seed)
+
+
+def global_batch(samples: PackedSamples, step: int, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reassemble every data-parallel rank's micro-batches of ``step`` as ``[global_batch, seq]``."""
+    inputs, labels = [], []
+    for rank in range(layout.dp):
+        micro = list(samples.micro_batches(step, layout, rank))
+        assert len(micro) == layout.grad_accum
+        for x, y in micro:
+            assert x.shape == y.shape == (layout.micro_batch_size, samples.seq_len)
+            assert x.dtype == y.dtype == torch.int64
+        inputs.append(torch.stack([x for x, _ in micro]))  # [accum, micro, seq]
+        labels.append(torch.stack([y for _, y in micro]))
+    # [dp, accum, micro, seq] -> [accum, dp, micro, seq] -> [global, seq]
+    def to_global(parts):
+        return torch.stack(parts).transpose(0, 1).reshape(layout.global_batch_size, samples.seq_len)
+    return to_global(inputs), to_global(labels)
+
+
+def test_grad_accum():
+    assert [BatchLayout(8, micro, dp).grad_accum for dp, micro in LAYOUTS] == [8, 4, 4, 2, 2]
+
+
+def test_every_layout_sees_the_same_global_batch():
+    samples = synthetic(num_samples=20)  # 8 per step: step 2 crosses into the second epoch
+    for step in range(6):
+        idx = samples.global_indices(step, 8)
+        expected_inputs, expected_labels = (torch.from_numpy(a) for a in samples.rows(idx))
+        for dp, micro in LAYOUTS:
+            inputs, labels = global_batch(samples, step, BatchLayout(8, micro, dp))
+            assert torch.equal(inputs, expected_inputs), (step, dp, micro)
+            assert torch.equal(labels, expected_labels), (step, dp, micro)
+
+
+def test_data_parallel_ranks_take_disjoint_samples():
+    samples = synthetic(num_samples=40)
+    layout = BatchLayout(8, 1, 4)
+    starts = [set(x[:, 0].tolist()) for rank in range(4) for x, _ in samples.micro_batches(0, layout, rank)]
+    assert len(set().union(*starts)) == 8  # 4 ranks x 2 micro-batches x 1 sample, all different
+
+
+def test_rows_are_contiguous_and_labels_shift_by_one():
+    samples = synthetic(num_samples=12)
+    idx = samples.global_indices(0, 12)
+    inputs, labels = samples.rows(idx)
+    assert inputs.shape == labels.shape == (12, SEQ)
+    for row, i in zip(inputs, idx):
+        assert row.tolist() == list(range(i * SEQ, i * SEQ + SEQ))  # block i of the token stream
+    assert np.array_equal(labels[:, :-1], inputs[:, 1:])
+    assert np.array_equal(labels, inputs + 1)  # the next token, also past the block's end
+
+
+def test_samples_overlap_by_one_token_and_cover_the_stream():
+    samples = PackedSamples(np.arange(43), 4, seed=0)
+    assert samples.num_samples == 10  # (43 - 1) // 4; the last 2 tokens cannot form a full sample
+    inputs, labels = samples.rows(np.array([9]))
+    assert inputs.tolist() == [[36, 37, 38, 39]] and labels.tolist() == [[37, 38, 39, 40]]
+
+
+def test_epochs_wrap_with_a_new_permutation():
+    samples = synthetic(num_samples=10)
+    order = np.concatenate([samples.global_indices(step, 4) for step in range(10)])  # 40 = 4 epochs
+    epochs = order.reshape(4, 10)
+    for epoch in epochs:  # every sample exactly once per epoch
+        assert sorted(epoch.tolist()) == list(range(10))
+    assert len({tuple(e) for e in epochs}) == 4  # each epoch reshuffled
+    assert not np.array_equal(epochs[0], np.arange(10))  # shuffled at all
+    # step 2 reads positions 8..11: the end of epoch 0 then the start of epoch 1
+    assert samples.global_indices(2, 4).tolist() == [*epochs[0][8:], *epochs[1][:2]]
+
+
+def test_order_is_a_function_of_seed_and_step():
+    a, b, other = synthetic(50, seed=3), synthetic(50, seed=3), synthetic(50, seed=4)
+    steps = [0, 5, 1, 13, 2]  # out of order, across epochs: no hidden iteration state
+    first = [a.global_indices(s, 8).tolist() for s in steps]
+    assert first == [b.global_indices(s, 8).tolist() for s in reversed(steps)][::-1]
+    assert first == [a.global_indices(s, 8).tolist() for s in steps]
+    assert first != [other.global_indices(s, 8).tolist() for s in steps]
+
+
+def test_stream_resumes_at_any_step():
+    samples = synthetic(num_samples=30)
+    layout = BatchLayout(12, 2, 2)  # 3 micro-batches per step and rank
+    stream = samples.stream(4, layout, dp_rank=1)
+    got = [next(stream) for _ in range(2 * layout.grad_accum)]
+    expected = list(samples.micro_batches(4, layout, 1)) + list(samples.micro_batches(5, layout, 1))
+    for (x, y), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_memory_mapped_file_gives_the_same_samples(tmp_path):
+    tokens = np.arange(81, dtype=np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    from_file = PackedSamples(tmp_path / "tokens.npy", 8, seed=1)
+    in_memory = PackedSamples(tokens, 8, seed=1)
+    assert isinstance(from_file.tokens, np.memmap)
+    x, y = from_file.rows(from_file.global_indices(3, 4))
+    ex, ey = in_memory.rows(in_memory.global_indices(3, 4))
+    assert x.dtype == np.int64 and np.array_equal(x, ex) and np.array_equal(y, ey)
+
+
+# --- the embedded corpus -------------------------------------------------------------------------
+
+def test_cache_root_falls_back_to_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path / "env"))
+    assert embedded.cache_root(DataConfig()) == tmp_path / "env"
+    assert embedded.cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+
+
+def test_prepare_tokens_caches_and_separates_documents(monkeypatch, tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    path = embedded.prepare_tokens(cfg)
+    assert path.parent == tmp_path / "cache" and path.name.startswith("embedded-") and path.suffix == ".npy"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+    tokens = np.load(path)
+    tokenizer = embedded.load_tokenizer(cfg)
+    eos = embedded.eos_id(cfg)
+    assert eos is not None and tokens.dtype == np.uint16 and int(tokens.max()) < embedded.vocab_size(cfg)
+    documents = embedded._documents(gzip.open(embedded.CORPUS, "rt", encoding="utf-8").read())
+    ends = np.flatnonzero(tokens == eos)
+    assert len(ends) == len(documents) > 1000 and ends[-1] == len(tokens) - 1  # one EOS after each document
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    for k in (0, 1, len(documents) - 1):
+        text = tokenizer.decode(tokens[starts[k]:ends[k]].tolist())
+        assert text == documents[k]
+    assert documents[0].startswith("Genesis 1\n") and documents[-1].startswith("Revelation 22\n")
+
+    # second call: the cached file, untouched, and no tokenizer work at all
+    mtime = path.stat().st_mtime_ns
+
+    def no_tokenizing(_cfg):
+        raise AssertionError("prepare_tokens re-tokenized a cached corpus")
+
+    monkeypatch.setattr(embedded, "load_tokenizer", no_tokenizing)
+    assert embedded.prepare_tokens(cfg) == path
+    assert path.stat().st_mtime_ns == mtime
+
+    samples = PackedSamples(path, 32, seed=1234)
+    assert samples.num_samples == (len(tokens) - 1) // 32
+    x, y = samples.rows(samples.global_indices(0, 4))
+    assert np.array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_unknown_tokenizer_path_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.tokenizer=.*no tokenizer.json"):
+        embedded.tokenizer_file(DataConfig(tokenizer=str(tmp_path / "missing")))
