@@ -30,8 +30,38 @@ def compose_config(*overrides: str) -> Config:
     return to_config(compose_raw(list(overrides)))
 
 
-def run_cli(args: list[str], cwd: Path, cache_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m hybridtrain ARGS`` in a fresh process, tokens cached under ``cache_dir``."""
-    env = dict(os.environ, HYBRIDTRAIN_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "hybridtrain", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+class CliRun:
+    """``python -m hybridtrain ARGS`` started in the background; :meth:`result` waits for it.
+
+    The CLI tests start all their runs at once (each spends seconds importing torch and
+    transformers), and read stdout and stderr from files so a full pipe never blocks a run.
+    """
+
+    def __init__(self, args: list[str], cwd: Path, cache_dir: Path):
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, HYBRIDTRAIN_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+        self.args = args
+        self._out, self._err = cwd / "stdout.txt", cwd / "stderr.txt"
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self._proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", *args], cwd=cwd, env=env,
+                                          stdout=out, stderr=err, text=True)
+        self._done: subprocess.CompletedProcess | None = None
+
+    def result(self, timeout: float = 180) -> subprocess.CompletedProcess:
+        """The finished run (``returncode``, ``stdout``, ``stderr``); kills it after ``timeout`` seconds."""
+        if self._done is None:
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                raise
+            self._done = subprocess.CompletedProcess(self.args, self._proc.returncode,
+                                                     self._out.read_text(), self._err.read_text())
+        return self._done
+
+    def kill(self) -> None:
+        """End the run if it is still going (fixture teardown)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()

@@ -11,7 +11,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
-from helpers_unit import RECIPES, compose_config, compose_raw, run_cli
+from helpers_unit import RECIPES, CliRun, compose_config, compose_raw
 from hybridtrain.config import Config, load_config, save_config, to_config
 from hybridtrain.plan import Machine, machine_facts, resolve
 
@@ -115,51 +115,78 @@ def test_plan_code_does_not_import_deepspeed():
 
 # --- the real CLI, in dry-run mode ---------------------------------------------------------------
 
+CLI_RUNS = {
+    "gpt_tiny": ["+recipe=gpt_tiny", "launcher.dry_run=true"],
+    "bad_tp": ["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5"],
+    "llama_7b": ["+recipe=llama_7b", "launcher.dry_run=true"],
+}
+
+
 @pytest.fixture(scope="module")
-def cli_cache(tmp_path_factory):
-    """Token cache shared by the CLI runs of this module (the corpus is tokenized once)."""
-    return tmp_path_factory.mktemp("token_cache")
+def cli(tmp_path_factory):
+    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, CliRun)``."""
+    base = tmp_path_factory.mktemp("cli")
+    runs = {}
+    for name, overrides in CLI_RUNS.items():
+        run_dir = base / name / "run"
+        runs[name] = (run_dir, CliRun([*overrides, f"hydra.run.dir={run_dir}"], base / name, base / "token_cache"))
+    yield runs
+    for _, run in runs.values():
+        run.kill()
 
 
-def test_cli_dry_run_writes_config_and_plan(tmp_path, cli_cache):
-    run_dir = tmp_path / "run"
-    overrides = ["+recipe=gpt_tiny", "launcher.dry_run=true"]
-    proc = run_cli([*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, cache_dir=cli_cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "launching 1 rank(s)" in proc.stdout
+def test_cli_dry_run_writes_config_and_plan(cli):
+    run_dir, run = cli["gpt_tiny"]
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dry run" in proc.stdout and "launching" not in proc.stdout
+    assert "plan      dp=1 x tp=1 x pp=1 = 1 rank(s)" in proc.stdout
 
     saved = load_config(run_dir / "config.yaml")
-    expected = compose_config(*overrides)
+    expected = compose_config(*CLI_RUNS["gpt_tiny"])
     expected.run_dir = str(run_dir.resolve())
     assert saved == expected
     plan, _ = resolve(expected, machine_facts())
     assert json.loads((run_dir / "plan.json").read_text()) == plan.to_dict()
-    assert list(cli_cache.glob("embedded-*.npy")), "the dry run did not cache the tokens"
 
 
-def test_cli_bad_plan_exits_2_before_writing_the_plan(tmp_path, cli_cache):
-    run_dir = tmp_path / "run"
-    proc = run_cli(["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5", f"hydra.run.dir={run_dir}"],
-                   cwd=tmp_path, cache_dir=cli_cache)
+def test_cli_dry_run_prepares_no_data(cli, tmp_path_factory):
+    # launcher.dry_run: "without preparing data or starting workers"
+    run_dir, run = cli["gpt_tiny"]
+    assert run.result().returncode == 0
+    cache = run_dir.parents[1] / "token_cache"
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_cli_bad_plan_exits_2_before_writing_the_plan(cli):
+    run_dir, run = cli["bad_tp"]
+    proc = run.result()
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
+    assert "config error: parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "plan.json").exists()
 
 
-def test_cli_llama_7b_dry_run_is_refused_for_its_data(tmp_path, cli_cache):
-    """What really happens: one global batch (256 x 4096 tokens) is more than the embedded corpus
-    holds, so the CLI stops with a config error before it reaches the launcher."""
-    proc = run_cli(["+recipe=llama_7b", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
-                   cwd=tmp_path, cache_dir=cli_cache)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "trainer.global_batch_size" in proc.stderr and "data.seq_len=4096" in proc.stderr
+def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
+    """The 4-node recipe is validated and planned on any machine; nothing is launched."""
+    run_dir, run = cli["llama_7b"]
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dp=1 x tp=8 x pp=4 = 32 rank(s)" in proc.stdout and "launching" not in proc.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
+    assert load_config(run_dir / "config.yaml").launcher.nodes == 4
 
 
-def test_cli_local_launcher_refuses_several_nodes(tmp_path, cli_cache):
-    # short samples so the data check passes and the local launcher's node check is reached
-    proc = run_cli(["+recipe=llama_7b", "launcher.dry_run=true", "data.seq_len=32",
-                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, cache_dir=cli_cache)
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "launcher.nodes=4" in proc.stderr and "launcher.nodes=1" in proc.stderr
-    assert "launching" not in proc.stdout
+def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
+    import hybridtrain.launch.local as local
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the local launcher started workers for a 4-node plan")
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_workers)  # never start 32 ranks here
+    cfg = compose_config("+recipe=llama_7b")
+    plan, _ = resolve(cfg, Machine())
+    with pytest.raises(SystemExit) as info:
+        local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8), tmp_path / "tokens.npy")
+    assert "launcher.nodes=4" in str(info.value.code) and "use launcher.nodes=1" in str(info.value.code)

@@ -1,8 +1,10 @@
 """Every tensor-parallel layer against its unsharded twin, forward and backward, at tp=2 and tp=3.
 
-All cases for one TP degree run inside one spawned group of gloo ranks (spawning and importing
-DeepSpeed dominate the cost); each case's checks come back as ``{check: (got, want)}`` per rank
-and are asserted here, in the parent, one test per (tp, case). Every rank builds the same full
+All cases at both degrees run inside ONE spawned world of 3 gloo ranks (spawning and importing
+torch, DeepSpeed and transformers dominate the cost): first on a TP group of ranks {0, 1, 2},
+then on a TP group of ranks {0, 1} (a subgroup, as the pipeline grid's TP groups are). Each
+case's checks come back as ``{check: (got, want)}`` per rank and are asserted here, in the
+parent, one test per (tp, case). Every rank builds the same full
 (unsharded) module and inputs from a fixed seed, shards a copy, runs both, and compares:
 
 * outputs: the sharded output (gathered over ranks when it is split) vs the full output;
@@ -319,52 +321,63 @@ CASES: Dict[str, Callable] = {
 """V=10 is unpadded at tp=2 and padded to 12 at tp=3; V=11 is padded to 12 at both."""
 
 
-def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: run every case on one TP group spanning all ranks; a failing case emits its traceback.
+def _key(tp: int, case: str) -> str:
+    return f"tp{tp}-{case}"
 
-    Cases run in the same order on every rank, so an exception raised symmetrically (the usual
-    kind) leaves the ranks in step; a one-sided one hangs a peer until the harness kills it.
+
+def run_cases(rank: int, world: int, emit) -> None:
+    """Child entry: every case at every degree in ``TP_DEGREES``; a failing case emits its traceback.
+
+    TP group of degree ``n`` = ranks ``[0, n)``; the others skip those cases. Cases run in the
+    same order on every member, so an exception raised on all ranks (the usual kind) leaves
+    them in step; a one-sided one hangs a peer until the harness kills it.
     """
     import torch.distributed as dist
 
     from hybridtrain.parallel.context import TPContext
 
-    tp = TPContext(group=dist.new_group(list(range(world))), rank=rank, size=world)
-    for name, case in CASES.items():
-        try:
-            emit(name, case(tp))
-        except Exception:
-            emit(name, f"rank {rank}, case {name} raised:\n{traceback.format_exc()}")
+    assert world == max(TP_DEGREES), world
+    groups = {n: dist.new_group(list(range(n))) for n in TP_DEGREES}  # collective: every rank calls it
+    for n in sorted(TP_DEGREES, reverse=True):
+        if rank >= n:
+            continue
+        tp = TPContext(group=groups[n], rank=rank, size=n)
+        for name, case in CASES.items():
+            try:
+                emit(_key(n, name), case(tp))
+            except Exception:
+                emit(_key(n, name), f"tp={n} rank {rank}, case {name} raised:\n{traceback.format_exc()}")
 
 
 # --------------------------------------------------------------------------------------------
 # Tests (parent process)
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=TP_DEGREES, ids=lambda n: f"tp{n}")
-def tp_run(request) -> WorldRun:
-    """All cases run once per TP degree, in one group of spawned gloo ranks."""
-    return run_world(run_cases, request.param, timeout_s=180)
+@pytest.fixture(scope="module")
+def world_run() -> WorldRun:
+    """All cases at all degrees, run once for the module in one world of spawned gloo ranks."""
+    return run_world(run_cases, max(TP_DEGREES), timeout_s=180)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp_layer_matches_unsharded(tp_run: WorldRun, case: str) -> None:
+@pytest.mark.parametrize("tp", TP_DEGREES, ids=lambda n: f"tp{n}")
+def test_tp_layer_matches_unsharded(world_run: WorldRun, tp: int, case: str) -> None:
     rel = BLOCK_REL_TOL if case.startswith("block_") else REL_TOL
-    for rank, emitted in enumerate(tp_run.emitted):
-        if case not in emitted:
-            pytest.fail(f"tp={tp_run.world} rank {rank} returned nothing for {case}:\n{tp_run.problem_report()}")
-        checks = emitted[case]
+    for rank, emitted in enumerate(world_run.emitted[:tp]):
+        if _key(tp, case) not in emitted:
+            pytest.fail(f"tp={tp} rank {rank} returned nothing for {case}:\n{world_run.problem_report()}")
+        checks = emitted[_key(tp, case)]
         if isinstance(checks, str):  # the child's traceback
             pytest.fail(checks)
         for check, (got, want) in checks.items():
-            where = f"tp={tp_run.world} rank {rank} {case}: {check}"
+            where = f"tp={tp} rank {rank} {case}: {check}"
             if isinstance(want, torch.Tensor):
                 assert got is not None, f"{where}: no gradient"
                 scale = max(1.0, want.abs().max().item())
                 torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale, msg=lambda m: f"{where}\n{m}")
             else:
                 assert got == want, where
-    assert not tp_run.problems, tp_run.problem_report()
+    assert not world_run.problems, world_run.problem_report()
 
 
 def _raise_on_last_rank(rank: int, world: int, emit) -> None:

@@ -112,12 +112,15 @@ class ModelBuilder:
 
     def vocab_shard(self, name: str) -> tuple[torch.Tensor, int]:
         """This rank's rows ``[start, start + V_pad/tp)`` of the padded ``[V, H]`` matrix ``name``."""
-        full = self.materialize(name).weight.detach()
+        unit = self.materialize(name)
+        full = unit.weight.detach()
         pad = self.padded_vocab - full.shape[0]
         if pad:
             full = torch.cat([full, full.new_zeros(pad, full.shape[1])])
         start, stop = self.tp.shard(self.padded_vocab)
-        return full[start:stop].clone(), start
+        shard = full[start:stop].clone()
+        unit.to("meta")  # drop the full matrix: only the shard stays in memory
+        return shard, start
 
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its linears replaced by this rank's TP shards."""
