@@ -50,7 +50,11 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.models.build import meta_model
     from hybridtrain.plan import PlanError, machine_facts, resolve
 
-    typed = to_config(cfg)
+    try:
+        typed = to_config(cfg)
+    except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)
     machine = machine_facts()
@@ -61,18 +65,21 @@ def run(cfg: DictConfig) -> int:
         return 2
     params = sum(p.numel() for p in meta_model(hf_config).parameters())
     print(summary(plan, hf_config, params), flush=True)
+    tokens = None
+    if not typed.launcher.dry_run:  # a dry run checks the plan only, no data preparation
+        tokens = prepare_tokens(typed.data)
+        samples = PackedSamples(tokens, plan.seq_len, typed.trainer.seed).num_samples
+        if samples < plan.global_batch_size:
+            print(f"[hybridtrain] config error: trainer.global_batch_size: the data has only {samples} samples of "
+                  f"data.seq_len={plan.seq_len} tokens, fewer than one global batch of {plan.global_batch_size}; "
+                  "lower trainer.global_batch_size or data.seq_len", file=sys.stderr)
+            return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(typed, run_dir / "config.yaml")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if typed.launcher.dry_run:
+    if tokens is None:
         print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
         return 0
-    tokens = prepare_tokens(typed.data)
-    samples = PackedSamples(tokens, plan.seq_len, typed.trainer.seed).num_samples
-    if samples < plan.global_batch_size:
-        print(f"[hybridtrain] config error: trainer.global_batch_size: the data has only {samples} samples of "
-              f"data.seq_len={plan.seq_len} tokens, fewer than one global batch", file=sys.stderr)
-        return 2
     code = launch(run_dir, plan, typed.launcher, machine, tokens)
     if code != 0:
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "

@@ -32,7 +32,7 @@ class ParallelConfig:
 
     dp: Optional[int] = None
     """Data-parallel replicas. ``null``: whatever the launcher's devices leave after tp x pp
-    (1 on a machine without GPUs)."""
+    (on machines without GPUs: one replica per node)."""
     tp: int = 1
     """Tensor-parallel degree: attention heads, MLP width and vocabulary are split Megatron-style."""
     pp: int = 1

@@ -78,6 +78,11 @@ def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int
               layer_params: Sequence[int] | None = None) -> list[int]:
     """Stage boundaries for ``parallel.partition=method`` over ``num_pre + num_blocks + num_post`` layers."""
     n = num_pre + num_blocks + num_post
+    if method in ("blocks", "uniform"):
+        items = num_blocks if method == "blocks" else n
+        if pp > items:
+            raise ValueError(f"partition {method!r} cannot fill {pp} stages with {items} "
+                             f"{'blocks' if method == 'blocks' else 'layers'}")
     if method == "blocks":
         return by_blocks(num_pre, num_blocks, num_post, pp)
     if method == "uniform":

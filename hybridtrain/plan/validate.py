@@ -122,7 +122,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     # World size against the devices.
     per_node = lau.devices if lau.devices is not None else (machine.gpus_per_node or None)
     model_ranks = par.tp * par.pp
-    if per_node is None:  # CPU processes: no device limit; dp defaults to 1
+    if per_node is None:  # CPU processes: no device limit; dp defaults to one replica per node
         dp = par.dp or lau.nodes
         if lau.nodes > 1:
             _need(dp * model_ranks % lau.nodes == 0, "parallel.dp",
