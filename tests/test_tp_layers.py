@@ -247,7 +247,8 @@ def case_block(tp, model_type: str) -> Checks:
     family = get_family(model_type)
     cfg = hf_config_of(model_type, _BLOCK_CONFIGS[model_type], vocab_size=10,
                        attn_implementation="sdpa", eos_token_id=0)
-    full = reference_model(cfg, family, seed=7).get_submodule(f"{family.blocks}.0")
+    model = reference_model(cfg, family, seed=7)
+    full = model.get_submodule(f"{family.blocks}.0")
     torch.manual_seed(8)
     with torch.no_grad():  # unit norms and zero biases would hide a mis-sliced or dropped term
         for p in full.parameters():
@@ -259,11 +260,10 @@ def case_block(tp, model_type: str) -> Checks:
     x = torch.randn(B, S, hidden)
     g = torch.randn(B, S, hidden)
     kwargs: Dict[str, Any] = {"attention_mask": None}  # sdpa + no mask: causal
-    if family.rotary_embed:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+    if family.rotary_embed:  # Llama: (cos, sin) from the model's LlamaRotaryEmbedding
         pos = torch.arange(S).unsqueeze(0)  # [1, S]
-        kwargs.update(position_ids=pos, position_embeddings=LlamaRotaryEmbedding(config=cfg)(x, position_ids=pos))
+        rotary = model.get_submodule(family.rotary_embed)
+        kwargs.update(position_ids=pos, position_embeddings=rotary(x, position_ids=pos))
 
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref, **kwargs)
@@ -304,7 +304,7 @@ def case_block(tp, model_type: str) -> Checks:
             checks[f"{name} grad (replicated)"] = (p.grad, full_params[name].grad)
             checks[f"{name} tags"] = (_tags(p), (False, None))
     checks["has replicated norm params"] = (len(replicated) >= 2, True)
-    checks["parameter names unchanged"] = (sorted(n for n, _ in sharded.named_parameters()), sorted(full_params))
+    checks["parameter names unchanged"] = (sorted(dict(sharded.named_parameters())), sorted(full_params))
     return checks
 
 
@@ -356,7 +356,7 @@ def run_cases(rank: int, world: int, emit) -> None:
 @pytest.fixture(scope="module")
 def world_run() -> WorldRun:
     """All cases at all degrees, run once for the module in one world of spawned gloo ranks."""
-    return run_world(run_cases, max(TP_DEGREES), timeout_s=180)
+    return run_world(run_cases, max(TP_DEGREES), timeout_s=120)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -374,7 +374,8 @@ def test_tp_layer_matches_unsharded(world_run: WorldRun, tp: int, case: str) -> 
             if isinstance(want, torch.Tensor):
                 assert got is not None, f"{where}: no gradient"
                 scale = max(1.0, want.abs().max().item())
-                torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale, msg=lambda m: f"{where}\n{m}")
+                torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale,
+                                           msg=lambda m: f"{where}\n{m}")
             else:
                 assert got == want, where
     assert not world_run.problems, world_run.problem_report()

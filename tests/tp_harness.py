@@ -65,11 +65,11 @@ def run_world(target: Target, world: int, timeout_s: float = 120.0, grace_s: flo
     ``deepspeed_comm=False`` skips ``deepspeed.init_distributed`` (plain ``torch.distributed``).
     """
     out = Path(tempfile.mkdtemp(prefix=f"tp_world{world}_"))
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(target, rank, world, port, str(out), deepspeed_comm),
+                         daemon=True) for rank in range(world)]
     try:
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        procs = [ctx.Process(target=_child, args=(target, rank, world, port, str(out), deepspeed_comm),
-                             daemon=True) for rank in range(world)]
         for p in procs:
             p.start()
         problems = _wait(procs, time.monotonic() + timeout_s, grace_s)
@@ -81,7 +81,11 @@ def run_world(target: Target, world: int, timeout_s: float = 120.0, grace_s: flo
                 problems.append(f"rank {rank} raised:\n{fatal.read_text()}")
             emitted.append({f.stem: torch.load(f, weights_only=True) for f in sorted(rank_dir.glob("*.pt"))})
         return WorldRun(world, emitted, problems)
-    finally:
+    finally:  # also on KeyboardInterrupt: leave no rank behind
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
         shutil.rmtree(out, ignore_errors=True)
 
 
