@@ -63,6 +63,11 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
+    if typed.launcher.nodes > 1 and not typed.launcher.dry_run:
+        print(f"[hybridtrain] config error: launcher.nodes={typed.launcher.nodes}: the local launcher runs on one "
+              "machine; use launcher.nodes=1, or launcher.dry_run=true to validate a multi-node plan here",
+              file=sys.stderr)
+        return 2
     params = sum(p.numel() for p in meta_model(hf_config).parameters())
     print(summary(plan, hf_config, params), flush=True)
     tokens = None

@@ -75,3 +75,10 @@ def test_console_script_is_installed(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "plan.json").exists()
+
+
+def test_multi_node_plan_is_refused_by_the_local_launcher_before_anything_runs(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", "launcher.nodes=2", check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "launcher.nodes=2" in proc.stderr and "dry_run" in proc.stderr
+    assert not (tmp_path / "config.yaml").exists()

@@ -134,6 +134,32 @@ def test_devices_positive_or_null():
     plan_error(cfg, "launcher.devices", "got 0", "null")
 
 
+@pytest.mark.parametrize("threads", [0, -1])
+def test_threads_per_rank_positive_or_null(threads):
+    cfg = tiny()
+    cfg.launcher.threads_per_rank = threads
+    plan_error(cfg, "launcher.threads_per_rank", f"got {threads}", "or null")
+
+
+def test_timeout_minutes_positive():
+    cfg = tiny()
+    cfg.launcher.timeout_minutes = 0
+    plan_error(cfg, "launcher.timeout_minutes", "got 0")
+
+
+@pytest.mark.parametrize("port", [80, 70000])
+def test_master_port_in_range(port):
+    cfg = tiny()
+    cfg.launcher.master_port = port
+    plan_error(cfg, "launcher.master_port", f"got {port}", "[1024, 65535]")
+
+
+def test_missing_tokenizer_is_a_plan_error(tmp_path):
+    cfg = tiny()
+    cfg.data.tokenizer = str(tmp_path / "nowhere")
+    plan_error(cfg, "data.tokenizer", "nowhere", "tokenizer.json")
+
+
 def test_cpu_ranks_spread_evenly_over_nodes():
     cfg = tiny()
     cfg.launcher.nodes, cfg.parallel.dp = 2, 3

@@ -79,7 +79,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
     warmup_steps: int = 10
-    """Linear warmup steps from ``lr * min_lr_ratio`` to ``lr``."""
+    """Linear warmup: optimizer step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``."""
     min_lr_ratio: float = 0.1
     """The cosine decays to ``lr * min_lr_ratio`` at ``trainer.max_steps``."""
 
@@ -97,7 +97,7 @@ class TrainerConfig:
     log_every: int = 1
     """Write a metrics line every this many steps."""
     precision: str = "fp32"
-    """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU)."""
+    """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     """
     if launcher.nodes != 1:
         raise SystemExit(f"launcher.nodes={launcher.nodes}: the local launcher runs on one machine; "
-                         "use launcher.nodes=1 (multi-node launchers are not available yet)")
+                         "use launcher.nodes=1")
     port = launcher.master_port or free_port()
     threads = threads_per_rank(launcher, plan, machine)
     env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),

@@ -48,8 +48,11 @@ def model_config(cfg: Config):
     if cfg.model.model_type not in FAMILIES:
         raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
     check_hf_overrides(cfg.model.model_type, cfg.model.config)
-    return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab_size(cfg.data),
-                        cfg.model.attn_implementation, eos_id(cfg.data))
+    try:
+        vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
+    except FileNotFoundError as err:
+        raise PlanError("data.tokenizer", str(err)) from None
+    return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
 
 
 def resolve(cfg: Config, machine: Machine | None = None) -> tuple[Plan, object]:

@@ -118,6 +118,11 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(par.dp is None or par.dp >= 1, "parallel.dp", f"must be >= 1 or null (fill the devices), got {par.dp}")
     _need(lau.nodes >= 1, "launcher.nodes", f"must be >= 1, got {lau.nodes}")
     _need(lau.devices is None or lau.devices >= 1, "launcher.devices", f"must be >= 1 or null, got {lau.devices}")
+    _need(lau.threads_per_rank is None or lau.threads_per_rank >= 1, "launcher.threads_per_rank",
+          f"must be >= 1 or null (cores / local ranks), got {lau.threads_per_rank}")
+    _need(lau.timeout_minutes >= 1, "launcher.timeout_minutes", f"must be >= 1, got {lau.timeout_minutes}")
+    _need(lau.master_port is None or 1024 <= lau.master_port <= 65535, "launcher.master_port",
+          f"must be in [1024, 65535] or null (pick a free port), got {lau.master_port}")
 
     # World size against the devices.
     per_node = lau.devices if lau.devices is not None else (machine.gpus_per_node or None)

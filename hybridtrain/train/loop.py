@@ -16,7 +16,7 @@ class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (global rank 0 only)."""
 
     def __init__(self, path: Path | None):
-        self._file = open(path, "a", buffering=1) if path is not None else None
+        self._file = open(path, "w", buffering=1) if path is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
