@@ -48,13 +48,14 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.data.sampler import PackedSamples
     from hybridtrain.launch.local import launch
     from hybridtrain.models.build import meta_model
-    from hybridtrain.plan import PlanError, machine_facts, resolve
+    from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
 
     try:
         typed = to_config(cfg)
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
+    apply_pretrained_defaults(typed)
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)
     machine = machine_facts()

@@ -21,6 +21,12 @@ class ModelConfig:
     ``vocab_size`` defaults to the tokenizer's vocabulary."""
     attn_implementation: str = "sdpa"
     """HF attention kernel: ``sdpa`` or ``eager``."""
+    pretrained: Optional[str] = None
+    """A local HF model folder (``save_pretrained``: config.json + safetensors) to fine-tune:
+    weights only, fresh optimizer, step 0. Its config is the model (``model.config`` overrides
+    non-shape keys such as dropout); its tokenizer is used unless ``data.tokenizer`` is set."""
+    trust_remote_code: bool = False
+    """Allow a ``model.pretrained`` folder's custom code. Off: only built-in HF architectures load."""
     vocab_pad_multiple: int = 1
     """The embedding and LM head are padded to a multiple of ``vocab_pad_multiple * parallel.tp``
     rows; the padded logits are masked, so padding never changes the loss."""

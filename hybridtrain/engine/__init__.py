@@ -66,6 +66,14 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
     return conf
 
 
+def _pretrained_weights(cfg: Config):
+    if cfg.model.pretrained is None:
+        return None
+    from hybridtrain.models.weights import SafetensorsWeights
+
+    return SafetensorsWeights(cfg.model.pretrained)
+
+
 @dataclass
 class Built:
     """An initialised engine and the facts the loop needs about this rank."""
@@ -96,7 +104,8 @@ def build(cfg: Config, plan: Plan, hf_config) -> Built:
     builder = ModelBuilder(family=get_family(cfg.model.model_type), hf_config=hf_config,
                            hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
                            padded_vocab=plan.padded_vocab_size,
-                           activation_checkpointing=cfg.parallel.activation_checkpointing)
+                           activation_checkpointing=cfg.parallel.activation_checkpointing,
+                           weights=_pretrained_weights(cfg))
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     conf = ds_config(cfg, plan)

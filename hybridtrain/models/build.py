@@ -95,6 +95,9 @@ class ModelBuilder:
     tp: TPContext
     padded_vocab: int
     activation_checkpointing: bool = False
+    weights: Any = None
+    """A :class:`~hybridtrain.models.weights.SafetensorsWeights` to load units from (fine-tuning),
+    or ``None`` for the seeded initialisation."""
 
     @property
     def vocab_size(self) -> int:
@@ -105,10 +108,17 @@ class ModelBuilder:
         return bool(self.hf_config.tie_word_embeddings)
 
     def materialize(self, name: str) -> nn.Module:
-        """Give HF unit ``name`` real CPU storage and its seeded initial values."""
+        """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained
+        weights when the builder has ``weights``."""
         unit = self.hf_model.get_submodule(name)
         unit.to_empty(device="cpu")
-        return init_unit(self.hf_model, name, self.seed)
+        init_unit(self.hf_model, name, self.seed)  # also gives buffers their values
+        if self.weights is not None:
+            from hybridtrain.models.weights import load_unit
+
+            tied = {f"{self.family.head}.weight": f"{self.family.embed}.weight"}
+            load_unit(unit, name, self.weights, tied)
+        return unit
 
     def vocab_shard(self, name: str) -> tuple[torch.Tensor, int]:
         """This rank's rows ``[start, start + V_pad/tp)`` of the padded ``[V, H]`` matrix ``name``."""

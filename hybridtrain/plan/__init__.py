@@ -4,7 +4,14 @@ from __future__ import annotations
 from hybridtrain.config.schema import Config
 from hybridtrain.plan.validate import Machine, Plan, PlanError, build_plan, check_hf_overrides, layer_names
 
-__all__ = ["Machine", "Plan", "PlanError", "build_plan", "machine_facts", "model_config", "resolve", "layer_params"]
+__all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
+           "pretrained_config", "resolve", "layer_params"]
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
+              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
+              "n_positions", "tie_word_embeddings")
+"""HF config keys that fix tensor shapes: a ``model.config`` override may not change them for a
+pretrained model."""
 
 
 def machine_facts() -> Machine:
@@ -38,6 +45,52 @@ def layer_params(cfg: Config, hf_config) -> list[int]:
     return counts
 
 
+def pretrained_config(cfg: Config):
+    """The HF config of the ``model.pretrained`` folder, checked: it exists, is an HF model of a
+    supported family matching ``model.model_type``, and needs no remote code unless allowed."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from hybridtrain.models.families import FAMILIES
+
+    folder = Path(cfg.model.pretrained).expanduser()
+    if not folder.is_dir():
+        raise PlanError("model.pretrained", f"{cfg.model.pretrained!r} does not exist or is not a folder; "
+                        "give the folder written by save_pretrained")
+    if not (folder / "config.json").is_file():
+        raise PlanError("model.pretrained", f"{folder} is not a HuggingFace model folder (no config.json); "
+                        "give the folder written by save_pretrained")
+    try:
+        hf = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.model.trust_remote_code)
+    except ValueError as err:  # unknown model_type, or remote code refused
+        raise PlanError("model.pretrained", f"{folder}: {err}".splitlines()[0] +
+                        "; only built-in architectures load unless model.trust_remote_code=true") from None
+    if hf.model_type not in FAMILIES:
+        raise PlanError("model.pretrained", f"{folder} holds a {hf.model_type!r} model; supported architectures: "
+                        f"{sorted(FAMILIES)}")
+    if hf.model_type != cfg.model.model_type:
+        raise PlanError("model.model_type", f"model.pretrained is a {hf.model_type!r} model but "
+                        f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type}")
+    for key, value in cfg.model.config.items():  # overrides on top (dropout and the like)
+        if key in SHAPE_KEYS and getattr(hf, key, None) != value:
+            raise PlanError(f"model.config.{key}", f"{value} differs from the checkpoint's {getattr(hf, key, None)} "
+                            f"in {folder}; a pretrained model's shape cannot change: drop the override")
+        setattr(hf, key, value)
+    hf._attn_implementation = cfg.model.attn_implementation
+    hf.use_cache = False
+    return hf
+
+
+def apply_pretrained_defaults(cfg: Config) -> None:
+    """With ``model.pretrained`` and no ``data.tokenizer``, use the model folder's tokenizer."""
+    from pathlib import Path
+
+    if cfg.model.pretrained and cfg.data.tokenizer is None:
+        if (Path(cfg.model.pretrained).expanduser() / "tokenizer.json").is_file():
+            cfg.data.tokenizer = str(Path(cfg.model.pretrained).expanduser().resolve())
+
+
 def model_config(cfg: Config):
     """The HF config of this run: ``model.config`` overrides over the family defaults, with the
     tokenizer's vocabulary size and EOS id unless overridden. Launcher and workers both call this."""
@@ -48,6 +101,8 @@ def model_config(cfg: Config):
     if cfg.model.model_type not in FAMILIES:
         raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
     check_hf_overrides(cfg.model.model_type, cfg.model.config)
+    if cfg.model.pretrained:
+        return pretrained_config(cfg)
     try:
         vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
     except FileNotFoundError as err:
