@@ -64,6 +64,16 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
+    if typed.trainer.resume:
+        from hybridtrain.checkpoint.resume import resolve_resume
+
+        try:
+            found = resolve_resume(typed, plan, hf_config, run_dir)
+        except PlanError as err:
+            print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+            return 2
+        print(f"[hybridtrain] resume: {found or 'no checkpoint in ' + str(run_dir) + ', starting fresh'}")
+        typed.trainer.resume = str(found) if found else None
     if typed.launcher.nodes > 1 and not typed.launcher.dry_run:
         print(f"[hybridtrain] config error: launcher.nodes={typed.launcher.nodes}: the local launcher runs on one "
               "machine; use launcher.nodes=1, or launcher.dry_run=true to validate a multi-node plan here",

@@ -56,17 +56,47 @@ def run(run_dir: Path) -> int:
                                timeout=timedelta(minutes=cfg.launcher.timeout_minutes))
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(cfg.trainer.seed)
-    built = build(cfg, plan, model_config(cfg))
+    hf_config = model_config(cfg)
+    built = build(cfg, plan, hf_config)
     samples = PackedSamples(Path(os.environ["HYBRIDTRAIN_TOKENS"]), plan.seq_len, cfg.trainer.seed)
+    start_step = 0
+    if cfg.trainer.resume:  # the launcher resolved it to a complete checkpoint of the same plan
+        from hybridtrain.checkpoint.save import restore_rng
+
+        _, client = built.engine.load_checkpoint(cfg.trainer.resume, tag="ds")
+        start_step = int(client["hybridtrain"]["step"])
+        restore_rng(Path(cfg.trainer.resume), rank)
+        if rank == 0:
+            print(f"[hybridtrain] resumed from {cfg.trainer.resume} at step {start_step}", flush=True)
     if rank == 0:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "
               f"{built.model_state_bytes / 2**20:.1f} MiB of parameters)", flush=True)
-    losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0)
+    save = _saver(cfg, plan, built, hf_config, run_dir, rank)
+    losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save)
     torch.distributed.barrier()  # nobody exits while a peer may still be in the last collective
-    if rank == 0:
+    if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0
+
+
+def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int):
+    """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
+    from hybridtrain.checkpoint.save import save_checkpoint
+    from hybridtrain.data.embedded import tokenizer_file
+
+    def save(step: int) -> None:
+        t0 = time.perf_counter()
+        path = save_checkpoint(built, cfg, plan, hf_config, step, run_dir, tokenizer_file(cfg.data))
+        if rank == 0:
+            print(f"[hybridtrain] saved {path} in {time.perf_counter() - t0:.1f}s", flush=True)
+            if cfg.trainer.export_hf and step == cfg.trainer.max_steps:
+                from hybridtrain.export import export
+
+                export(path, run_dir / "hf")
+                print(f"[hybridtrain] exported the HF model to {run_dir / 'hf'}", flush=True)
+
+    return save
 
 
 def main() -> None:

@@ -104,6 +104,18 @@ class TrainerConfig:
     """Write a metrics line every this many steps."""
     precision: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (0: only the final save)."""
+    keep_last: Optional[int] = None
+    """Keep only the newest this many checkpoints; ``null`` keeps all."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    resume: Optional[str] = None
+    """Resume everything (weights, optimizer, schedule, step, data position, RNG): ``auto`` takes
+    the newest complete checkpoint of the run directory (or starts fresh if there is none), or a
+    ``.../checkpoints/step_N`` path. Not together with ``model.pretrained`` (weights only)."""
+    export_hf: bool = False
+    """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
 
 
 @dataclass

@@ -82,6 +82,8 @@ class Built:
     dp_rank: int
     tp_rank: int
     stage: int
+    tp: Any
+    """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
     model_state_bytes: int
     """Bytes of this rank's parameters (the model-state part that does not depend on ZeRO)."""
 
@@ -122,4 +124,4 @@ def build(cfg: Config, plan: Plan, hf_config) -> Built:
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
-                 stage=grid.get_stage_id() if plan.pp > 1 else 0, model_state_bytes=state_bytes)
+                 stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp, model_state_bytes=state_bytes)

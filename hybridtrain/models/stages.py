@@ -11,8 +11,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from hybridtrain.checkpoint.hf_state import Split, block_params
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+
+# Every layer below has ``hf_params()``: ``(HF name, parameter, Split)`` for what it holds, so a
+# checkpoint or an export can be written under HF names whatever the plan.
 
 
 class TokenEmbedding(VocabParallelEmbedding):
@@ -21,6 +25,12 @@ class TokenEmbedding(VocabParallelEmbedding):
     def __init__(self, builder: ModelBuilder):
         weight, start = builder.vocab_shard(builder.family.embed)
         super().__init__(weight, start, builder.vocab_size, builder.tp)
+        self.hf_name = f"{builder.family.embed}.weight"
+
+    def hf_params(self):
+        if getattr(self.weight, "ds_pipe_replicated", False):  # the tied copy on the last stage
+            return []
+        return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
 
 def tied_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -35,6 +45,10 @@ class PositionEmbedding(nn.Module):
         super().__init__()
         self.wpe = builder.materialize(builder.family.position_embed)
         self.drop = nn.Dropout(builder.hf_config.embd_pdrop)
+        self.hf_name = f"{builder.family.position_embed}.weight"
+
+    def hf_params(self):
+        return [(self.hf_name, self.wpe.weight, Split())]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         pos = torch.arange(hidden.shape[1], device=hidden.device)
@@ -47,12 +61,17 @@ class DecoderBlock(nn.Module):
     def __init__(self, builder: ModelBuilder, index: int):
         super().__init__()
         self.block = builder.block(index)
+        self.hf_prefix = f"{builder.family.blocks}.{index}"
+        self.family = builder.family
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
         self.rotary = None
         if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
+
+    def hf_params(self):
+        return list(block_params(self.block, self.hf_prefix, self.family))
 
     def _run(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -78,6 +97,10 @@ class FinalNorm(nn.Module):
     def __init__(self, builder: ModelBuilder):
         super().__init__()
         self.norm = builder.materialize(builder.family.final_norm)
+        self.hf_prefix = builder.family.final_norm
+
+    def hf_params(self):
+        return [(f"{self.hf_prefix}.{n}", p, Split()) for n, p in self.norm.named_parameters()]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
@@ -89,6 +112,10 @@ class LMHead(VocabParallelHead):
     def __init__(self, builder: ModelBuilder):
         weight, start = builder.vocab_shard(builder.family.head)
         super().__init__(weight, start, builder.vocab_size, builder.tp)
+        self.hf_name = f"{builder.family.head}.weight"
+
+    def hf_params(self):
+        return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
 
 class SequentialLM(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
 from hybridtrain.data.sampler import BatchLayout, PackedSamples
@@ -15,8 +15,8 @@ from hybridtrain.plan.validate import Plan
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (global rank 0 only)."""
 
-    def __init__(self, path: Path | None):
-        self._file = open(path, "w", buffering=1) if path is not None else None
+    def __init__(self, path: Path | None, append: bool = False):
+        self._file = open(path, "a" if append else "w", buffering=1) if path is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -49,21 +49,26 @@ def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: Ba
     return float(total)
 
 
-def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir: Path, is_rank0: bool) -> list[float]:
-    """Run ``trainer.max_steps`` optimizer steps; return the per-step losses."""
+def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir: Path, is_rank0: bool,
+          start_step: int = 0, save: Callable[[int], None] | None = None) -> list[float]:
+    """Run optimizer steps ``start_step`` .. ``trainer.max_steps - 1``; return their losses.
+
+    ``save(step)`` is called (on every rank) after every ``trainer.save_every`` steps and after the
+    last one when ``trainer.save_final``.
+    """
     layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
     engine = built.engine
-    stream = samples.stream(0, layout, built.dp_rank) if plan.pp > 1 else None
-    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None)
+    stream = samples.stream(start_step, layout, built.dp_rank) if plan.pp > 1 else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0)
     bar = None
     if is_rank0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.trainer.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     lr_at = lr_lambda(cfg.optim, cfg.trainer.max_steps)
     losses: list[float] = []
     start = time.perf_counter()
-    for step in range(cfg.trainer.max_steps):
+    for step in range(start_step, cfg.trainer.max_steps):
         t0 = time.perf_counter()
         loss = (_step_pipeline(built, stream) if plan.pp > 1
                 else _step_sequential(built, samples, step, layout))
@@ -82,6 +87,10 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
                 "elapsed_s": time.perf_counter() - start,
                 "model_state_bytes": built.model_state_bytes,
             })
+        done = step + 1
+        every = cfg.trainer.save_every
+        if save is not None and ((every and done % every == 0) or (done == cfg.trainer.max_steps and cfg.trainer.save_final)):
+            save(done)
     if bar is not None:
         bar.close()
     writer.close()

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic saves, exact resume, and HF-named weights for export."""

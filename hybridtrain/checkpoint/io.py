@@ -1,0 +1,96 @@
+"""Writing and finding checkpoints.
+
+Layout of ``RUN_DIR/checkpoints/step_N/``::
+
+    ds/            DeepSpeed's own state (module, ZeRO optimizer, lr scheduler) for exact resume
+    hf/            HF-named fp32 weights, one safetensors file per pipeline stage, plus config.json,
+                   generation_config.json and the tokenizer: what ``hybridtrain.export`` reads
+    rng/           every rank's RNG states
+    config.yaml    the resolved config of the run that wrote it
+    plan.json      its plan
+    meta.json      step, samples seen; written last, so its presence marks a complete checkpoint
+
+Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
+finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
+``.tmp-*`` folder, which is never loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    """A finished checkpoint folder (its ``meta.json`` is written last)."""
+    return (Path(path) / "meta.json").is_file() and (Path(path) / "ds").is_dir()
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run directory, or ``None``."""
+    root = checkpoints_dir(run_dir)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if is_complete(candidate):
+            return candidate
+    steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)))
+    for _, path in reversed(steps):
+        if is_complete(path):
+            return path
+    return None
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def save_tokenizer(tokenizer_path: Path, out: Path) -> None:
+    """Write the run's tokenizer so that ``AutoTokenizer.from_pretrained(out)`` loads it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridtrain.data.embedded import EOS
+
+    folder = tokenizer_path.parent
+    if (folder / "tokenizer_config.json").is_file():  # an HF tokenizer folder: copy it as is
+        for f in folder.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens_map", "chat_template")) and f.is_file():
+                shutil.copy2(f, out / f.name)
+        return
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+    if tok.convert_tokens_to_ids(EOS) is not None and EOS in tok.get_vocab():
+        tok.eos_token = tok.bos_token = EOS
+    tok.save_pretrained(str(out))
+
+
+def write_hf_metadata(out: Path, hf_config, tokenizer_path: Path) -> None:
+    """config.json, generation_config.json and the tokenizer of an HF model folder."""
+    from transformers import GenerationConfig
+
+    hf_config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(hf_config).save_pretrained(str(out))
+    save_tokenizer(tokenizer_path, out)
+
+
+def finalize(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
+    """Rank 0, after every rank wrote into ``tmp``: publish it as ``final``, move ``latest``, prune."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    pointer = final.parent / "latest"
+    tmp_pointer = final.parent / ".latest.tmp"
+    tmp_pointer.write_text(final.name)
+    os.replace(tmp_pointer, pointer)
+    if keep_last:
+        steps = sorted((int(m.group(1)), p) for p in final.parent.glob("step_*") if (m := STEP_DIR.match(p.name)))
+        for _, old in steps[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""Choosing and checking the checkpoint a run resumes from (launcher side, no deepspeed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from hybridtrain.checkpoint.io import is_complete, latest_checkpoint, read_meta
+from hybridtrain.config.schema import Config
+from hybridtrain.plan.validate import Plan, PlanError
+
+
+def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
+    """The complete checkpoint ``trainer.resume`` names, checked against this run; ``None`` when
+    ``auto`` finds none (a fresh start)."""
+    from hybridtrain.plan import SHAPE_KEYS
+
+    if cfg.model.pretrained:
+        raise PlanError("trainer.resume", "trainer.resume and model.pretrained are different modes: "
+                        "model.pretrained fine-tunes (weights only, fresh optimizer, step 0), trainer.resume "
+                        "continues a run (weights, optimizer, schedule, step, data position); set only one")
+    if cfg.trainer.resume == "auto":
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            return None
+    else:
+        path = Path(cfg.trainer.resume).expanduser().resolve()
+        if not path.is_dir():
+            raise PlanError("trainer.resume", f"{cfg.trainer.resume!r} does not exist; give a "
+                            "RUN_DIR/checkpoints/step_N folder or auto")
+        if not is_complete(path):
+            newest = latest_checkpoint(path.parent.parent)
+            raise PlanError("trainer.resume", f"{path} is not a complete checkpoint (no meta.json: the save was "
+                            f"interrupted or this is not a checkpoint); the newest complete one there is {newest}")
+    meta = read_meta(path)
+    saved = meta["plan"]
+    now = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
+    if saved != now:
+        raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; resuming under another "
+                        "plan is not supported yet: resume with " +
+                        " ".join(f"parallel.{k}={v}" for k, v in saved.items()))
+    ckpt_config = json.loads((path / "hf" / "config.json").read_text())
+    for key in SHAPE_KEYS:
+        if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
+            raise PlanError(f"model.config.{key}", f"the checkpoint {path} has {key}={ckpt_config[key]} but the "
+                            f"configured model has {getattr(hf_config, key, None)}; resume with the same model")
+    if meta["step"] >= cfg.trainer.max_steps:
+        raise PlanError("trainer.max_steps", f"{cfg.trainer.max_steps} but {path} is at step {meta['step']} "
+                        "already; raise trainer.max_steps to train on")
+    return path

@@ -1,0 +1,63 @@
+"""The collective save every rank calls (see :mod:`hybridtrain.checkpoint.io` for the layout)."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from hybridtrain.checkpoint.hf_state import gather
+from hybridtrain.checkpoint.io import checkpoints_dir, finalize, write_hf_metadata
+
+
+def stage_hf_params(module) -> list:
+    """``(hf_name, param, split)`` of every HF tensor this rank holds, in module order."""
+    return [x for m in module.modules() if hasattr(m, "hf_params") for x in m.hf_params()]
+
+
+def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path) -> Path:
+    """Write ``RUN_DIR/checkpoints/step_<step>`` atomically; every rank must call it."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    root = checkpoints_dir(run_dir)
+    final, tmp = root / f"step_{step}", root / f".tmp-step_{step}"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "hf").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
+    built.engine.save_checkpoint(str(tmp), tag="ds", client_state=client, save_latest=False)
+    tensors = gather(stage_hf_params(built.engine.module), built.tp)  # collective over TP and DP
+    if built.tp_rank == 0 and built.dp_rank == 0 and tensors:
+        save_file(tensors, str(tmp / "hf" / f"model-stage{built.stage:03d}.safetensors"), metadata={"format": "pt"})
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               tmp / "rng" / f"rank_{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        write_hf_metadata(tmp / "hf", hf_config, tokenizer_path)
+        shutil.copy2(run_dir / "config.yaml", tmp / "config.yaml")
+        shutil.copy2(run_dir / "plan.json", tmp / "plan.json")
+        meta = {"step": step, "samples_seen": step * plan.global_batch_size,
+                "plan": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
+        finalize(tmp, final, cfg.trainer.keep_last)
+    dist.barrier()
+    return final
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """Put back the RNG states rank ``rank`` saved in checkpoint ``path`` (if it saved any)."""
+    import numpy as np
+    import torch
+
+    f = Path(path) / "rng" / f"rank_{rank:05d}.pt"
+    if f.is_file():
+        state = torch.load(f, weights_only=False)  # our own file: numpy/python states are not tensors
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])

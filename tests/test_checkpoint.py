@@ -1,0 +1,138 @@
+"""Checkpoints: exact resume, atomic saves, HF export that transformers loads and agrees with."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from launch_helpers import compose_config, losses, metrics, run_cli
+
+
+def _batch(recipe: str, step: int):
+    from hybridtrain.data.embedded import prepare_tokens
+    from hybridtrain.data.sampler import PackedSamples
+
+    cfg = compose_config([f"+recipe={recipe}"])
+    samples = PackedSamples(prepare_tokens(cfg.data), cfg.data.seq_len, cfg.trainer.seed)
+    return samples.rows(samples.global_indices(step, cfg.trainer.global_batch_size))
+
+
+def _hf_loss(folder, input_ids, labels) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    x, y = torch.from_numpy(input_ids), torch.from_numpy(labels)
+    with torch.no_grad():
+        return float(model(input_ids=x, labels=y, shift_labels=y).loss)
+
+
+LAYOUTS = [("gpt_tiny", (1, 1, 1)), ("gpt_tiny", (2, 2, 2)), ("llama_tiny", (1, 2, 2))]
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """One uninterrupted 6-step run per layout, saving every 3 steps."""
+    runs = {}
+    for recipe, (dp, tp, pp) in LAYOUTS:
+        run_dir = tmp_path_factory.mktemp(f"{recipe}_{dp}{tp}{pp}")
+        run_cli(run_dir, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                "trainer.max_steps=6", "trainer.save_every=3", "trainer.export_hf=true")
+        runs[(recipe, (dp, tp, pp))] = run_dir
+    return runs
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("recipe,layout", LAYOUTS[:2], ids=["gpt_111", "gpt_222"])
+def test_resume_continues_the_uninterrupted_losses(recipe, layout, saved_runs, tmp_path):
+    full = saved_runs[(recipe, layout)]
+    dp, tp, pp = layout
+    run_cli(tmp_path, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+            "trainer.max_steps=6", f"trainer.resume={full / 'checkpoints' / 'step_3'}")
+    resumed = metrics(tmp_path)
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    assert [m["loss"] for m in resumed] == pytest.approx(losses(full)[3:], rel=1e-6, abs=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("recipe,layout", LAYOUTS, ids=["gpt_111", "gpt_222", "llama_122"])
+def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, saved_runs, tmp_path):
+    from transformers import AutoTokenizer
+
+    from hybridtrain.export import main
+
+    run_dir = saved_runs[(recipe, layout)]
+    assert main([str(run_dir / "checkpoints" / "step_3"), str(tmp_path / "hf")]) == 0
+    # the model after 3 steps computes step 4's loss
+    assert _hf_loss(tmp_path / "hf", *_batch(recipe, 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
+    # trainer.export_hf=true exported the final model, which has no later step: check its tensors load
+    assert _hf_loss(run_dir / "hf", *_batch(recipe, 0)) > 0
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok.eos_token == "<|endoftext|>" and tok.decode(tok.encode("In the beginning")) == "In the beginning"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == 8000 and config["tie_word_embeddings"] is True
+
+
+def test_sharded_export_writes_an_index(saved_runs, tmp_path):
+    from hybridtrain.export import export
+
+    run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
+    export(run_dir / "checkpoints" / "step_3", tmp_path / "hf", max_shard_size="1MB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
+
+
+def test_interrupted_save_is_never_loaded(saved_runs, tmp_path):
+    from hybridtrain.checkpoint.io import latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
+    ckpts = run_dir / "checkpoints"
+    assert latest_checkpoint(run_dir) == ckpts / "step_6"
+    (ckpts / "step_6" / "meta.json").unlink()            # killed before the save completed
+    (ckpts / ".tmp-step_9").mkdir()                      # an interrupted save in progress
+    assert latest_checkpoint(run_dir) == ckpts / "step_3"
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={ckpts / 'step_6'}",
+                   check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "not a complete checkpoint" in proc.stderr and "step_3" in proc.stderr
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    from hybridtrain.checkpoint.io import finalize
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        tmp = root / f".tmp-step_{step}"
+        tmp.mkdir(parents=True)
+        finalize(tmp, root / f"step_{step}", keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]
+    assert (root / "latest").read_text() == "step_3"
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["parallel.tp=2"], "parallel", "resume with parallel.dp=1 parallel.tp=1"),
+    (["trainer.max_steps=6"], "trainer.max_steps", "at step 6 already"),
+    (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),
+], ids=["plan_change", "nothing_left", "shape_change"])
+def test_resume_mismatch_is_a_config_error(overrides, key, fragment, saved_runs, tmp_path):
+    ckpt = saved_runs[("gpt_tiny", (1, 1, 1))] / "checkpoints" / "step_6"
+    overrides = ["trainer.max_steps=10", *overrides]
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", *overrides, f"trainer.resume={ckpt}", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"config error: {key}:" in proc.stderr and fragment in proc.stderr
+
+
+def test_resume_and_pretrained_together_is_explained(saved_runs, tmp_path):
+    run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", f"model.pretrained={run_dir / 'hf'}", "trainer.resume=auto",
+                   check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "trainer.resume" in proc.stderr and "weights only" in proc.stderr
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", "trainer.resume=auto", "launcher.dry_run=true", timeout=120)
+    assert "starting fresh" in proc.stdout
