@@ -57,17 +57,11 @@ def run(run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)
-    built = build(cfg, plan, hf_config)
+    resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
+    reshard = resume is not None and _saved_plan(resume) != _plan_key(plan)
+    built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
     samples = PackedSamples(Path(os.environ["HYBRIDTRAIN_TOKENS"]), plan.seq_len, cfg.trainer.seed)
-    start_step = 0
-    if cfg.trainer.resume:  # the launcher resolved it to a complete checkpoint of the same plan
-        from hybridtrain.checkpoint.save import restore_rng
-
-        _, client = built.engine.load_checkpoint(cfg.trainer.resume, tag="ds")
-        start_step = int(client["hybridtrain"]["step"])
-        restore_rng(Path(cfg.trainer.resume), rank)
-        if rank == 0:
-            print(f"[hybridtrain] resumed from {cfg.trainer.resume} at step {start_step}", flush=True)
+    start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
     if rank == 0:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "
@@ -78,6 +72,38 @@ def run(run_dir: Path) -> int:
     if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0
+
+
+def _plan_key(plan) -> dict:
+    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
+
+
+def _saved_plan(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "meta.json").read_text())["plan"]
+
+
+def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
+    """Restore everything from ``checkpoint``; return the step to continue from.
+
+    Same plan: DeepSpeed's own state (bit-exact). Another plan: weights were built from the
+    checkpoint's HF-named tensors; the AdamW moments, step and schedule are set here.
+    """
+    from hybridtrain.checkpoint.save import restore_rng, stage_hf_params
+
+    step = int(json.loads((checkpoint / "meta.json").read_text())["step"])
+    if reshard:
+        from hybridtrain.checkpoint.reshard import load_moments, set_schedule
+
+        params = stage_hf_params(built.engine.module, include_replicas=True)
+        load_moments(built, params, checkpoint / "optim", step, plan.padded_vocab_size)
+        set_schedule(built.engine, plan, step)
+    else:
+        built.engine.load_checkpoint(str(checkpoint), tag="ds")
+        restore_rng(checkpoint, rank)
+    if rank == 0:
+        how = f"re-sharded from {_saved_plan(checkpoint)}" if reshard else "same plan"
+        print(f"[hybridtrain] resumed from {checkpoint} at step {step} ({how})", flush=True)
+    return step
 
 
 def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int):

@@ -113,7 +113,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [
-    (["parallel.tp=2"], "parallel", "resume with parallel.dp=1 parallel.tp=1"),
+    (["parallel.zero_stage=3"], "parallel", "resume with parallel.dp=1 parallel.tp=1"),
     (["trainer.max_steps=6"], "trainer.max_steps", "at step 6 already"),
     (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),
 ], ids=["plan_change", "nothing_left", "shape_change"])
@@ -136,3 +136,21 @@ def test_resume_and_pretrained_together_is_explained(saved_runs, tmp_path):
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
     proc = run_cli(tmp_path, "+recipe=gpt_tiny", "trainer.resume=auto", "launcher.dry_run=true", timeout=120)
     assert "starting fresh" in proc.stdout
+
+
+RESHARDS = [(("gpt_tiny", (2, 2, 2)), (1, 1, 1)), (("gpt_tiny", (2, 2, 2)), (1, 2, 1)),
+            (("llama_tiny", (1, 2, 2)), (2, 1, 1))]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("source,target", RESHARDS, ids=["gpt_222_to_111", "gpt_222_to_121", "llama_122_to_211"])
+def test_resume_under_another_plan_continues_the_losses(source, target, saved_runs, tmp_path):
+    recipe, _ = source
+    dp, tp, pp = target
+    proc = run_cli(tmp_path, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                   "trainer.max_steps=6", f"trainer.resume={saved_runs[source] / 'checkpoints' / 'step_3'}")
+    assert "re-sharded from" in proc.stdout
+    resumed = metrics(tmp_path)
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    assert [m["loss"] for m in resumed] == pytest.approx(losses(saved_runs[source])[3:], rel=1e-5, abs=0)
+    assert [m["lr"] for m in resumed] == pytest.approx([m["lr"] for m in metrics(saved_runs[source])[3:]])

@@ -9,7 +9,7 @@ fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -75,13 +75,29 @@ def to_hf(tensor: torch.Tensor, split: Split) -> torch.Tensor:
     return tensor.t().contiguous() if split.transpose else tensor.contiguous()
 
 
-def gather(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext) -> dict[str, torch.Tensor]:
-    """HF-named full fp32 tensors of ``named`` (every rank of the stage must call this together)."""
+def full_moment(engine, param: nn.Parameter, key: str) -> torch.Tensor:
+    """AdamW state ``key`` of ``param`` with ZeRO partitions reassembled (collective over DP)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    full = safe_get_full_optimizer_state(param, key)
+    if full is None:  # ZeRO-0: the torch optimizer holds the parameter itself
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        full = base.state[param][key]
+    return full.float().cpu()
+
+
+def gather(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext,
+           value: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """HF-named full fp32 tensors of ``named`` (every rank of the stage must call this together).
+
+    ``value(param)`` gives the tensor to gather (default: the fp32 master weight); each rank passes
+    its own shard, reassembled over DP already.
+    """
     import torch.distributed as dist
 
     out: dict[str, torch.Tensor] = {}
     for name, param, split in named:
-        local = _full_over_dp(param)
+        local = (value or _full_over_dp)(param)
         if split.dim is not None and tp.size > 1:
             shards = [torch.empty_like(local) for _ in range(tp.size)]
             dist.all_gather(shards, local.contiguous(), group=tp.group)

@@ -35,9 +35,9 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
     meta = read_meta(path)
     saved = meta["plan"]
     now = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
-    if saved != now:
-        raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; resuming under another "
-                        "plan is not supported yet: resume with " +
+    if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not (path / "optim").is_dir()):
+        raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; changing the plan on "
+                        "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
                         " ".join(f"parallel.{k}={v}" for k, v in saved.items()))
     ckpt_config = json.loads((path / "hf" / "config.json").read_text())
     for key in SHAPE_KEYS:

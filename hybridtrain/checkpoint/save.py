@@ -6,13 +6,15 @@ import random
 import shutil
 from pathlib import Path
 
-from hybridtrain.checkpoint.hf_state import gather
+from hybridtrain.checkpoint.hf_state import full_moment, gather
+from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
 from hybridtrain.checkpoint.io import checkpoints_dir, finalize, write_hf_metadata
 
 
-def stage_hf_params(module) -> list:
-    """``(hf_name, param, split)`` of every HF tensor this rank holds, in module order."""
-    return [x for m in module.modules() if hasattr(m, "hf_params") for x in m.hf_params()]
+def stage_hf_params(module, include_replicas: bool = False) -> list:
+    """``(hf_name, param, split)`` of every HF tensor this rank holds, in module order; the tied
+    embedding copy of the last pipeline stage only with ``include_replicas``."""
+    return [x for m in module.modules() if hasattr(m, "hf_params") for x in m.hf_params(include_replicas)]
 
 
 def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path) -> Path:
@@ -29,12 +31,23 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "hf").mkdir(parents=True)
         (tmp / "rng").mkdir()
+        (tmp / "optim").mkdir()
     dist.barrier()
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
     built.engine.save_checkpoint(str(tmp), tag="ds", client_state=client, save_latest=False)
-    tensors = gather(stage_hf_params(built.engine.module), built.tp)  # collective over TP and DP
+    named = stage_hf_params(built.engine.module)
+    tensors = gather(named, built.tp)  # collective over TP and DP
+    moments = {}
+    if plan.zero_stage <= 2:  # AdamW moments under HF names: what a resume under another plan reads
+        relink_zero_state(built.engine.optimizer)
+        for key in MOMENTS:
+            value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
+            moments.update({f"{key}.{n}": t for n, t in gather(named, built.tp, value).items()})
     if built.tp_rank == 0 and built.dp_rank == 0 and tensors:
         save_file(tensors, str(tmp / "hf" / f"model-stage{built.stage:03d}.safetensors"), metadata={"format": "pt"})
+        if moments:
+            save_file(moments, str(tmp / "optim" / f"optim-stage{built.stage:03d}.safetensors"),
+                      metadata={"format": "pt"})
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()

@@ -66,12 +66,12 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
     return conf
 
 
-def _pretrained_weights(cfg: Config):
-    if cfg.model.pretrained is None:
+def _weights(folder: str | None):
+    if folder is None:
         return None
     from hybridtrain.models.weights import SafetensorsWeights
 
-    return SafetensorsWeights(cfg.model.pretrained)
+    return SafetensorsWeights(folder)
 
 
 @dataclass
@@ -88,8 +88,12 @@ class Built:
     """Bytes of this rank's parameters (the model-state part that does not depend on ZeRO)."""
 
 
-def build(cfg: Config, plan: Plan, hf_config) -> Built:
-    """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up)."""
+def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) -> Built:
+    """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up).
+
+    Weights come from ``weights_dir`` (HF names, e.g. a checkpoint's ``hf/``), else from
+    ``model.pretrained``, else from the seeded initialisation.
+    """
     import deepspeed
     import torch
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
@@ -107,7 +111,7 @@ def build(cfg: Config, plan: Plan, hf_config) -> Built:
                            hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
                            padded_vocab=plan.padded_vocab_size,
                            activation_checkpointing=cfg.parallel.activation_checkpointing,
-                           weights=_pretrained_weights(cfg))
+                           weights=_weights(weights_dir or cfg.model.pretrained))
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     conf = ds_config(cfg, plan)

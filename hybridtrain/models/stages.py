@@ -27,8 +27,8 @@ class TokenEmbedding(VocabParallelEmbedding):
         super().__init__(weight, start, builder.vocab_size, builder.tp)
         self.hf_name = f"{builder.family.embed}.weight"
 
-    def hf_params(self):
-        if getattr(self.weight, "ds_pipe_replicated", False):  # the tied copy on the last stage
+    def hf_params(self, include_replicas: bool = False):
+        if not include_replicas and getattr(self.weight, "ds_pipe_replicated", False):  # tied copy, last stage
             return []
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
@@ -47,7 +47,7 @@ class PositionEmbedding(nn.Module):
         self.drop = nn.Dropout(builder.hf_config.embd_pdrop)
         self.hf_name = f"{builder.family.position_embed}.weight"
 
-    def hf_params(self):
+    def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.wpe.weight, Split())]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H]
@@ -70,7 +70,7 @@ class DecoderBlock(nn.Module):
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
 
-    def hf_params(self):
+    def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family))
 
     def _run(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class FinalNorm(nn.Module):
         self.norm = builder.materialize(builder.family.final_norm)
         self.hf_prefix = builder.family.final_norm
 
-    def hf_params(self):
+    def hf_params(self, include_replicas: bool = False):
         return [(f"{self.hf_prefix}.{n}", p, Split()) for n, p in self.norm.named_parameters()]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class LMHead(VocabParallelHead):
         super().__init__(weight, start, builder.vocab_size, builder.tp)
         self.hf_name = f"{builder.family.head}.weight"
 
-    def hf_params(self):
+    def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
 

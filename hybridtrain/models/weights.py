@@ -39,6 +39,13 @@ class SafetensorsWeights:
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"{single} is not a readable safetensors file ({err}); "
                                       "the file may be truncated or corrupt") from None
+        elif any(self.folder.glob("*.safetensors")):  # a hybridtrain checkpoint part: one file per stage
+            from safetensors import safe_open
+
+            self._file_of = {}
+            for path in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    self._file_of.update({name: path for name in f.keys()})
         else:
             raise CheckpointError(f"{self.folder} has no model.safetensors or model.safetensors.index.json "
                                   "(only safetensors weights are loaded; re-save with save_pretrained)")

@@ -1,0 +1,84 @@
+"""Resume under another (dp, tp, pp): optimizer state through HF names.
+
+A checkpoint stores, besides DeepSpeed's own (plan-specific) state, every weight and every
+AdamW moment as a full HF-named tensor (``hf/`` and ``optim/``). Resuming under a different plan
+builds the model from ``hf/`` like a fine-tune, then puts each rank's slice of the moments into
+DeepSpeed's optimizer through its ``safe_set_full_optimizer_state`` API, and sets the step and the
+schedule. Written here rather than through DeepSpeed's offline universal-checkpoint converter,
+whose merge needs per-parameter patterns for fused q|k|v and padded vocabularies and would still
+leave the HF export to do; this path is online, plan-free and shares the HF name mapping.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridtrain.checkpoint.hf_state import Split
+from hybridtrain.parallel.context import TPContext
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def from_hf(tensor: torch.Tensor, split: Split, tp: TPContext, padded_vocab: int) -> torch.Tensor:
+    """HF layout -> this rank's local shard (transpose, pad the vocabulary, slice fused-aware)."""
+    t = tensor.t() if split.transpose else tensor
+    if split.vocab is not None and t.shape[0] < padded_vocab:
+        t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+    if split.dim is None or tp.size == 1:
+        return t.contiguous()
+    parts = t.chunk(split.fused, dim=split.dim)
+    return torch.cat([p.chunk(tp.size, dim=split.dim)[tp.rank] for p in parts], dim=split.dim).contiguous()
+
+
+def _prepare_zero_states(engine, step: int) -> None:
+    """Create empty AdamW states (DeepSpeed creates them lazily at the first step) and link
+    ZeRO's per-parameter fragments to them, so they can be written before training resumes."""
+    zero = engine.optimizer
+    base = getattr(zero, "optimizer", zero)
+    for group in base.param_groups:
+        for flat in group["params"]:
+            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+                                "exp_avg_sq": torch.zeros_like(flat)}
+    relink_zero_state(zero)
+
+
+def relink_zero_state(zero) -> None:
+    """(Re)build ZeRO-1/2's per-parameter views of the AdamW state.
+
+    DeepSpeed links them once, right after the *first param group's* first step, so the views
+    of every later group stay empty (deepspeed 0.19.8, ``stage_1_and_2.py``); relinking after all
+    groups have state fixes that. A no-op for optimizers without ZeRO fragments.
+    """
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+def load_moments(built, params: list, folder: Path, step: int, padded_vocab: int) -> None:
+    """Put the AdamW moments saved under HF names in ``folder`` into this rank's optimizer."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    from hybridtrain.models.weights import SafetensorsWeights
+
+    moments = SafetensorsWeights(folder)
+    engine = built.engine
+    zero = hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state")
+    _prepare_zero_states(engine, step)
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for name, param, split in params:
+        for key in MOMENTS:
+            local = from_hf(moments.get(f"{key}.{name}"), split, built.tp, padded_vocab)
+            if zero:
+                safe_set_full_optimizer_state(param, local.to(param.device), key)
+            else:  # ZeRO-0: the torch optimizer holds the parameters themselves
+                base.state[param][key] = local.to(param.device)
+
+
+def set_schedule(engine, plan, step: int) -> None:
+    """Continue the learning-rate schedule and DeepSpeed's counters at ``step``."""
+    sched = engine.lr_scheduler
+    sched.last_epoch = step - 1
+    sched.step()  # sets every group's lr for optimizer step ``step``
+    engine.global_steps = step
+    engine.global_samples = step * plan.global_batch_size
