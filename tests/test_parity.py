@@ -3,6 +3,8 @@
 fp32, same seed, same global batch, same data order: for ``gpt_tiny`` and ``llama_tiny`` each
 (dp, tp, pp) in {1, 2}^3 gives the per-step losses of (1, 1, 1) within 1e-4 relative; (1, 1, 1)
 equals plain transformers + torch AdamW within 1e-5; tp=3 (vocabulary padded) and bf16 too.
+Every layout's checkpoint also exports to an HF folder whose transformers loss on the next batch
+equals the loss hybridtrain computed with the same weights (1e-5).
 Each layout is a real ``python -m hybridtrain`` run through the deepspeed runner.
 """
 from __future__ import annotations
@@ -20,21 +22,47 @@ LAYOUTS = [l for l in itertools.product((1, 2), repeat=3) if l != (1, 1, 1)]
 
 
 def _overrides(dp: int, tp: int, pp: int, *extra: str) -> list[str]:
-    return [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.max_steps={STEPS}", *extra]
+    # a checkpoint at step STEPS-1: its HF export must reproduce the loss of step STEPS
+    return [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.max_steps={STEPS}",
+            f"trainer.save_every={STEPS - 1}", *extra]
+
+
+def _assert_export_reproduces_last_step(recipe: str, run_dir, out_dir) -> None:
+    """Export the step STEPS-1 checkpoint; transformers' loss on step STEPS's batch must equal the
+    loss hybridtrain computed there (the same weights, the same batch)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridtrain.data.embedded import prepare_tokens
+    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.export import export
+
+    export(run_dir / "checkpoints" / f"step_{STEPS - 1}", out_dir)
+    cfg = compose_config([f"+recipe={recipe}"])
+    samples = PackedSamples(prepare_tokens(cfg.data), cfg.data.seq_len, cfg.trainer.seed)
+    x, y = (torch.from_numpy(a) for a in samples.rows(samples.global_indices(STEPS - 1, cfg.trainer.global_batch_size)))
+    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
+    with torch.no_grad():
+        hf = float(model(input_ids=x, labels=y, shift_labels=y).loss)
+    ours = losses(run_dir)[STEPS - 1]
+    assert abs(hf - ours) <= 1e-5 * abs(ours), f"{recipe} export: transformers {hf!r} vs hybridtrain {ours!r}"
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """(1, 1, 1) metrics per recipe, run once."""
     cache: dict[str, list[dict]] = {}
+    run_dirs = {}
 
     def get(recipe: str) -> list[dict]:
         if recipe not in cache:
             run_dir = tmp_path_factory.mktemp(f"{recipe}_111")
             run_cli(run_dir, f"+recipe={recipe}", *_overrides(1, 1, 1))
             cache[recipe] = metrics(run_dir)
+            run_dirs[recipe] = run_dir
         return cache[recipe]
 
+    get.run_dirs = run_dirs
     return get
 
 
@@ -53,6 +81,8 @@ def test_single_process_equals_plain_transformers(recipe, baseline):
     ref = reference_run(cfg)
     ours = baseline(recipe)
     _assert_close([m["loss"] for m in ours], [r["loss"] for r in ref], 1e-5, f"{recipe} (1,1,1) vs transformers")
+    run_dir = baseline.run_dirs[recipe]
+    _assert_export_reproduces_last_step(recipe, run_dir, run_dir / "hf_export")
     for m, r in zip(ours, ref):
         assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3)  # fp32 reduction order differs
         assert m["lr"] == pytest.approx(r["lr"], rel=1e-9)
@@ -67,6 +97,7 @@ def test_layout_matches_single_process(recipe, layout, baseline, tmp_path):
     _assert_close(losses(tmp_path), [m["loss"] for m in want], 1e-4, f"{recipe} {layout}")
     got_norms = [m["grad_norm"] for m in metrics(tmp_path)]
     assert got_norms == pytest.approx([m["grad_norm"] for m in want], rel=1e-3)  # clipping sees the global norm
+    _assert_export_reproduces_last_step(recipe, tmp_path, tmp_path / "hf_export")
 
 
 @pytest.mark.parametrize("recipe", ["gpt_tiny", "llama_tiny"])
