@@ -1,12 +1,13 @@
 """The numerical oracle: plain transformers + ``torch.optim.AdamW`` in one process.
 
 Same initial weights (:func:`~hybridtrain.models.build.reference_model`), same global batches
-(:class:`~hybridtrain.data.sampler.PackedSamples`), same learning-rate schedule, weight-decay
+(:mod:`hybridtrain.data.sampler`), same learning-rate schedule, weight-decay
 groups and clipping as a hybridtrain run, but no DeepSpeed, no sharding, no pipeline: what the
 parity tests and the overhead benchmark compare every parallel layout against.
 """
 from __future__ import annotations
 
+import json
 import time
 
 from hybridtrain.config.schema import Config
@@ -18,8 +19,8 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import prepare
+    from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import lr_lambda, param_groups
     from hybridtrain.models.build import reference_model
     from hybridtrain.models.families import get_family
@@ -33,7 +34,8 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
                             betas=tuple(o.betas), eps=o.eps)
     sched = LambdaLR(opt, lr_lambda(o, cfg.trainer.max_steps))
-    samples = PackedSamples(prepare_tokens(cfg.data), plan.seq_len, cfg.trainer.seed)
+    prepared = prepare(cfg.data, cfg.trainer.seed)
+    samples = open_samples(json.loads(prepared.to_json()), "train", cfg.trainer.seed)
     records = []
     for step in range(steps or cfg.trainer.max_steps):
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def run(run_dir: Path) -> int:
     from deepspeed.accelerator import get_accelerator
 
     from hybridtrain.config import load_config
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
     from hybridtrain.plan import model_config
     from hybridtrain.plan.validate import Plan
@@ -57,7 +57,7 @@ def run(run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(cfg.trainer.seed)
     built = build(cfg, plan, model_config(cfg))
-    samples = PackedSamples(Path(os.environ["HYBRIDTRAIN_TOKENS"]), plan.seq_len, cfg.trainer.seed)
+    samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     if rank == 0:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.config.schema import Config
-from hybridtrain.data.sampler import BatchLayout, PackedSamples
+from hybridtrain.data.sampler import BatchLayout, Samples
 from hybridtrain.engine import Built, lr_lambda
 from hybridtrain.plan.validate import Plan
+from hybridtrain.train.datawait import DataTimer
+from hybridtrain.train.evaluate import Evaluator
 
 
 class MetricsWriter:
@@ -31,13 +33,13 @@ def _step_pipeline(built: Built, stream) -> float:
     return float(built.engine.train_batch(data_iter=stream))
 
 
-def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: BatchLayout) -> float:
+def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer) -> float:
     import torch
     import torch.distributed as dist
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for input_ids, labels in samples.micro_batches(step, layout, built.dp_rank):
+    for input_ids, labels in timer.wrap(samples.micro_batches(step, layout, built.dp_rank)):
         loss = engine(input_ids.to(engine.device), labels.to(engine.device))
         engine.backward(loss)
         engine.step()
@@ -49,11 +51,13 @@ def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: Ba
     return float(total)
 
 
-def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir: Path, is_rank0: bool) -> list[float]:
+def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path, is_rank0: bool) -> list[float]:
     """Run ``trainer.max_steps`` optimizer steps; return the per-step losses."""
     layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
     engine = built.engine
-    stream = samples.stream(0, layout, built.dp_rank) if plan.pp > 1 else None
+    timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
+    evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
+    stream = timer.wrap(samples.stream(0, layout, built.dp_rank)) if plan.pp > 1 else None
     writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None)
     bar = None
     if is_rank0:
@@ -64,9 +68,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(cfg.trainer.max_steps):
-        t0 = time.perf_counter()
+        t0, wait0 = time.perf_counter(), timer.seconds
         loss = (_step_pipeline(built, stream) if plan.pp > 1
-                else _step_sequential(built, samples, step, layout))
+                else _step_sequential(built, samples, step, layout, timer))
         dt = time.perf_counter() - t0
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
@@ -80,8 +84,10 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
                 "grad_norm": float(norm) if norm is not None else None,
                 "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
                 "elapsed_s": time.perf_counter() - start,
-                "model_state_bytes": built.model_state_bytes,
+                "model_state_bytes": built.model_state_bytes, "data_wait_s": timer.seconds - wait0,
             })
+        if evaluator is not None and evaluator.due(step + 1):
+            writer.write(evaluator.run(built, step + 1))
     if bar is not None:
         bar.close()
     writer.close()
