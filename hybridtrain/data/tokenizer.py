@@ -13,13 +13,14 @@ from hybridtrain.data.embedded import EOS, TOKENIZER
 EMBEDDED_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}<|endoftext|>{% endgeneration %}\n"
+    "<|assistant|>\n{% generation %}{{ message['content'] }}<|endoftext|>{% endgeneration %}"
     "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 """Chat template of the embedded tokenizer (and of ``tokenizer.json`` files without one):
-``<|role|>`` then the content on the next line; each assistant turn ends with ``<|endoftext|>``,
+``<|role|>`` then the content on the next line and a newline; an assistant turn ends with ``<|endoftext|>``
+instead of the newline,
 and its content plus that EOS are the generation (loss-carrying) tokens."""
 
 
