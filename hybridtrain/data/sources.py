@@ -96,6 +96,9 @@ def load_files(pattern: str, key: str, cfg: DataConfig, cache: Path):
     if folder is not None:
         raise PlanError(key, f"{folder} is a folder; give a glob of its files (e.g. '{folder}/*.jsonl'), "
                              "or for a save_to_disk folder data=disk")
+    files = [f for f in files if f.stat().st_size > 0]  # HF's builders fail on empty files
+    if not files:
+        raise PlanError(key, f"{pattern!r} names only empty files: the dataset holds no records; give files with data")
     builders = {BUILDERS.get(f.suffix.lower()) for f in files}
     if None in builders:
         bad = next(f for f in files if f.suffix.lower() not in BUILDERS)
