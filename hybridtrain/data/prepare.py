@@ -248,7 +248,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             if kind == "rows":
                 splits[split]["dropped_records"] = len(ds) - len(mapped)
             if kind == "packed" and splits[split]["num_tokens"] == 0:
-                raise PlanError(f"data.{'text_field'}", f"every {split} document is empty; check data.text_field")
+                raise PlanError("data.text_field", f"every {split} document is empty; check data.text_field")
         prepared = Prepared(dir=str(final), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp)
         (out / "data.json").write_text(prepared.to_json())
         try:

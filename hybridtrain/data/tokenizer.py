@@ -36,12 +36,6 @@ def tokenizer_source(cfg: DataConfig) -> Path:
                             "or null for the embedded one")
 
 
-def tokenizer_file(cfg: DataConfig) -> Path:
-    """Kept for callers that need one file to hash: the ``tokenizer.json`` (or the folder's)."""
-    path = tokenizer_source(cfg)
-    return path / "tokenizer.json" if path.is_dir() else path
-
-
 def load_tokenizer(cfg: DataConfig):
     """The run's ``PreTrainedTokenizerFast``, its EOS token set and (embedded) chat template attached."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
