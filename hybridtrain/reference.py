@@ -7,7 +7,6 @@ parity tests and the overhead benchmark compare every parallel layout against.
 """
 from __future__ import annotations
 
-import json
 import time
 
 from hybridtrain.config.schema import Config
@@ -19,8 +18,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
-    from hybridtrain.data.prepare import prepare
-    from hybridtrain.data.sampler import open_samples
+    from hybridtrain.data.prepare import train_samples
     from hybridtrain.engine import lr_lambda, param_groups
     from hybridtrain.models.build import reference_model
     from hybridtrain.models.families import get_family
@@ -34,8 +32,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
                             betas=tuple(o.betas), eps=o.eps)
     sched = LambdaLR(opt, lr_lambda(o, cfg.trainer.max_steps))
-    prepared = prepare(cfg.data, cfg.trainer.seed)
-    samples = open_samples(json.loads(prepared.to_json()), "train", cfg.trainer.seed)
+    samples = train_samples(cfg.data, cfg.trainer.seed)
     records = []
     for step in range(steps or cfg.trainer.max_steps):
         t0 = time.perf_counter()

@@ -167,6 +167,12 @@ def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_pat
     assert np.array_equal(x[:, 1:], y[:, :-1])
 
 
+def test_train_samples_opens_the_prepared_stream(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), seq_len=32)
+    samples = prepare.train_samples(cfg, seed=1234)
+    assert isinstance(samples, PackedSamples) and isinstance(samples.tokens, np.memmap) and samples.seq_len == 32
+
+
 def test_unknown_tokenizer_path_is_explained(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.tokenizer=.*no tokenizer.json"):
         tokenizer_source(DataConfig(tokenizer=str(tmp_path / "missing")))

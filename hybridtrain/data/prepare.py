@@ -263,3 +263,10 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
         f"{time.perf_counter() - t0:.1f}s (num_proc={cfg.num_proc}): {counts}"
         + (f"; {dropped} record(s) with no loss token dropped" if dropped else "") + f"; cached in {final}")
     return prepared
+
+
+def train_samples(cfg: DataConfig, seed: int, split: str = "train"):
+    """Prepare (or find cached) and open one split in this process: for the reference loop and tests."""
+    from hybridtrain.data.sampler import open_samples
+
+    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None).to_json()), split, seed)

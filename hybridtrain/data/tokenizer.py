@@ -36,6 +36,12 @@ def tokenizer_source(cfg: DataConfig) -> Path:
                             "or null for the embedded one")
 
 
+def tokenizer_file(cfg: DataConfig) -> Path:
+    """The ``tokenizer.json`` of the run (what a checkpoint copies): the file itself, or the folder's."""
+    path = tokenizer_source(cfg)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
 def load_tokenizer(cfg: DataConfig):
     """The run's ``PreTrainedTokenizerFast``, its EOS token set and (embedded) chat template attached."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
