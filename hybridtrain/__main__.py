@@ -44,11 +44,11 @@ def run(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
 
     from hybridtrain.config import save_config, to_config
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.local import launch
     from hybridtrain.models.build import meta_model
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
+    from hybridtrain.plan.data import check_data_counts
 
     try:
         typed = to_config(cfg)
@@ -81,22 +81,26 @@ def run(cfg: DictConfig) -> int:
         return 2
     params = sum(p.numel() for p in meta_model(hf_config).parameters())
     print(summary(plan, hf_config, params), flush=True)
-    tokens = None
+    prepared = None
     if not typed.launcher.dry_run:  # a dry run checks the plan only, no data preparation
-        tokens = prepare_tokens(typed.data)
-        samples = PackedSamples(tokens, plan.seq_len, typed.trainer.seed).num_samples
-        if samples < plan.global_batch_size:
-            print(f"[hybridtrain] config error: trainer.global_batch_size: the data has only {samples} samples of "
-                  f"data.seq_len={plan.seq_len} tokens, fewer than one global batch of {plan.global_batch_size}; "
-                  "lower trainer.global_batch_size or data.seq_len", file=sys.stderr)
+        try:  # tokenize once, here; every input problem is a config error before any worker starts
+            prepared = prepare(typed.data, typed.trainer.seed)
+            n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
+            typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
+        except PlanError as err:
+            print(f"[hybridtrain] config error: {err}", file=sys.stderr)
             return 2
+        print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"
+              f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
+              + (f", validation {n_val} samples" if n_val else ""), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(typed, run_dir / "config.yaml")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if tokens is None:
+    if prepared is None:
         print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
         return 0
-    code = launch(run_dir, plan, typed.launcher, machine, tokens)
+    (run_dir / "data.json").write_text(prepared.to_json())  # where the workers memory-map the samples
+    code = launch(run_dir, plan, typed.launcher, machine)
     if code != 0:
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
               f"the run directory is {run_dir}", file=sys.stderr)

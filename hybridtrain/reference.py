@@ -1,7 +1,7 @@
 """The numerical oracle: plain transformers + ``torch.optim.AdamW`` in one process.
 
 Same initial weights (:func:`~hybridtrain.models.build.reference_model`), same global batches
-(:class:`~hybridtrain.data.sampler.PackedSamples`), same learning-rate schedule, weight-decay
+(:mod:`hybridtrain.data.sampler`), same learning-rate schedule, weight-decay
 groups and clipping as a hybridtrain run, but no DeepSpeed, no sharding, no pipeline: what the
 parity tests and the overhead benchmark compare every parallel layout against.
 """
@@ -18,8 +18,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import train_samples
     from hybridtrain.engine import lr_lambda, param_groups
     from hybridtrain.models.build import reference_model
     from hybridtrain.models.families import get_family
@@ -33,7 +32,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
                             betas=tuple(o.betas), eps=o.eps)
     sched = LambdaLR(opt, lr_lambda(o, cfg.trainer.max_steps))
-    samples = PackedSamples(prepare_tokens(cfg.data), plan.seq_len, cfg.trainer.seed)
+    samples = train_samples(cfg.data, cfg.trainer.seed)
     records = []
     for step in range(steps or cfg.trainer.max_steps):
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def run(run_dir: Path) -> int:
     from deepspeed.accelerator import get_accelerator
 
     from hybridtrain.config import load_config
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
     from hybridtrain.plan import model_config
     from hybridtrain.plan.validate import Plan
@@ -60,7 +60,7 @@ def run(run_dir: Path) -> int:
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
     reshard = resume is not None and _saved_plan(resume) != _plan_key(plan)
     built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
-    samples = PackedSamples(Path(os.environ["HYBRIDTRAIN_TOKENS"]), plan.seq_len, cfg.trainer.seed)
+    samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
     if rank == 0:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
@@ -109,7 +109,7 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
 def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int):
     """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
     from hybridtrain.checkpoint.save import save_checkpoint
-    from hybridtrain.data.embedded import tokenizer_file
+    from hybridtrain.data.tokenizer import tokenizer_file
 
     def save(step: int) -> None:
         t0 = time.perf_counter()

@@ -39,7 +39,9 @@ class CliRun:
 
     def __init__(self, args: list[str], cwd: Path, cache_dir: Path):
         cwd.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, HYBRIDTRAIN_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+        # PYTHONPATH: run this checkout's package, not whichever one is pip-installed (cwd is elsewhere)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, HYBRIDTRAIN_CACHE=str(cache_dir), PYTHONUNBUFFERED="1", PYTHONPATH=path)
         self.args = args
         self._out, self._err = cwd / "stdout.txt", cwd / "stderr.txt"
         with open(self._out, "w") as out, open(self._err, "w") as err:

@@ -10,11 +10,10 @@ from launch_helpers import compose_config, losses, metrics, run_cli
 
 
 def _batch(recipe: str, step: int):
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import train_samples
 
     cfg = compose_config([f"+recipe={recipe}"])
-    samples = PackedSamples(prepare_tokens(cfg.data), cfg.data.seq_len, cfg.trainer.seed)
+    samples = train_samples(cfg.data, cfg.trainer.seed)
     return samples.rows(samples.global_indices(step, cfg.trainer.global_batch_size))
 
 

@@ -190,5 +190,5 @@ def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
     cfg = compose_config("+recipe=llama_7b")
     plan, _ = resolve(cfg, Machine())
     with pytest.raises(SystemExit) as info:
-        local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8), tmp_path / "tokens.npy")
+        local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8))
     assert "launcher.nodes=4" in str(info.value.code) and "use launcher.nodes=1" in str(info.value.code)

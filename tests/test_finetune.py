@@ -10,13 +10,12 @@ STEPS = 2
 
 
 def _first_batch(overrides: list[str]):
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import train_samples
     from hybridtrain.plan import apply_pretrained_defaults
 
     cfg = compose_config(overrides)
     apply_pretrained_defaults(cfg)
-    samples = PackedSamples(prepare_tokens(cfg.data), cfg.data.seq_len, cfg.trainer.seed)
+    samples = train_samples(cfg.data, cfg.trainer.seed)
     return samples.rows(samples.global_indices(0, cfg.trainer.global_batch_size))
 
 

@@ -33,13 +33,12 @@ def _assert_export_reproduces_last_step(recipe: str, run_dir, out_dir) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hybridtrain.data.embedded import prepare_tokens
-    from hybridtrain.data.sampler import PackedSamples
+    from hybridtrain.data.prepare import train_samples
     from hybridtrain.export import export
 
     export(run_dir / "checkpoints" / f"step_{STEPS - 1}", out_dir)
     cfg = compose_config([f"+recipe={recipe}"])
-    samples = PackedSamples(prepare_tokens(cfg.data), cfg.data.seq_len, cfg.trainer.seed)
+    samples = train_samples(cfg.data, cfg.trainer.seed)
     x, y = (torch.from_numpy(a) for a in samples.rows(samples.global_indices(STEPS - 1, cfg.trainer.global_batch_size)))
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
     with torch.no_grad():

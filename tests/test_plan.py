@@ -101,10 +101,16 @@ def test_launcher_name():
     plan_error(cfg, "launcher.name", "'slurm'", "['local']")
 
 
-def test_data_name():
+def test_data_source():
+    cfg = tiny()
+    cfg.data.source = "openwebtext"
+    plan_error(cfg, "data.source", "'openwebtext'", "['embedded', 'files', 'disk', 'hf']")
+
+
+def test_data_name_needs_the_hf_source():
     cfg = tiny()
     cfg.data.name = "openwebtext"
-    plan_error(cfg, "data.name", "'openwebtext'", "['embedded']")
+    plan_error(cfg, "data.name", "'openwebtext'", "data=hf")
 
 
 # --- degrees and devices -------------------------------------------------------------------------

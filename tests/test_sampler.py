@@ -3,14 +3,17 @@ layout sees the same global batch; plus the embedded corpus' token cache."""
 from __future__ import annotations
 
 import gzip
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import hybridtrain.data.embedded as embedded
+import hybridtrain.data.prepare as prepare
 from hybridtrain.config import DataConfig
 from hybridtrain.data.sampler import BatchLayout, PackedSamples
+from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 
 SEQ = 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]  # (dp, micro_batch_size)
@@ -124,21 +127,22 @@ def test_memory_mapped_file_gives_the_same_samples(tmp_path):
 
 def test_cache_root_falls_back_to_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path / "env"))
-    assert embedded.cache_root(DataConfig()) == tmp_path / "env"
-    assert embedded.cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+    assert prepare.cache_root(DataConfig()) == tmp_path / "env"
+    assert prepare.cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
 
 
-def test_prepare_tokens_caches_and_separates_documents(monkeypatch, tmp_path):
+def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
-    path = embedded.prepare_tokens(cfg)
-    assert path.parent == tmp_path / "cache" and path.name.startswith("embedded-") and path.suffix == ".npy"
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    prepared = prepare.prepare(cfg, seed=1234)
+    path = Path(prepared.dir) / prepared.splits["train"]["tokens"]
+    assert path.parent.parent == tmp_path / "cache" and path.parent.name.startswith("data-") and path.suffix == ".npy"
+    assert [p.name for p in path.parent.parent.iterdir()] == [path.parent.name]  # no temporary folder left behind
 
     tokens = np.load(path)
-    tokenizer = embedded.load_tokenizer(cfg)
-    eos = embedded.eos_id(cfg)
-    assert eos is not None and tokens.dtype == np.uint16 and int(tokens.max()) < embedded.vocab_size(cfg)
-    documents = embedded._documents(gzip.open(embedded.CORPUS, "rt", encoding="utf-8").read())
+    tokenizer = load_tokenizer(cfg)
+    eos = tokenizer.eos_token_id
+    assert eos is not None and tokens.dtype == np.uint16 and int(tokens.max()) < len(tokenizer)
+    documents = embedded.documents(gzip.open(embedded.CORPUS, "rt", encoding="utf-8").read())
     ends = np.flatnonzero(tokens == eos)
     assert len(ends) == len(documents) > 1000 and ends[-1] == len(tokens) - 1  # one EOS after each document
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -147,14 +151,14 @@ def test_prepare_tokens_caches_and_separates_documents(monkeypatch, tmp_path):
         assert text == documents[k]
     assert documents[0].startswith("Genesis 1\n") and documents[-1].startswith("Revelation 22\n")
 
-    # second call: the cached file, untouched, and no tokenizer work at all
+    # second call: the cached folder, untouched, and no tokenizer work at all
     mtime = path.stat().st_mtime_ns
 
-    def no_tokenizing(_cfg):
-        raise AssertionError("prepare_tokens re-tokenized a cached corpus")
+    def no_tokenizing(*_args, **_kwargs):
+        raise AssertionError("prepare re-tokenized a cached corpus")
 
-    monkeypatch.setattr(embedded, "load_tokenizer", no_tokenizing)
-    assert embedded.prepare_tokens(cfg) == path
+    monkeypatch.setattr(prepare.sources, "load_raw", no_tokenizing)
+    assert prepare.prepare(cfg, seed=1234).dir == prepared.dir
     assert path.stat().st_mtime_ns == mtime
 
     samples = PackedSamples(path, 32, seed=1234)
@@ -163,6 +167,12 @@ def test_prepare_tokens_caches_and_separates_documents(monkeypatch, tmp_path):
     assert np.array_equal(x[:, 1:], y[:, :-1])
 
 
+def test_train_samples_opens_the_prepared_stream(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), seq_len=32)
+    samples = prepare.train_samples(cfg, seed=1234)
+    assert isinstance(samples, PackedSamples) and isinstance(samples.tokens, np.memmap) and samples.seq_len == 32
+
+
 def test_unknown_tokenizer_path_is_explained(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.tokenizer=.*no tokenizer.json"):
-        embedded.tokenizer_file(DataConfig(tokenizer=str(tmp_path / "missing")))
+        tokenizer_source(DataConfig(tokenizer=str(tmp_path / "missing")))

@@ -58,14 +58,59 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Where training text comes from and how it is cut into samples."""
+    """Where training text comes from, how it is tokenized and how it is cut into samples.
 
-    name: str = "embedded"
-    """Data source. ``embedded``: the King James Bible shipped in the package."""
+    See ``docs/data.md``. Tokenization runs once in the launching process and is cached.
+    """
+
+    source: str = "embedded"
+    """Where the records come from: ``embedded`` (the King James Bible shipped in the package),
+    ``files`` (``data.path``: txt, json/jsonl, csv or parquet files), ``disk`` (``data.path``: a folder
+    written by HF ``save_to_disk``) or ``hf`` (``data.name``: a hub dataset already in the local HF cache)."""
+    path: Optional[str] = None
+    """``files``: a path or glob (``corpus/*.jsonl``), several separated by commas; ``disk``: the
+    ``save_to_disk`` folder. A ``save_to_disk`` folder given to ``files`` is loaded as ``disk``."""
+    name: Optional[str] = None
+    """``hf``: the hub dataset name (``org/name``); it must be in the local HF cache (never downloaded here)."""
+    subset: Optional[str] = None
+    """``hf``: the dataset's configuration name (``load_dataset(name, subset)``), if it has several."""
+    split: str = "train"
+    """``hf`` and ``disk`` (a ``DatasetDict``): the split to train on."""
+    format: str = "text"
+    """``text``: raw documents (``data.text_field``); ``chat``: a list of ``{role, content}`` messages
+    (``data.messages_field``), loss on assistant tokens only; ``prompt_completion``: loss on the
+    completion only (``data.prompt_field``, ``data.completion_field``)."""
+    packing: bool = True
+    """``text`` only: join documents with EOS and cut the stream into ``seq_len`` blocks (true), or one
+    document per sample, truncated and right-padded with masked labels (false). ``chat`` and
+    ``prompt_completion`` records are always one per sample."""
+    text_field: str = "text"
+    """Field holding the document text (``format=text``); ``.txt`` files always give ``text``."""
+    messages_field: str = "messages"
+    """Field holding the list of ``{role, content}`` messages (``format=chat``)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt (``format=prompt_completion``); its tokens carry no loss."""
+    completion_field: str = "completion"
+    """Field holding the completion (``format=prompt_completion``); followed by EOS, carries the loss."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (a file path or the template itself) replacing the tokenizer's; it must
+    mark assistant text with ``{% generation %}`` ... ``{% endgeneration %}``. ``null``: the tokenizer's
+    own, or for the embedded tokenizer the one in ``hybridtrain/data/tokenizer.py``."""
+    sample_by: str = "document"
+    """``.txt`` files: one record per ``document`` (file), ``paragraph`` (blank-line separated) or ``line``."""
+    val_fraction: float = 0.0
+    """Hold out this fraction of the records (split by ``trainer.seed``, before packing) for validation; 0: none."""
+    val_path: Optional[str] = None
+    """A separate validation source of the same kind as ``data.path`` (``files`` or ``disk``)."""
+    val_split: Optional[str] = None
+    """A split of the same dataset used for validation (``hf``, or ``disk`` with a ``DatasetDict``)."""
+    num_proc: int = 1
+    """Processes for tokenization (HF ``datasets.map(num_proc=...)``), in the launching process only."""
     seq_len: int = 128
-    """Tokens per sample; text is packed into blocks of this length."""
+    """Tokens per sample (inputs and shifted labels each ``seq_len`` long)."""
     tokenizer: Optional[str] = None
-    """Path to a ``tokenizer.json`` or HF tokenizer folder; ``null``: the embedded BPE tokenizer."""
+    """A ``tokenizer.json`` file, or a folder holding an HF tokenizer (``tokenizer_config.json`` and
+    ``tokenizer.json``, e.g. a pretrained model folder); ``null``: the embedded BPE tokenizer."""
     cache_dir: Optional[str] = None
     """Where tokenized data is cached; ``null``: ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``."""
 
@@ -95,7 +140,13 @@ class TrainerConfig:
     """The training loop."""
 
     max_steps: int = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run (replaced by the value derived from ``trainer.epochs`` when that is set)."""
+    epochs: Optional[float] = None
+    """Passes over the training samples; when set, ``max_steps = floor(epochs x train samples /
+    global_batch_size)`` is derived by the launcher after tokenization. ``null``: use ``max_steps``."""
+    eval_every: int = 0
+    """Compute the validation loss every this many steps (and always after the last step); 0: only at
+    the end. Needs a validation split (``data.val_fraction``, ``data.val_path`` or ``data.val_split``)."""
     global_batch_size: int = 8
     """Samples per optimizer step = micro_batch_size x gradient accumulation x dp."""
     seed: int = 1234

@@ -1,1 +1,2 @@
-"""Training data: the embedded corpus, its tokenizer, and the plan-independent sample order."""
+"""Training data: sources -> formats -> tokenized once and cached (``prepare``) -> memory-mapped,
+plan-independent sample order (``sampler``). See ``docs/data.md``."""

@@ -34,10 +34,11 @@ def command(run_dir: Path, plan: Plan, port: int) -> list[str]:
             "--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
 
 
-def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine, tokens: Path) -> int:
+def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
     """Start ``plan.world_size`` workers through the deepspeed runner; return the job's exit code.
 
-    The runner kills every rank when one fails, so a dead rank ends the job with a non-zero code.
+    Workers find everything in ``run_dir`` (``config.yaml``, ``plan.json``, ``data.json``). The runner
+    kills every rank when one fails, so a dead rank ends the job with a non-zero code.
     """
     if launcher.nodes != 1:
         raise SystemExit(f"launcher.nodes={launcher.nodes}: the local launcher runs on one machine; "
@@ -45,7 +46,7 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     port = launcher.master_port or free_port()
     threads = threads_per_rank(launcher, plan, machine)
     env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               HYBRIDTRAIN_TOKENS=str(tokens), PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1")
     cmd = command(run_dir, plan, port)
     print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)

@@ -94,7 +94,7 @@ def apply_pretrained_defaults(cfg: Config) -> None:
 def model_config(cfg: Config):
     """The HF config of this run: ``model.config`` overrides over the family defaults, with the
     tokenizer's vocabulary size and EOS id unless overridden. Launcher and workers both call this."""
-    from hybridtrain.data.embedded import eos_id, vocab_size
+    from hybridtrain.data.tokenizer import eos_id, vocab_size
     from hybridtrain.models.build import hf_config_of
     from hybridtrain.models.families import FAMILIES
 
@@ -112,7 +112,7 @@ def model_config(cfg: Config):
 
 def resolve(cfg: Config, machine: Machine | None = None) -> tuple[Plan, object]:
     """Validate ``cfg`` on this machine; return the :class:`Plan` and the HF model config."""
-    from hybridtrain.data.embedded import vocab_size
+    from hybridtrain.data.tokenizer import vocab_size
 
     hf_config = model_config(cfg)
     params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None

@@ -16,7 +16,6 @@ from hybridtrain.plan.partition import METHODS, partition
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DATA_SOURCES = ("embedded",)
 LAUNCHERS = ("local",)
 
 
@@ -25,7 +24,11 @@ class PlanError(ValueError):
 
     def __init__(self, key: str, message: str):
         self.key = key
+        self.detail = message
         super().__init__(f"{key}: {message}")
+
+    def __reduce__(self):  # picklable, so it crosses process boundaries (datasets.map with num_proc)
+        return (type(self), (self.key, self.detail))
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
           f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
     _need(lau.name in LAUNCHERS, "launcher.name", f"{lau.name!r} is not one of {list(LAUNCHERS)}")
-    _need(cfg.data.name in DATA_SOURCES, "data.name", f"{cfg.data.name!r} is not one of {list(DATA_SOURCES)}")
+    from hybridtrain.plan.data import check_data_config  # imports this module: import here
+
+    check_data_config(cfg.data, tr)
 
     for key in ("tp", "pp", "micro_batch_size"):
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")

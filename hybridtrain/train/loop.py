@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
-from hybridtrain.data.sampler import BatchLayout, PackedSamples
+from hybridtrain.data.sampler import BatchLayout, Samples
 from hybridtrain.engine import Built, lr_lambda
 from hybridtrain.plan.validate import Plan
+from hybridtrain.train.datawait import DataTimer
+from hybridtrain.train.evaluate import Evaluator
 
 
 class MetricsWriter:
@@ -31,13 +33,13 @@ def _step_pipeline(built: Built, stream) -> float:
     return float(built.engine.train_batch(data_iter=stream))
 
 
-def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: BatchLayout) -> float:
+def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer) -> float:
     import torch
     import torch.distributed as dist
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for input_ids, labels in samples.micro_batches(step, layout, built.dp_rank):
+    for input_ids, labels in timer.wrap(samples.micro_batches(step, layout, built.dp_rank)):
         loss = engine(input_ids.to(engine.device), labels.to(engine.device))
         engine.backward(loss)
         engine.step()
@@ -49,7 +51,7 @@ def _step_sequential(built: Built, samples: PackedSamples, step: int, layout: Ba
     return float(total)
 
 
-def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir: Path, is_rank0: bool,
+def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path, is_rank0: bool,
           start_step: int = 0, save: Callable[[int], None] | None = None) -> list[float]:
     """Run optimizer steps ``start_step`` .. ``trainer.max_steps - 1``; return their losses.
 
@@ -58,7 +60,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
     """
     layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
     engine = built.engine
-    stream = samples.stream(start_step, layout, built.dp_rank) if plan.pp > 1 else None
+    timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
+    evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
+    stream = timer.wrap(samples.stream(start_step, layout, built.dp_rank)) if plan.pp > 1 else None
     writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0)
     bar = None
     if is_rank0:
@@ -69,9 +73,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(start_step, cfg.trainer.max_steps):
-        t0 = time.perf_counter()
+        t0, wait0 = time.perf_counter(), timer.seconds
         loss = (_step_pipeline(built, stream) if plan.pp > 1
-                else _step_sequential(built, samples, step, layout))
+                else _step_sequential(built, samples, step, layout, timer))
         dt = time.perf_counter() - t0
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
@@ -85,11 +89,14 @@ def train(cfg: Config, plan: Plan, built: Built, samples: PackedSamples, run_dir
                 "grad_norm": float(norm) if norm is not None else None,
                 "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
                 "elapsed_s": time.perf_counter() - start,
-                "model_state_bytes": built.model_state_bytes,
+                "model_state_bytes": built.model_state_bytes, "data_wait_s": timer.seconds - wait0,
             })
         done = step + 1
+        if evaluator is not None and evaluator.due(done):
+            writer.write(evaluator.run(built, done))
         every = cfg.trainer.save_every
-        if save is not None and ((every and done % every == 0) or (done == cfg.trainer.max_steps and cfg.trainer.save_final)):
+        final = done == cfg.trainer.max_steps and cfg.trainer.save_final
+        if save is not None and ((every and done % every == 0) or final):
             save(done)
     if bar is not None:
         bar.close()

@@ -1,0 +1,272 @@
+"""Tokenize a run's data once, in the launching process, and cache it on disk.
+
+:func:`prepare` loads the records (:mod:`hybridtrain.data.sources`), splits off validation
+records, tokenizes with HF ``datasets.map(batched=True, num_proc=data.num_proc)`` into samples
+(:mod:`hybridtrain.data.formats`) and writes ``.npy`` files that workers memory-map
+(:func:`hybridtrain.data.sampler.open_samples`). The output folder is named by a fingerprint of
+everything the samples depend on, so a second run with the same inputs skips all of it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hybridtrain.config.schema import DataConfig
+from hybridtrain.data import formats, sources
+from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
+from hybridtrain.plan.validate import PlanError
+
+VERSION = 1
+"""Bump when the written samples change for the same inputs (invalidates every cache entry)."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """``data.cache_dir``, else ``$HYBRIDTRAIN_CACHE``, else ``~/.cache/hybridtrain``."""
+    root = cfg.cache_dir or os.environ.get("HYBRIDTRAIN_CACHE") or Path.home() / ".cache" / "hybridtrain"
+    return Path(root).expanduser()
+
+
+@dataclass
+class Prepared:
+    """Where a run's tokenized data is and what it holds (saved as the run's ``data.json``)."""
+
+    dir: str
+    """Cache folder holding the ``.npy`` files."""
+    kind: str
+    """``packed`` (a token stream per split) or ``rows`` (``input_ids`` / ``labels`` per split)."""
+    seq_len: int
+    splits: dict = field(default_factory=dict)
+    """``{"train": {file names..., "num_samples": n}, "val": {...}}`` (``val`` only with validation)."""
+    fingerprint: str = ""
+    cached: bool = False
+    """Whether this run found the data already prepared (not saved)."""
+
+    def num_samples(self, split: str) -> int:
+        """Samples in ``split`` (0 if there is no such split)."""
+        return self.splits.get(split, {}).get("num_samples", 0)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in self.__dict__.items() if k != "cached"}, indent=1)
+
+
+def _hash_tokenizer(cfg: DataConfig, tokenizer) -> str:
+    path = tokenizer_source(cfg)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()
+
+
+def chat_template(cfg: DataConfig) -> str | None:
+    """``data.chat_template`` as a template string (read from the file it names, if it is a path)."""
+    if cfg.chat_template is None:
+        return None
+    path = Path(cfg.chat_template).expanduser()
+    return path.read_text() if "{" not in cfg.chat_template and path.is_file() else cfg.chat_template
+
+
+def kind_of(cfg: DataConfig) -> str:
+    """``packed`` for packed text, ``rows`` for everything else."""
+    return "packed" if cfg.format == "text" and cfg.packing else "rows"
+
+
+def options(cfg: DataConfig, seed: int) -> dict:
+    """The format options the samples depend on (part of the fingerprint).
+
+    ``seq_len`` only matters for ``rows`` (packed blocks are cut when read), and the seed only
+    when it splits off validation records.
+    """
+    opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
+    opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
+                 "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]}}[cfg.format])
+    if kind_of(cfg) == "rows":
+        opts["seq_len"] = cfg.seq_len
+    if cfg.val_fraction > 0:
+        opts["seed"] = seed
+    return opts
+
+
+def fingerprint(identity: dict, tokenizer_hash: str, opts: dict) -> str:
+    """16 hex digits naming the cache folder of these inputs."""
+    blob = json.dumps({"data": identity, "tokenizer": tokenizer_hash, "options": opts}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def identify(cfg: DataConfig) -> dict:
+    """What the records depend on, computed without loading them (file sizes and mtimes, hashes)."""
+    sources.offline()
+    if cfg.source == "embedded":
+        return {"train": sources.load_embedded()[1]}
+    if cfg.source == "hf":
+        ident = {"train": sources.load_hub(cfg, cfg.split, "data.split")[1]}
+        if cfg.val_split:
+            ident["val"] = sources.load_hub(cfg, cfg.val_split, "data.val_split")[1]
+        return ident
+    ident = {}
+    for split, pattern, key in (("train", cfg.path, "data.path"), ("val", cfg.val_path, "data.val_path")):
+        if pattern:
+            files = sources.expand(pattern, key)
+            listed = [p for f in files for p in (sorted(f.rglob("*")) if f.is_dir() else [f]) if p.is_file()]
+            ident[split] = {"files": sources._stat(listed), "split": cfg.split, "val_split": cfg.val_split,
+                            "sample_by": cfg.sample_by}
+    return ident
+
+
+def _check_field(ds, name: str, key: str) -> None:
+    if name not in ds.column_names:
+        raise PlanError(key, f"the records have no field {name!r}; their fields are {ds.column_names}; "
+                             f"set {key}=<one of them>")
+
+
+def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
+    eos = tokenizer.eos_token_id
+    if eos is None and cfg.format != "chat":
+        raise PlanError("data.tokenizer", "the tokenizer has no EOS token to end documents; use a tokenizer "
+                                          "with an eos_token (or an <|endoftext|> token)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    if cfg.format == "text":
+        if cfg.packing:
+            return formats.text_stream, {"field": cfg.text_field, "eos_id": eos}
+        return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
+    if cfg.format == "prompt_completion":
+        return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
+                                                cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
+    template = tokenizer.chat_template or ""
+    if not formats.GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)):
+        raise PlanError("data.chat_template", "the tokenizer's chat template has no {% generation %} ... "
+                                              "{% endgeneration %} markers, so the assistant tokens cannot be found; "
+                                              "give data.chat_template=FILE with a template that wraps assistant "
+                                              "content in them (see docs/data.md)")
+    return formats.chat_rows, {"field": cfg.messages_field, "seq_len": cfg.seq_len, "pad_id": pad}
+
+
+def _field_keys(cfg: DataConfig) -> list[tuple[str, str]]:
+    return {"text": [(cfg.text_field, "data.text_field")], "chat": [(cfg.messages_field, "data.messages_field")],
+            "prompt_completion": [(cfg.prompt_field, "data.prompt_field"),
+                                  (cfg.completion_field, "data.completion_field")]}[cfg.format]
+
+
+def _write(ds, kind: str, seq_len: int, out: Path, split: str, dtype) -> dict:
+    """Write the mapped split ``ds`` as ``.npy`` files under ``out``; return its ``splits`` entry."""
+    import pyarrow.compute as pc
+
+    batches = list(ds.with_format("arrow").iter(batch_size=10_000))
+    if kind == "packed":
+        total = sum(int(pc.sum(pc.list_value_length(b["ids"])).as_py() or 0) for b in batches)
+        name = f"{split}.tokens.npy"
+        arr = np.lib.format.open_memmap(out / name, mode="w+", dtype=dtype, shape=(total,))
+        pos = 0
+        for b in batches:
+            flat = pc.list_flatten(b["ids"]).to_numpy()
+            arr[pos:pos + len(flat)] = flat
+            pos += len(flat)
+        arr.flush()
+        return {"tokens": name, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len),
+                "num_documents": len(ds)}
+    files = {"input_ids": f"{split}.input_ids.npy", "labels": f"{split}.labels.npy"}
+    arrays = {col: np.lib.format.open_memmap(out / files[col], mode="w+", shape=(len(ds), seq_len),
+                                             dtype=dtype if col == "input_ids" else np.int32) for col in files}
+    pos = 0
+    for b in batches:
+        for col, arr in arrays.items():
+            flat = pc.list_flatten(b[col]).to_numpy().reshape(-1, seq_len)
+            arr[pos:pos + len(flat)] = flat
+        pos += b.num_rows
+    for arr in arrays.values():
+        arr.flush()
+    return {**files, "num_samples": len(ds)}
+
+
+def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
+    """Tokenize ``data`` into samples once (or find them cached); return where they are.
+
+    Raises :class:`~hybridtrain.plan.PlanError` for every problem with the input, before any worker runs.
+    """
+    tokenizer = load_tokenizer(cfg)
+    template = chat_template(cfg)
+    if template is not None:
+        tokenizer.chat_template = template
+    kind = kind_of(cfg)
+    opts = options(cfg, seed)
+    fp = fingerprint(identify(cfg), _hash_tokenizer(cfg, tokenizer), opts)
+    root = cache_root(cfg)
+    final = root / f"data-{fp}"
+    if (final / "data.json").is_file():
+        found = Prepared(**json.loads((final / "data.json").read_text()), cached=True)
+        if kind == "packed":  # packed blocks are cut when read: the same stream serves every seq_len
+            found.seq_len = cfg.seq_len
+            for entry in found.splits.values():
+                entry["num_samples"] = max(0, (entry["num_tokens"] - 1) // cfg.seq_len)
+        log(f"[hybridtrain] data      cached tokens found in {final}: tokenization skipped (same source, "
+            f"tokenizer and options)")
+        return found
+
+    t0 = time.perf_counter()
+    work = root / f"tmp-{fp}-{os.getpid()}"
+    out = work / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        raw = sources.load_raw(cfg, work / "hf")
+        for name, key in _field_keys(cfg):
+            _check_field(raw.train, name, key)
+            if raw.val is not None:
+                _check_field(raw.val, name, key)
+        train, val = raw.train, raw.val
+        if cfg.val_fraction > 0:
+            try:
+                parts = train.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True,
+                                               train_indices_cache_file_name=str(work / "split-train.arrow"),
+                                               test_indices_cache_file_name=str(work / "split-val.arrow"))
+            except ValueError as err:
+                raise PlanError("data.val_fraction", f"{cfg.val_fraction} of {len(train)} records leaves an empty "
+                                                     f"split ({err}); use a fraction that keeps records on both sides") from None
+            train, val = parts["train"], parts["test"]
+        fn, kwargs = _map_fn(cfg, tokenizer)
+        dtype = np.uint16 if len(tokenizer) < 2**16 else np.uint32
+        splits = {}
+        for split, ds in (("train", train), ("val", val)):
+            if ds is None:
+                continue
+            mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names,
+                            fn_kwargs={"tokenizer": tokenizer, **kwargs}, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                            cache_file_name=str(work / f"map-{split}.arrow"), desc=f"tokenizing {split}")
+            if kind == "rows" and len(mapped) == 0:
+                raise PlanError("data.seq_len", f"no {split} record leaves a token to learn from within data.seq_len="
+                                                f"{cfg.seq_len} (empty documents, prompts that fill seq_len, or assistant "
+                                                "turns past it); raise data.seq_len or check the records")
+            splits[split] = _write(mapped, kind, cfg.seq_len, out, split, dtype)
+            if kind == "rows":
+                splits[split]["dropped_records"] = len(ds) - len(mapped)
+            if kind == "packed" and splits[split]["num_tokens"] == 0:
+                raise PlanError("data.text_field", f"every {split} document is empty; check data.text_field")
+        prepared = Prepared(dir=str(final), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp)
+        (out / "data.json").write_text(prepared.to_json())
+        try:
+            os.replace(out, final)  # atomic: a concurrent or interrupted run never sees a partial folder
+        except OSError:  # another run finished the same folder first; theirs is identical
+            pass
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    counts = ", ".join(f"{s} {v['num_samples']} samples" for s, v in splits.items())
+    dropped = sum(v.get("dropped_records", 0) for v in splits.values())
+    log(f"[hybridtrain] data      tokenized {len(train) + (len(val) if val is not None else 0)} records in "
+        f"{time.perf_counter() - t0:.1f}s (num_proc={cfg.num_proc}): {counts}"
+        + (f"; {dropped} record(s) with no loss token dropped" if dropped else "") + f"; cached in {final}")
+    return prepared
+
+
+def train_samples(cfg: DataConfig, seed: int, split: str = "train"):
+    """Prepare (or find cached) and open one split in this process: for the reference loop and tests."""
+    from hybridtrain.data.sampler import open_samples
+
+    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None).to_json()), split, seed)

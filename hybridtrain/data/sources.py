@@ -1,0 +1,197 @@
+"""Raw records from each ``data.source``, as HF ``datasets.Dataset`` objects, checked before tokenizing.
+
+Everything here runs in the launching process with the HF libraries in offline mode: a hub
+dataset must already be in the local cache, and nothing ever waits on the network.
+Every problem with the input raises :class:`~hybridtrain.plan.PlanError` naming the key and the fix.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridtrain.config.schema import DataConfig
+from hybridtrain.plan.validate import PlanError
+
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+"""File extension -> HF packaged builder of ``load_dataset``."""
+TEXT_BUILDERS = ("text", "json", "csv")
+"""Builders whose files are text, checked for UTF-8 before loading."""
+
+
+@dataclass
+class Raw:
+    """The records of one run, before tokenization."""
+
+    train: object
+    """``datasets.Dataset`` of training records."""
+    val: object | None
+    """``datasets.Dataset`` of validation records given as a separate source, or ``None``."""
+    identity: dict
+    """What the records depend on (file sizes and mtimes, dataset fingerprints): part of the cache key."""
+
+
+def offline() -> None:
+    """Put the HF libraries in offline mode (before and after they are imported): no network attempt."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+    import huggingface_hub.constants as hub
+
+    datasets.config.HF_DATASETS_OFFLINE = True
+    hub.HF_HUB_OFFLINE = True
+
+
+def expand(pattern: str, key: str) -> list[Path]:
+    """The files a path or glob (several separated by commas) names; an error when it names none."""
+    files: list[Path] = []
+    for part in (p.strip() for p in pattern.split(",")):
+        hits = sorted(glob.glob(os.path.expanduser(part), recursive=True))
+        if not hits:
+            raise PlanError(key, f"{part!r} matches no file (working directory {os.getcwd()}); "
+                                 "give an existing path or a glob such as 'corpus/*.jsonl'")
+        files += [Path(h) for h in hits]
+    return files
+
+
+def check_utf8(path: Path, key: str, chunk: int = 1 << 24) -> None:
+    """Fail naming the file and the byte offset of the first byte that is not UTF-8."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                raise PlanError(key, f"{path} is not UTF-8 text: invalid byte 0x{block[err.start]:02x} at byte offset "
+                                     f"{offset + err.start}; convert the file to UTF-8 "
+                                     "(e.g. iconv -f latin1 -t utf-8) or remove it from the glob") from None
+            if not block:
+                return
+            offset += len(block)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _stat(files: list[Path]) -> list:
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def load_files(pattern: str, key: str, cfg: DataConfig, cache: Path):
+    """Records of local files (one builder for all), after the UTF-8 check; and their identity."""
+    from datasets import load_dataset
+
+    files = expand(pattern, key)
+    if len(files) == 1 and is_saved_dataset(files[0]):
+        return load_disk(str(files[0]), key, cfg.split)
+    folder = next((f for f in files if f.is_dir()), None)
+    if folder is not None:
+        raise PlanError(key, f"{folder} is a folder; give a glob of its files (e.g. '{folder}/*.jsonl'), "
+                             "or for a save_to_disk folder data=disk")
+    files = [f for f in files if f.stat().st_size > 0]  # HF's builders fail on empty files
+    if not files:
+        raise PlanError(key, f"{pattern!r} names only empty files: the dataset holds no records; give files with data")
+    builders = {BUILDERS.get(f.suffix.lower()) for f in files}
+    if None in builders:
+        bad = next(f for f in files if f.suffix.lower() not in BUILDERS)
+        raise PlanError(key, f"{bad} has an unsupported extension; use {sorted(BUILDERS)} files "
+                             "or a save_to_disk folder (data=disk)")
+    if len(builders) > 1:
+        raise PlanError(key, f"the files mix kinds {sorted(builders)}; give files of one kind per run")
+    builder = builders.pop()
+    if builder in TEXT_BUILDERS:
+        for f in files:
+            check_utf8(f, key)
+    kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
+    try:
+        ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(cache), **kwargs)
+    except Exception as err:  # noqa: BLE001 - malformed JSON/CSV surfaces as DatasetGenerationError
+        cause = err.__cause__ or err
+        raise PlanError(key, f"could not read the {builder} files {[str(f) for f in files][:5]}: "
+                             f"{type(cause).__name__}: {str(cause)[:300]}; fix or remove the file") from None
+    return ds, {"files": _stat(files), "builder": builder, **kwargs}
+
+
+def load_disk(path: str, key: str, split: str | None):
+    """Records of a ``save_to_disk`` folder (a ``DatasetDict``: the split ``split``); and their identity."""
+    from datasets import DatasetDict, load_from_disk
+
+    folder = Path(path).expanduser()
+    if not is_saved_dataset(folder):
+        raise PlanError(key, f"{path!r} is not a folder written by datasets' save_to_disk (no state.json or "
+                             "dataset_dict.json); use data=files for plain files")
+    ds = load_from_disk(str(folder))
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise PlanError("data.split" if key == "data.path" else "data.val_split",
+                            f"{split!r} is not a split of {path}; it has {sorted(ds)}")
+        ds = ds[split]
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return ds, {"disk": _stat(files), "split": split}
+
+
+def load_hub(cfg: DataConfig, split: str, key: str):
+    """Records of a hub dataset from the local HF cache only; an error saying how to fetch it otherwise."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.name, cfg.subset, split=split)
+    except Exception as err:  # noqa: BLE001 - offline misses surface as ConnectionError, FileNotFoundError...
+        subset = f", {cfg.subset!r}" if cfg.subset else ""
+        if "split" in str(err).lower() and "unknown" in str(err).lower():
+            raise PlanError(key, f"{split!r} is not a split of the cached {cfg.name!r}: {err}") from None
+        raise PlanError("data.name", f"{cfg.name!r} (split {split!r}) is not in the local HF datasets cache "
+                                     f"({datasets.config.HF_DATASETS_CACHE}); hybridtrain never downloads at run time. "
+                                     f"Fetch it once, with network and the same HF_HOME: python -c \"import datasets; "
+                                     f"datasets.load_dataset({cfg.name!r}{subset}, split={split!r})\", or save it with "
+                                     f"save_to_disk and use data=disk ({type(err).__name__}: {err})") from None
+    return ds, {"hub": cfg.name, "subset": cfg.subset, "split": split, "fingerprint": ds._fingerprint}
+
+
+def load_embedded():
+    """The embedded corpus: one record per chapter in a ``text`` field; identity = the corpus hash."""
+    import hashlib
+
+    from datasets import Dataset
+
+    from hybridtrain.data.embedded import CORPUS, documents
+
+    ds = Dataset.from_dict({"text": documents()})
+    return ds, {"embedded": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+
+
+def load_raw(cfg: DataConfig, cache: Path) -> Raw:
+    """The training (and given validation) records of ``data``; ``cache`` holds HF's intermediate Arrow files."""
+    offline()
+    if cfg.source == "embedded":
+        train, ident = load_embedded()
+        val, val_ident = None, None
+    elif cfg.source == "files":
+        train, ident = load_files(cfg.path, "data.path", cfg, cache)
+        val, val_ident = load_files(cfg.val_path, "data.val_path", cfg, cache) if cfg.val_path else (None, None)
+    elif cfg.source == "disk":
+        train, ident = load_disk(cfg.path, "data.path", cfg.split)
+        if cfg.val_path:
+            val, val_ident = load_disk(cfg.val_path, "data.val_path", cfg.val_split or cfg.split)
+        elif cfg.val_split:
+            val, val_ident = load_disk(cfg.path, "data.path", cfg.val_split)
+        else:
+            val, val_ident = None, None
+    else:
+        train, ident = load_hub(cfg, cfg.split, "data.split")
+        val, val_ident = load_hub(cfg, cfg.val_split, "data.val_split") if cfg.val_split else (None, None)
+    where = {"embedded": "data.source", "hf": "data.name"}.get(cfg.source, "data.path")
+    if len(train) == 0:
+        raise PlanError(where, "the dataset holds no records; check the path/name and data.split")
+    if val is not None and len(val) == 0:
+        raise PlanError("data.val_split" if cfg.source == "hf" else "data.val_path",
+                        "the validation dataset holds no records")
+    return Raw(train=train, val=val, identity=json.loads(json.dumps({"train": ident, "val": val_ident})))

@@ -1,0 +1,80 @@
+"""Bad input through the real command line: each case exits 2 before any worker starts, with
+``[hybridtrain] config error: KEY: ...`` naming the key and the fix. The runs fail during data
+preparation in the controller, so they are cheap; they start together and are read as they end."""
+from __future__ import annotations
+
+import pytest
+
+from data_helpers import chapters, chat_records, text_corpus, write_jsonl
+from helpers_unit import CliRun
+
+BASE = ["+recipe=gpt_tiny", "data=files"]
+
+
+def _inputs(d) -> dict[str, list[str]]:
+    """Each case's overrides; the files they name are written into ``d``."""
+    corpus = text_corpus(d / "corpus.jsonl", n=40)
+    (d / "empty.jsonl").write_text("")
+    (d / "latin1.txt").write_bytes("In the beginning God created the heaven.\n".encode() + b"Gen\xe8se\n")
+    write_jsonl(d / "two.jsonl", [{"content": c[:200]} for c in chapters(2)])
+    write_jsonl(d / "long_prompts.jsonl", [{"prompt": c, "completion": "Amen."} for c in chapters(30)])
+    write_jsonl(d / "empty_docs.jsonl", [{"text": ""} for _ in range(30)])
+    bad_chat = chat_records(30)
+    bad_chat[17] = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "user", "content": "Anyone?"}]}
+    write_jsonl(d / "chats.jsonl", bad_chat)
+    return {
+        "glob_matches_nothing": [f"data.path={d}/nowhere/*.jsonl"],
+        "empty_dataset": [f"data.path={d}/empty.jsonl"],
+        "missing_field": [f"data.path={corpus}", "data.text_field=body"],
+        "not_utf8": [f"data.path={d}/latin1.txt"],
+        "smaller_than_a_global_batch": [f"data.path={d}/two.jsonl", "data.text_field=content"],
+        "nothing_to_learn_unpacked": [f"data.path={d}/long_prompts.jsonl", "data.format=prompt_completion"],
+        "empty_documents_unpacked": [f"data.path={d}/empty_docs.jsonl", "data.packing=false"],
+        "tokenizer_larger_than_vocab": [f"data.path={corpus}", "data.text_field=content",
+                                        "+model.config.vocab_size=1000"],
+        "chat_without_roles": [f"data.path={d}/chats.jsonl", "data.format=chat"],
+        "hub_not_cached": ["data=hf", "data.name=nobody/no_such_set"],
+        "validation_smaller_than_a_batch": [f"data.path={corpus}", "data.text_field=content", "data.packing=false",
+                                            "data.val_fraction=0.1"],
+    }
+
+
+EXPECT = {  # case -> (key, fragments of the message)
+    "glob_matches_nothing": ("data.path", ["nowhere/*.jsonl", "matches no file"]),
+    "empty_dataset": ("data.path", ["no records"]),
+    "missing_field": ("data.text_field", ["no field 'body'", "['content', 'source']", "data.text_field=<one of them>"]),
+    "not_utf8": ("data.path", ["latin1.txt is not UTF-8", "byte offset 44", "0xe8", "convert the file to UTF-8"]),
+    "smaller_than_a_global_batch": ("trainer.global_batch_size", ["fewer than one global batch of 12"]),
+    "nothing_to_learn_unpacked": ("data.seq_len", ["no train record leaves a token to learn from", "raise data.seq_len"]),
+    "empty_documents_unpacked": ("data.seq_len", ["no train record leaves a token to learn from"]),
+    "tokenizer_larger_than_vocab": ("model.config.vocab_size", ["8000 tokens", "only 1000"]),
+    "chat_without_roles": ("data.messages_field", ["record 17", "no assistant message", "['user', 'user']"]),
+    "hub_not_cached": ("data.name", ["'nobody/no_such_set'", "not in the local HF datasets cache", "load_dataset("]),
+    "validation_smaller_than_a_batch": ("data.val_fraction", ["4 samples", "fewer than one global batch of 12"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("data_errors")
+    inputs = _inputs(base / "inputs")
+    started = {}
+    for name, overrides in inputs.items():
+        run_dir = base / name / "run"
+        started[name] = (run_dir, CliRun([*BASE, *overrides, f"hydra.run.dir={run_dir}"], base / name, base / "cache"))
+    yield started
+    for _, run in started.values():
+        run.kill()
+
+
+@pytest.mark.parametrize("case", sorted(EXPECT))
+def test_bad_input_exits_2_naming_the_key(runs, case):
+    run_dir, run = runs[case]
+    proc = run.result(timeout=300)
+    key, fragments = EXPECT[case]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[hybridtrain] config error: {key}: " in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in proc.stderr, (fragment, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
+    assert not (run_dir / "config.yaml").exists()  # nothing written, no worker started
