@@ -114,8 +114,9 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 @pytest.mark.parametrize("overrides,key,fragment", [
     (["parallel.zero_stage=3"], "parallel", "resume with parallel.dp=1 parallel.tp=1"),
     (["trainer.max_steps=6"], "trainer.max_steps", "at step 6 already"),
+    (["trainer.global_batch_size=24"], "trainer.global_batch_size", "resume with trainer.global_batch_size=12"),
     (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),
-], ids=["plan_change", "nothing_left", "shape_change"])
+], ids=["zero3_plan_change", "nothing_left", "batch_change", "shape_change"])
 def test_resume_mismatch_is_a_config_error(overrides, key, fragment, saved_runs, tmp_path):
     ckpt = saved_runs[("gpt_tiny", (1, 1, 1))] / "checkpoints" / "step_6"
     overrides = ["trainer.max_steps=10", *overrides]

@@ -51,3 +51,30 @@ def test_sharded_checkpoint_is_read_through_its_index(checkpoints):
     weights = SafetensorsWeights(folder)
     assert "model.layers.3.self_attn.k_proj.weight" in weights
     assert tuple(weights.get("model.layers.3.self_attn.k_proj.weight").shape) == (48, 96)  # 6 KV heads x 8
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, rank, checkpoints):
+    """Pretrained blocks read only this rank's slices (safetensors get_slice); they must equal
+    what slicing the fully loaded block gives."""
+    import torch
+    from transformers import AutoConfig
+
+    from hybridtrain.models.build import ModelBuilder, meta_model, shard_block
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.weights import SafetensorsWeights
+    from hybridtrain.parallel.context import TPContext
+
+    folder, fam = checkpoints[family], get_family(family)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    cfg._attn_implementation = "sdpa"
+    tp = TPContext(None, rank, 2)
+    read = ModelBuilder(fam, cfg, meta_model(cfg), 1, tp, 8000, weights=SafetensorsWeights(folder)).block(2)
+    full = ModelBuilder(fam, cfg, meta_model(cfg), 1, TPContext(), 8000,
+                        weights=SafetensorsWeights(folder)).materialize(f"{fam.blocks}.2")
+    shard_block(full, fam, tp)
+    got, want = read.state_dict(), full.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key

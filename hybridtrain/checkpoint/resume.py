@@ -44,6 +44,11 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
             raise PlanError(f"model.config.{key}", f"the checkpoint {path} has {key}={ckpt_config[key]} but the "
                             f"configured model has {getattr(hf_config, key, None)}; resume with the same model")
+    saved_batch = meta["samples_seen"] // max(1, meta["step"])
+    if saved_batch != plan.global_batch_size:
+        raise PlanError("trainer.global_batch_size", f"{plan.global_batch_size} but {path} was trained with "
+                        f"{saved_batch}; the data position and the schedule count steps of that size: "
+                        f"resume with trainer.global_batch_size={saved_batch}")
     if meta["step"] >= cfg.trainer.max_steps:
         raise PlanError("trainer.max_steps", f"{cfg.trainer.max_steps} but {path} is at step {meta['step']} "
                         "already; raise trainer.max_steps to train on")

@@ -107,7 +107,7 @@ class ModelBuilder:
     def tied(self) -> bool:
         return bool(self.hf_config.tie_word_embeddings)
 
-    def materialize(self, name: str) -> nn.Module:
+    def materialize(self, name: str, skip: tuple[str, ...] = ()) -> nn.Module:
         """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained
         weights when the builder has ``weights``."""
         unit = self.hf_model.get_submodule(name)
@@ -117,7 +117,7 @@ class ModelBuilder:
             from hybridtrain.models.weights import load_unit
 
             tied = {f"{self.family.head}.weight": f"{self.family.embed}.weight"}
-            load_unit(unit, name, self.weights, tied)
+            load_unit(unit, name, self.weights, tied, skip)
         return unit
 
     def vocab_shard(self, name: str) -> tuple[torch.Tensor, int]:
@@ -134,20 +134,34 @@ class ModelBuilder:
 
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its linears replaced by this rank's TP shards."""
-        block = self.materialize(f"{self.family.blocks}.{index}")
-        shard_block(block, self.family, self.tp)
+        prefix = f"{self.family.blocks}.{index}"
+        tp_linears = tuple(f"{path}." for path in self.family.tp_plan)
+        block = self.materialize(prefix, skip=tp_linears if self.weights is not None else ())
+        read = None
+        if self.weights is not None:  # pretrained: read only this rank's shard of each split linear
+            from hybridtrain.models.weights import read_shard
+
+            def read(path: str, dim: int | None, fused: int) -> torch.Tensor:
+                if dim is None:  # replicated (a row-parallel bias)
+                    return self.weights.get(f"{prefix}.{path}")
+                return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
+        shard_block(block, self.family, self.tp, read)
         return block
 
 
-def shard_block(block: nn.Module, family: Family, tp: TPContext) -> None:
-    """Apply ``family.tp_plan`` to ``block`` in place (see :class:`~hybridtrain.models.families.TPRule`)."""
+def shard_block(block: nn.Module, family: Family, tp: TPContext, read=None) -> None:
+    """Apply ``family.tp_plan`` to ``block`` in place (see :class:`~hybridtrain.models.families.TPRule`).
+
+    Shards are cut from the block's own (full) linears, or, with ``read(path, hf_dim, fused)``,
+    read directly from a checkpoint (``path`` like ``attn.c_attn.weight``, HF layout).
+    """
     for name, rule in family.tp_plan.items():
         try:
             linear = block.get_submodule(name)
         except AttributeError:
             raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
                              f"which is not a module of {type(block).__name__}") from None
-        block.set_submodule(name, _shard_linear(linear, rule, tp))
+        block.set_submodule(name, _shard_linear(linear, rule, tp, _reader(read, name, rule)))
     if tp.size == 1:
         return
     for name in family.input_copy:
@@ -158,7 +172,29 @@ def shard_block(block: nn.Module, family: Family, tp: TPContext) -> None:
         setattr(module, attr, getattr(module, attr) // tp.size)
 
 
-def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext) -> nn.Module:
+def _reader(read, name: str, rule: TPRule):
+    """``(weight, bias)`` shards in local ``[out, in]`` layout from ``read``, or ``None`` without one."""
+    if read is None:
+        return None
+
+    def shards(has_bias: bool):
+        out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
+        if rule.style == "column":
+            w = read(f"{name}.weight", out_dim, rule.fused)
+            b = read(f"{name}.bias", 0, rule.fused) if has_bias else None
+        else:
+            w = read(f"{name}.weight", 1 - out_dim, 1)
+            b = read(f"{name}.bias", None, 1) if has_bias else None  # replicated
+        return (w.t().contiguous() if rule.conv1d else w), b
+
+    return shards
+
+
+def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext, shards=None) -> nn.Module:
+    has_bias = getattr(linear, "bias", None) is not None
+    if shards is not None:
+        w, b = shards(has_bias)
+        return ColumnParallelLinear(w, b) if rule.style == "column" else RowParallelLinear(w, b, tp)
     weight = linear.weight.detach()
     weight = weight.t() if rule.conv1d else weight  # -> [out, in]
     bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None

@@ -76,13 +76,35 @@ class SafetensorsWeights:
             raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
 
 
-def load_unit(unit: torch.nn.Module, prefix: str, weights: SafetensorsWeights, tied_from: dict[str, str]) -> None:
+def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int) -> torch.Tensor:
+    """Only this rank's part of tensor ``name``: along ``dim`` (HF layout), each of ``fused`` equal
+    sub-blocks cut into ``size`` chunks, chunk ``rank`` of each, read with safetensors slicing."""
+    from safetensors import safe_open
+
+    path = weights._file_of.get(name)
+    if path is None:
+        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint")
+    with safe_open(str(path), framework="pt") as f:
+        view = f.get_slice(name)
+        n = view.get_shape()[dim]
+        part, chunk = n // fused, n // fused // size
+        pieces = []
+        for j in range(fused):
+            lo = j * part + rank * chunk
+            pieces.append(view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk])
+    return torch.cat(pieces, dim=dim).float()
+
+
+def load_unit(unit: torch.nn.Module, prefix: str, weights: SafetensorsWeights, tied_from: dict[str, str],
+              skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter of ``unit`` (HF path ``prefix``) from ``weights``, checking shapes.
 
     ``tied_from`` maps a name missing from the file to the one it is tied to (``lm_head.weight``
     -> the embedding), as ``save_pretrained`` omits tied copies.
     """
     for local, param in unit.named_parameters():
+        if local.startswith(skip):  # read elsewhere, shard by shard
+            continue
         name = f"{prefix}.{local}"
         if name not in weights and name in tied_from:
             name = tied_from[name]
