@@ -34,6 +34,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
         raise ExportError(f"{src} holds no model-stage*.safetensors files")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model*.safetensors*"):  # a previous export here must not mix with this one
+        old.unlink()
     tensors = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:

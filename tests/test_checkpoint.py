@@ -83,6 +83,16 @@ def test_sharded_export_writes_an_index(saved_runs, tmp_path):
     assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
 
 
+def test_export_replaces_an_earlier_export_in_the_same_folder(saved_runs, tmp_path):
+    from hybridtrain.export import export
+
+    run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
+    export(run_dir / "checkpoints" / "step_6", tmp_path / "hf", max_shard_size="1MB")  # sharded, newer
+    export(run_dir / "checkpoints" / "step_3", tmp_path / "hf")                         # single file, older
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
+
+
 def test_interrupted_save_is_never_loaded(saved_runs, tmp_path):
     from hybridtrain.checkpoint.io import latest_checkpoint
 

@@ -166,6 +166,29 @@ def test_missing_tokenizer_is_a_plan_error(tmp_path):
     plan_error(cfg, "data.tokenizer", "nowhere", "tokenizer.json")
 
 
+def test_export_hf_needs_the_final_save():
+    cfg = tiny()
+    cfg.trainer.export_hf, cfg.trainer.save_final = True, False
+    plan_error(cfg, "trainer.export_hf", "save_final=true")
+
+
+def test_save_every_non_negative():
+    cfg = tiny()
+    cfg.trainer.save_every = -1
+    plan_error(cfg, "trainer.save_every", "got -1")
+
+
+def test_keep_last_positive_or_null():
+    cfg = tiny()
+    cfg.trainer.keep_last = 0
+    plan_error(cfg, "trainer.keep_last", "got 0", "or null")
+
+
+def test_finetune_recipe_requires_a_model_folder():
+    cfg = compose_config("+recipe=finetune_llama")
+    plan_error(cfg, "model.pretrained", "give-model.pretrained=DIR", "save_pretrained")
+
+
 def test_cpu_ranks_spread_evenly_over_nodes():
     cfg = tiny()
     cfg.launcher.nodes, cfg.parallel.dp = 2, 3

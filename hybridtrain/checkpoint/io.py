@@ -5,6 +5,7 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
     ds/            DeepSpeed's own state (module, ZeRO optimizer, lr scheduler) for exact resume
     hf/            HF-named fp32 weights, one safetensors file per pipeline stage, plus config.json,
                    generation_config.json and the tokenizer: what ``hybridtrain.export`` reads
+    optim/         HF-named AdamW moments (ZeRO <= 2), read when resuming under another plan
     rng/           every rank's RNG states
     config.yaml    the resolved config of the run that wrote it
     plan.json      its plan
@@ -76,6 +77,10 @@ def write_hf_metadata(out: Path, hf_config, tokenizer_path: Path) -> None:
     """config.json, generation_config.json and the tokenizer of an HF model folder."""
     from transformers import GenerationConfig
 
+    import copy
+
+    hf_config = copy.deepcopy(hf_config)
+    hf_config.use_cache = True  # training turns the KV cache off; generation wants it
     hf_config.save_pretrained(str(out))
     GenerationConfig.from_model_config(hf_config).save_pretrained(str(out))
     save_tokenizer(tokenizer_path, out)

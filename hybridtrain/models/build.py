@@ -194,6 +194,11 @@ def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext, shards=None) -
     has_bias = getattr(linear, "bias", None) is not None
     if shards is not None:
         w, b = shards(has_bias)
+        full = tuple(linear.weight.t().shape if rule.conv1d else linear.weight.shape)  # [out, in]
+        want = (full[0] // tp.size, full[1]) if rule.style == "column" else (full[0], full[1] // tp.size)
+        if tuple(w.shape) != want:
+            raise ValueError(f"checkpoint shard of shape {tuple(w.shape)} does not fit the configured model's "
+                             f"{want}; the model config does not match the checkpoint")
         return ColumnParallelLinear(w, b) if rule.style == "column" else RowParallelLinear(w, b, tp)
     weight = linear.weight.detach()
     weight = weight.t() if rule.conv1d else weight  # -> [out, in]

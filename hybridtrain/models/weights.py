@@ -84,14 +84,17 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
     path = weights._file_of.get(name)
     if path is None:
         raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint")
-    with safe_open(str(path), framework="pt") as f:
-        view = f.get_slice(name)
-        n = view.get_shape()[dim]
-        part, chunk = n // fused, n // fused // size
-        pieces = []
-        for j in range(fused):
-            lo = j * part + rank * chunk
-            pieces.append(view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk])
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            view = f.get_slice(name)
+            n = view.get_shape()[dim]
+            part, chunk = n // fused, n // fused // size
+            pieces = []
+            for j in range(fused):
+                lo = j * part + rank * chunk
+                pieces.append(view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk])
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
     return torch.cat(pieces, dim=dim).float()
 
 

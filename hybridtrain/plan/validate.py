@@ -201,8 +201,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(0 <= cfg.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     _need(not tr.export_hf or tr.save_final, "trainer.export_hf",
           "the export is made from the final checkpoint; set trainer.save_final=true or trainer.export_hf=false")
-    _need(tr.save_every >= 0 and (tr.keep_last is None or tr.keep_last >= 1), "trainer.save_every",
-          f"save_every must be >= 0 (0: final save only) and keep_last >= 1 or null, got {tr.save_every}, {tr.keep_last}")
+    _need(tr.save_every >= 0, "trainer.save_every", f"must be >= 0 (0: final save only), got {tr.save_every}")
+    _need(tr.keep_last is None or tr.keep_last >= 1, "trainer.keep_last",
+          f"must be >= 1 or null (keep all), got {tr.keep_last}")
     _need(cfg.optim.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {cfg.optim.grad_clip}")
 
     names = layer_names(family, num_layers)
