@@ -109,6 +109,22 @@ def test_interrupted_save_is_never_loaded(saved_runs, tmp_path):
     assert "not a complete checkpoint" in proc.stderr and "step_3" in proc.stderr
 
 
+def test_truncated_checkpoint_file_is_named_and_auto_resume_falls_back(saved_runs, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
+    ckpts = run_dir / "checkpoints"
+    victim = next((ckpts / "step_6" / "hf").glob("model-stage*.safetensors"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={ckpts / 'step_6'}",
+                   check=False, timeout=120)
+    assert proc.returncode == 2
+    assert victim.name in proc.stderr and "truncated or corrupt" in proc.stderr and "step_3" in proc.stderr
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", "trainer.resume=auto", "launcher.dry_run=true",
+                   timeout=120)
+    assert "skipping a checkpoint that cannot be loaded" in proc.stdout and victim.name in proc.stdout
+    assert f"resume: {ckpts / 'step_3'}" in proc.stdout
+
+
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from hybridtrain.checkpoint.io import finalize
 

@@ -36,18 +36,37 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / "meta.json").is_file() and (Path(path) / "ds").is_dir()
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint of a run directory, or ``None``."""
+def file_sizes(folder: Path) -> dict[str, int]:
+    """``relative path -> size`` of every file under ``folder`` (what ``meta.json`` records)."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(Path(folder).rglob("*"))
+            if p.is_file() and p.name != "meta.json"}
+
+
+def problem(path: Path) -> Optional[str]:
+    """Why checkpoint ``path`` cannot be loaded (incomplete, a file missing or truncated), or ``None``."""
+    if not is_complete(path):
+        return f"{path} is not a complete checkpoint (no meta.json: the save was interrupted)"
+    recorded = read_meta(path).get("files", {})
+    for rel, size in recorded.items():
+        f = Path(path) / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} is {f.stat().st_size} bytes but was saved with {size}: truncated or corrupt"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, skipped: Optional[list[str]] = None) -> Optional[Path]:
+    """The newest loadable checkpoint of a run directory, or ``None``; the problems of newer ones
+    that cannot be loaded are appended to ``skipped``."""
     root = checkpoints_dir(run_dir)
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if is_complete(candidate):
-            return candidate
     steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)))
     for _, path in reversed(steps):
-        if is_complete(path):
+        why = problem(path)
+        if why is None:
             return path
+        if skipped is not None:
+            skipped.append(why)
     return None
 
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from hybridtrain.checkpoint.io import is_complete, latest_checkpoint, read_meta
+from hybridtrain.checkpoint.io import latest_checkpoint, problem, read_meta
 from hybridtrain.config.schema import Config
 from hybridtrain.plan.validate import Plan, PlanError
 
@@ -20,7 +20,10 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
                         "model.pretrained fine-tunes (weights only, fresh optimizer, step 0), trainer.resume "
                         "continues a run (weights, optimizer, schedule, step, data position); set only one")
     if cfg.trainer.resume == "auto":
-        path = latest_checkpoint(run_dir)
+        skipped: list[str] = []
+        path = latest_checkpoint(run_dir, skipped)
+        for why in skipped:
+            print(f"[hybridtrain] skipping a checkpoint that cannot be loaded: {why}")
         if path is None:
             return None
     else:
@@ -28,10 +31,10 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         if not path.is_dir():
             raise PlanError("trainer.resume", f"{cfg.trainer.resume!r} does not exist; give a "
                             "RUN_DIR/checkpoints/step_N folder or auto")
-        if not is_complete(path):
+        why = problem(path)
+        if why is not None:
             newest = latest_checkpoint(path.parent.parent)
-            raise PlanError("trainer.resume", f"{path} is not a complete checkpoint (no meta.json: the save was "
-                            f"interrupted or this is not a checkpoint); the newest complete one there is {newest}")
+            raise PlanError("trainer.resume", f"{why}; the newest loadable checkpoint there is {newest}")
     meta = read_meta(path)
     saved = meta["plan"]
     now = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridtrain.checkpoint.hf_state import full_moment, gather
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
-from hybridtrain.checkpoint.io import checkpoints_dir, finalize, write_hf_metadata
+from hybridtrain.checkpoint.io import checkpoints_dir, file_sizes, finalize, write_hf_metadata
 
 
 def stage_hf_params(module, include_replicas: bool = False) -> list:
@@ -56,7 +56,8 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         shutil.copy2(run_dir / "config.yaml", tmp / "config.yaml")
         shutil.copy2(run_dir / "plan.json", tmp / "plan.json")
         meta = {"step": step, "samples_seen": step * plan.global_batch_size,
-                "plan": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}}
+                "plan": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage},
+                "files": file_sizes(tmp)}  # lets a resume detect a truncated or missing file
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)
     dist.barrier()
