@@ -20,10 +20,23 @@ def test_recipes_are_found():
     assert {"gpt_tiny", "gpt_small", "llama_tiny", "llama_7b"} <= set(RECIPES)
 
 
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny save_pretrained Llama, for recipes that fine-tune one (``model.pretrained``)."""
+    from finetune_helpers import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_composes_and_validates(recipe):
+def test_recipe_composes_and_validates(recipe, hf_llama):
     cfg = compose_config(f"+recipe={recipe}")
     assert isinstance(cfg, Config)
+    if cfg.model.pretrained is not None:  # a fine-tuning recipe: it needs the model folder
+        cfg = compose_config(f"+recipe={recipe}", f"model.pretrained={hf_llama}")
+        from hybridtrain.plan import apply_pretrained_defaults
+
+        apply_pretrained_defaults(cfg)
     # the machine the recipe targets: CPU processes, unless it pins GPUs per node (llama_7b: 4 nodes x 8)
     gpus = cfg.launcher.devices or 0
     plan, hf_config = resolve(cfg, Machine(gpus_per_node=gpus, fp16_supported=gpus > 0, cpu_cores=8))
