@@ -78,3 +78,29 @@ def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, 
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_vocab_rows_read_from_the_checkpoint_equal_the_padded_slices(family, tp_size, checkpoints):
+    """Embedding and head rows are read per rank; padded rows are zero; tied heads use the embedding."""
+    import torch
+    from transformers import AutoConfig
+
+    from hybridtrain.models.build import ModelBuilder, meta_model
+    from hybridtrain.models.families import get_family, padded_vocab
+    from hybridtrain.models.weights import SafetensorsWeights
+    from hybridtrain.parallel.context import TPContext
+
+    folder, fam = checkpoints[family], get_family(family)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    weights = SafetensorsWeights(folder)
+    vp = padded_vocab(cfg.vocab_size, tp_size)
+    for name in (fam.embed, fam.head):
+        src = f"{name}.weight" if f"{name}.weight" in weights else f"{fam.embed}.weight"
+        full = torch.cat([weights.get(src), torch.zeros(vp - cfg.vocab_size, weights.get(src).shape[1])])
+        for rank in range(tp_size):
+            builder = ModelBuilder(fam, cfg, meta_model(cfg), 1, TPContext(None, rank, tp_size), vp, weights=weights)
+            shard, start = builder.vocab_shard(name)
+            assert start == rank * vp // tp_size
+            assert torch.equal(shard, full[start:start + vp // tp_size])

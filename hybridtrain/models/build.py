@@ -121,7 +121,21 @@ class ModelBuilder:
         return unit
 
     def vocab_shard(self, name: str) -> tuple[torch.Tensor, int]:
-        """This rank's rows ``[start, start + V_pad/tp)`` of the padded ``[V, H]`` matrix ``name``."""
+        """This rank's rows ``[start, start + V_pad/tp)`` of the padded ``[V, H]`` matrix ``name``
+        (read as rows from a pretrained checkpoint, without loading the whole matrix)."""
+        start, stop = self.tp.shard(self.padded_vocab)
+        if self.weights is not None:
+            from hybridtrain.models.weights import CheckpointError, read_rows
+
+            tensor = f"{name}.weight"
+            if tensor not in self.weights and name == self.family.head:  # tied: save_pretrained omits it
+                tensor = f"{self.family.embed}.weight"
+            rows, shape = read_rows(self.weights, tensor, start, stop)
+            want = (self.vocab_size, int(self.hf_model.get_submodule(name).weight.shape[1]))
+            if shape != want:
+                raise CheckpointError(f"{self.weights.folder}: {tensor} has shape {shape} but the configured model "
+                                      f"expects {want}; the model config does not match the checkpoint")
+            return torch.cat([rows, rows.new_zeros(stop - start - rows.shape[0], want[1])]), start
         unit = self.materialize(name)
         full = unit.weight.detach()
         pad = self.padded_vocab - full.shape[0]

@@ -98,6 +98,23 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
     return torch.cat(pieces, dim=dim).float()
 
 
+def read_rows(weights: SafetensorsWeights, name: str, lo: int, hi: int) -> tuple[torch.Tensor, tuple]:
+    """Rows ``[lo, hi)`` of tensor ``name`` (clipped to its length) and the tensor's full shape."""
+    from safetensors import safe_open
+
+    path = weights._file_of.get(name)
+    if path is None:
+        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            view = f.get_slice(name)
+            shape = tuple(view.get_shape())
+            rows = view[min(lo, shape[0]):min(hi, shape[0])]
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
+    return rows.float(), shape
+
+
 def load_unit(unit: torch.nn.Module, prefix: str, weights: SafetensorsWeights, tied_from: dict[str, str],
               skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter of ``unit`` (HF path ``prefix``) from ``weights``, checking shapes.
