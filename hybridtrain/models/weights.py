@@ -76,42 +76,42 @@ class SafetensorsWeights:
             raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
 
 
+    def sliced(self, name: str, cut):
+        """``cut(view)`` on a safetensors slice view of tensor ``name``: reads only what ``cut``
+        indexes. Errors name the file."""
+        from safetensors import safe_open
+
+        path = self._file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return cut(f.get_slice(name))
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
+
+
 def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int) -> torch.Tensor:
     """Only this rank's part of tensor ``name``: along ``dim`` (HF layout), each of ``fused`` equal
     sub-blocks cut into ``size`` chunks, chunk ``rank`` of each, read with safetensors slicing."""
-    from safetensors import safe_open
 
-    path = weights._file_of.get(name)
-    if path is None:
-        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            view = f.get_slice(name)
-            n = view.get_shape()[dim]
-            part, chunk = n // fused, n // fused // size
-            pieces = []
-            for j in range(fused):
-                lo = j * part + rank * chunk
-                pieces.append(view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk])
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
-    return torch.cat(pieces, dim=dim).float()
+    def cut(view):
+        part = view.get_shape()[dim] // fused
+        chunk = part // size
+        los = [j * part + rank * chunk for j in range(fused)]
+        return [view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk] for lo in los]
+
+    return torch.cat(weights.sliced(name, cut), dim=dim).float()
 
 
 def read_rows(weights: SafetensorsWeights, name: str, lo: int, hi: int) -> tuple[torch.Tensor, tuple]:
     """Rows ``[lo, hi)`` of tensor ``name`` (clipped to its length) and the tensor's full shape."""
-    from safetensors import safe_open
 
-    path = weights._file_of.get(name)
-    if path is None:
-        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            view = f.get_slice(name)
-            shape = tuple(view.get_shape())
-            rows = view[min(lo, shape[0]):min(hi, shape[0])]
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
+    def cut(view):
+        shape = tuple(view.get_shape())
+        return view[min(lo, shape[0]):min(hi, shape[0])], shape
+
+    rows, shape = weights.sliced(name, cut)
     return rows.float(), shape
 
 
