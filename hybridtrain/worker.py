@@ -58,7 +58,7 @@ def run(run_dir: Path) -> int:
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
-    reshard = resume is not None and _saved_plan(resume) != _plan_key(plan)
+    reshard = resume is not None and _saved_plan(resume) != plan.layout()
     built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
     samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
@@ -72,10 +72,6 @@ def run(run_dir: Path) -> int:
     if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0
-
-
-def _plan_key(plan) -> dict:
-    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
 
 
 def _saved_plan(checkpoint: Path) -> dict:

@@ -37,7 +37,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
             raise PlanError("trainer.resume", f"{why}; the newest loadable checkpoint there is {newest}")
     meta = read_meta(path)
     saved = meta["plan"]
-    now = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
+    now = plan.layout()
     if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not (path / "optim").is_dir()):
         raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; changing the plan on "
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +

@@ -56,7 +56,7 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         shutil.copy2(run_dir / "config.yaml", tmp / "config.yaml")
         shutil.copy2(run_dir / "plan.json", tmp / "plan.json")
         meta = {"step": step, "samples_seen": step * plan.global_batch_size,
-                "plan": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage},
+                "plan": plan.layout(),
                 "files": file_sizes(tmp)}  # lets a resume detect a truncated or missing file
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)

@@ -70,6 +70,10 @@ class Plan:
         """Pipeline layer names of ``stage``."""
         return self.layer_names[self.stage_bounds[stage]:self.stage_bounds[stage + 1]]
 
+    def layout(self) -> dict[str, int]:
+        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
