@@ -38,7 +38,7 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
 
         apply_pretrained_defaults(cfg)
     # the machine the recipe targets: CPU processes, unless it pins GPUs per node (llama_7b: 4 nodes x 8)
-    gpus = cfg.launcher.devices or 0
+    gpus = cfg.launcher.gpus_per_node or 0
     plan, hf_config = resolve(cfg, Machine(gpus_per_node=gpus, fp16_supported=gpus > 0, cpu_cores=8))
 
     par = cfg.parallel

@@ -136,8 +136,8 @@ def test_nodes_positive():
 
 def test_devices_positive_or_null():
     cfg = tiny()
-    cfg.launcher.devices = 0
-    plan_error(cfg, "launcher.devices", "got 0", "null")
+    cfg.launcher.gpus_per_node = 0
+    plan_error(cfg, "launcher.gpus_per_node", "got 0", "null")
 
 
 @pytest.mark.parametrize("threads", [0, -1])
@@ -198,7 +198,7 @@ def test_cpu_ranks_spread_evenly_over_nodes():
 def test_tp_x_pp_exceeds_devices():
     cfg = tiny()
     cfg.parallel.tp, cfg.parallel.pp = 3, 2
-    plan_error(cfg, "parallel.tp", "3 x 2 = 6", "4 devices", "launcher.devices=4", "lower tp or pp",
+    plan_error(cfg, "parallel.tp", "3 x 2 = 6", "4 devices", "launcher.gpus_per_node=4", "lower tp or pp",
                machine=Machine(gpus_per_node=4))
 
 
@@ -218,7 +218,7 @@ def test_explicit_dp_exceeds_devices():
 
 def test_launcher_devices_override_the_machine():
     cfg = tiny()
-    cfg.launcher.devices, cfg.parallel.tp = 2, 3
+    cfg.launcher.gpus_per_node, cfg.parallel.tp = 2, 3
     plan_error(cfg, "parallel.tp", "3 x 1 = 3", "2 devices", machine=GPUS8)
 
 
@@ -379,7 +379,7 @@ def test_null_dp_fills_the_gpus():
 
 def test_null_dp_fills_launcher_devices_without_gpus():
     cfg = tiny()
-    cfg.launcher.devices, cfg.parallel.tp = 4, 2
+    cfg.launcher.gpus_per_node, cfg.parallel.tp = 4, 2
     plan, _ = resolve(cfg, CPU)
     assert (plan.dp, plan.world_size) == (2, 4)
 

@@ -177,9 +177,9 @@ class LauncherConfig:
     """``local``: the deepspeed runner on this machine."""
     nodes: int = 1
     """Machines the job spans; the local launcher runs on one."""
-    devices: Optional[int] = None
-    """Devices per node. ``null``: the number of CUDA GPUs, or on a machine without GPUs
-    no limit (CPU processes)."""
+    gpus_per_node: Optional[int] = None
+    """Devices per node: GPUs, or CPU processes on machines without GPUs. ``null``: the number
+    of CUDA GPUs here, or on a machine without GPUs no limit."""
     master_port: Optional[int] = None
     """Rendezvous port; ``null`` picks a free one."""
     threads_per_rank: Optional[int] = None

@@ -126,7 +126,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
     _need(par.dp is None or par.dp >= 1, "parallel.dp", f"must be >= 1 or null (fill the devices), got {par.dp}")
     _need(lau.nodes >= 1, "launcher.nodes", f"must be >= 1, got {lau.nodes}")
-    _need(lau.devices is None or lau.devices >= 1, "launcher.devices", f"must be >= 1 or null, got {lau.devices}")
+    _need(lau.gpus_per_node is None or lau.gpus_per_node >= 1, "launcher.gpus_per_node", f"must be >= 1 or null, got {lau.gpus_per_node}")
     _need(lau.threads_per_rank is None or lau.threads_per_rank >= 1, "launcher.threads_per_rank",
           f"must be >= 1 or null (cores / local ranks), got {lau.threads_per_rank}")
     _need(lau.timeout_minutes >= 1, "launcher.timeout_minutes", f"must be >= 1, got {lau.timeout_minutes}")
@@ -134,7 +134,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           f"must be in [1024, 65535] or null (pick a free port), got {lau.master_port}")
 
     # World size against the devices.
-    per_node = lau.devices if lau.devices is not None else (machine.gpus_per_node or None)
+    per_node = lau.gpus_per_node if lau.gpus_per_node is not None else (machine.gpus_per_node or None)
     model_ranks = par.tp * par.pp
     if per_node is None:  # CPU processes: no device limit; dp defaults to one replica per node
         dp = par.dp or lau.nodes
@@ -145,12 +145,12 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         total = per_node * lau.nodes
         _need(model_ranks <= total, "parallel.tp",
               f"tp x pp = {par.tp} x {par.pp} = {model_ranks} ranks exceed the {total} devices "
-              f"(launcher.nodes={lau.nodes} x launcher.devices={per_node}); lower tp or pp, or add devices")
+              f"(launcher.nodes={lau.nodes} x launcher.gpus_per_node={per_node}); lower tp or pp, or add devices")
         dp = par.dp if par.dp is not None else total // model_ranks
         world = dp * model_ranks
         _need(world == total if par.dp is None else world <= total, "parallel.dp",
               f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} does not fit the {total} devices "
-              f"(launcher.nodes={lau.nodes} x launcher.devices={per_node}); use dp <= {total // model_ranks}"
+              f"(launcher.nodes={lau.nodes} x launcher.gpus_per_node={per_node}); use dp <= {total // model_ranks}"
               + ("" if par.dp is not None else f" and tp x pp dividing {total}"))
     world = dp * model_ranks
 
