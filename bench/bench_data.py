@@ -5,7 +5,7 @@
     python bench/bench_data.py --metrics RUN_DIR/metrics.jsonl   # also: data-wait share of a run
 
 A = :func:`hybridtrain.data.prepare.prepare` on a jsonl copy of the embedded corpus (``data=files``,
-a fresh cache folder each time: JSON -> Arrow, ``datasets.map`` tokenization, ``.npy`` written).
+a fresh cache folder each time: JSON -> Arrow, ``datasets.map`` tokenization, Arrow dataset saved).
 B = read the same jsonl, ``tokenizer(batch, add_special_tokens=False)`` over batches of 1000
 documents, EOS appended, one numpy array. Runs alternate A B A B so machine load hits both alike;
 the medians and their ratio (target: pipeline >= 0.8x the plain loop) go to a dated Markdown table
@@ -143,7 +143,7 @@ def main() -> None:
         f"Machine: {result['machine']}", "",
         f"Text: {result['text']}. Pipeline with data.num_proc={args.num_proc}; {args.rounds} rounds, alternating A B.", "",
         "| path | median s | tokens/s | runs (s) |", "|---|---|---|---|",
-        f"| A: hybridtrain pipeline (load, map, write .npy) | {ma:.2f} | {n / ma:,.0f} | {', '.join(f'{x:.2f}' for x in a)} |",
+        f"| A: hybridtrain pipeline (load, map, save Arrow) | {ma:.2f} | {n / ma:,.0f} | {', '.join(f'{x:.2f}' for x in a)} |",
         f"| B: plain batched tokenizer(...) loop | {mb_:.2f} | {n / mb_:,.0f} | {', '.join(f'{x:.2f}' for x in b)} |",
         "", f"Pipeline throughput / plain throughput: **{result['ratio']:.2f}x** (target >= 0.8x).",
     ]

@@ -5,6 +5,10 @@ per pipeline stage, see :mod:`hybridtrain.checkpoint.hf_state`); export merges t
 ``model.safetensors`` (sharded with an index when larger than ``--max-shard-size``) next to
 ``config.json``, ``generation_config.json`` and the tokenizer, so ``from_pretrained`` loads the
 folder as is. A tied LM head is left out, as ``save_pretrained`` does, and is tied again on load.
+
+``--check`` (for checkpoints saved with ``trainer.save_logits=true``) then loads the folder with
+``AutoModelForCausalLM`` and compares its fp32 logits on the checkpoint's saved micro-batch with the
+logits hybridtrain computed from its sharded model, element by element.
 """
 from __future__ import annotations
 
@@ -55,18 +59,52 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     return out
 
 
+def check_logits(checkpoint: str | Path, out_dir: str | Path) -> tuple[float, float]:
+    """``(max |transformers - hybridtrain|, max |hybridtrain|)`` over the logits of the micro-batch
+    saved in ``checkpoint`` (see :mod:`hybridtrain.train.logits`), transformers reading ``out_dir``."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridtrain.train.logits import LOGITS_FILE
+
+    saved_file = Path(checkpoint) / LOGITS_FILE
+    if not saved_file.is_file():
+        raise ExportError(f"{saved_file} does not exist: --check needs a checkpoint saved with "
+                          "trainer.save_logits=true")
+    saved = load_file(str(saved_file))
+    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=saved["input_ids"]).logits.float()
+    ours = saved["logits"]
+    if theirs.shape != ours.shape:
+        raise ExportError(f"logits shapes differ: transformers {tuple(theirs.shape)}, hybridtrain {tuple(ours.shape)}")
+    return float((theirs - ours).abs().max()), float(ours.abs().max())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridtrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a RUN_DIR/checkpoints/step_N folder")
     parser.add_argument("out_dir", help="where to write the HF model folder")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare transformers' logits on the checkpoint's saved micro-batch with "
+                             "hybridtrain's (needs trainer.save_logits=true); exit 1 when they differ")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="--check: largest allowed |difference| relative to the largest |logit| (fp32)")
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+        print(f"[hybridtrain] exported {args.checkpoint} to {out}")
+        if args.check:
+            diff, scale = check_logits(args.checkpoint, out)
+            ok = diff <= args.tolerance * max(1.0, scale)
+            print(f"[hybridtrain] check {'passed' if ok else 'FAILED'}: max |transformers - hybridtrain| logit = "
+                  f"{diff:.3g} (largest |logit| {scale:.3g}, tolerance {args.tolerance:g} relative)")
+            return 0 if ok else 1
     except ExportError as err:
         print(f"[hybridtrain] export error: {err}", file=sys.stderr)
         return 2
-    print(f"[hybridtrain] exported {args.checkpoint} to {out}")
     return 0
 
 

@@ -41,9 +41,11 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros(())
         chunks = plan.global_batch_size // plan.micro_batch_size
+        tokens = int((labels != -100).sum())  # the step's loss is the mean over all its loss tokens
         for x, y in zip(input_ids.chunk(chunks), labels.chunk(chunks)):  # micro-batches, summed grads
-            # labels are already shifted (labels[t] = token t+1): HF's ``shift_labels``
-            micro = model(input_ids=x, labels=y, shift_labels=y).loss / chunks
+            # labels are already shifted (labels[t] = token t+1): HF's ``shift_labels``; transformers
+            # divides the summed token loss by ``num_items_in_batch`` (its gradient-accumulation fix)
+            micro = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
             micro.backward()
             loss += micro.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))

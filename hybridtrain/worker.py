@@ -66,7 +66,7 @@ def run(run_dir: Path) -> int:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "
               f"{built.model_state_bytes / 2**20:.1f} MiB of parameters)", flush=True)
-    save = _saver(cfg, plan, built, hf_config, run_dir, rank)
+    save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save)
     torch.distributed.barrier()  # nobody exits while a peer may still be in the last collective
     if rank == 0 and losses:
@@ -102,14 +102,16 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     return step
 
 
-def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int):
+def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
     """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
     from hybridtrain.checkpoint.save import save_checkpoint
     from hybridtrain.data.tokenizer import tokenizer_file
+    from hybridtrain.train.logits import logits_writer
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
-        path = save_checkpoint(built, cfg, plan, hf_config, step, run_dir, tokenizer_file(cfg.data))
+        extra = logits_writer(built, plan, samples, step) if cfg.trainer.save_logits else None
+        path = save_checkpoint(built, cfg, plan, hf_config, step, run_dir, tokenizer_file(cfg.data), extra)
         if rank == 0:
             print(f"[hybridtrain] saved {path} in {time.perf_counter() - t0:.1f}s", flush=True)
             if cfg.trainer.export_hf and step == cfg.trainer.max_steps:

@@ -37,3 +37,27 @@ def chat_records(n: int, start: int = 0) -> list[dict]:
             {"role": "assistant", "content": text[120:200]},
         ]})
     return out
+
+
+def save_samples(folder: Path, kind: str, rows, labels=None, num_shards: int = 1) -> Path:
+    """A dataset folder in the format :mod:`hybridtrain.data.prepare` writes: ``packed`` takes a list of
+    documents (token lists), ``rows`` a ``[N, seq_len]`` array of ids and one of labels.
+    ``num_shards`` > 1 splits it over several Arrow files (reads then cross file boundaries)."""
+    from datasets import Dataset
+
+    from hybridtrain.data.prepare import features
+
+    if kind == "packed":
+        data = {"ids": [list(map(int, r)) for r in rows]}
+        seq_len = 0
+    else:
+        data = {"input_ids": [list(map(int, r)) for r in rows], "labels": [list(map(int, r)) for r in labels],
+                "num_labels": [sum(int(x) != -100 for x in r) for r in labels]}
+        seq_len = len(data["input_ids"][0])
+    feats = features(kind, seq_len, "uint16")
+    if kind == "rows":
+        from datasets import Value
+
+        feats["num_labels"] = Value("int32")
+    Dataset.from_dict(data, features=feats).save_to_disk(str(folder), num_shards=num_shards)
+    return folder

@@ -37,7 +37,7 @@ def saved_runs(tmp_path_factory):
     for recipe, (dp, tp, pp) in LAYOUTS:
         run_dir = tmp_path_factory.mktemp(f"{recipe}_{dp}{tp}{pp}")
         run_cli(run_dir, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                "trainer.max_steps=6", "trainer.save_every=3", "trainer.export_hf=true")
+                "trainer.max_steps=6", "trainer.save_every=3", "trainer.export_hf=true", "trainer.save_logits=true")
         runs[(recipe, (dp, tp, pp))] = run_dir
     return runs
 
@@ -56,13 +56,14 @@ def test_resume_continues_the_uninterrupted_losses(recipe, layout, saved_runs, t
 
 @pytest.mark.dist
 @pytest.mark.parametrize("recipe,layout", LAYOUTS, ids=["gpt_111", "gpt_222", "llama_122"])
-def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, saved_runs, tmp_path):
+def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, saved_runs, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from hybridtrain.export import main
 
     run_dir = saved_runs[(recipe, layout)]
-    assert main([str(run_dir / "checkpoints" / "step_3"), str(tmp_path / "hf")]) == 0
+    assert main([str(run_dir / "checkpoints" / "step_3"), str(tmp_path / "hf"), "--check"]) == 0
+    assert "check passed: max |transformers - hybridtrain| logit = " in capsys.readouterr().out
     # the model after 3 steps computes step 4's loss
     assert _hf_loss(tmp_path / "hf", *_batch(recipe, 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
     # trainer.export_hf=true exported the final model, which has no later step: check its tensors load
@@ -71,6 +72,16 @@ def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, sa
     assert tok.eos_token == "<|endoftext|>" and tok.decode(tok.encode("In the beginning")) == "In the beginning"
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == 8000 and config["tie_word_embeddings"] is True
+
+
+def test_export_check_without_saved_logits_is_explained(saved_runs, tmp_path, capsys):
+    from hybridtrain.export import main
+
+    checkpoint = shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))] / "checkpoints" / "step_3", tmp_path / "step_3")
+    (checkpoint / "logits.safetensors").unlink()
+    assert main([str(checkpoint), str(tmp_path / "hf"), "--check"]) == 2
+    assert "logits.safetensors does not exist: --check needs a checkpoint saved with trainer.save_logits=true" \
+        in capsys.readouterr().err
 
 
 def test_sharded_export_writes_an_index(saved_runs, tmp_path):

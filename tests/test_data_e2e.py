@@ -37,7 +37,8 @@ def test_jsonl_corpus_with_a_content_field_trains(tmp_path):
 
 @pytest.fixture(scope="module")
 def chat_runs(tmp_path_factory):
-    """llama_tiny on chats with a validation file, at (1,1,1) and at dp=1 tp=2 pp=2."""
+    """llama_tiny on chats with a validation file, at (1,1,1), at dp=1 tp=2 pp=2, and at dp=2 pp=2
+    with micro-batches of 3 instead of 1 (the same 12-sample global batch cut differently)."""
     d = tmp_path_factory.mktemp("chat")
     write_jsonl(d / "train.jsonl", chat_records(60))
     write_jsonl(d / "val.jsonl", chat_records(30, start=60))  # 30 // 12 = 2 validation batches
@@ -45,11 +46,13 @@ def chat_runs(tmp_path_factory):
               "data.format=chat", "data.seq_len=64", "trainer.max_steps=3", "trainer.eval_every=2"]
     env = {"HYBRIDTRAIN_CACHE": str(d / "cache")}
     out = {}
-    for layout in [(1, 1, 1), (1, 2, 2)]:
-        run_dir = d / "run_{}{}{}".format(*layout)
-        dp, tp, pp = layout
-        proc = run_cli(run_dir, *common, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", env=env)
+    for layout in [(1, 1, 1), (1, 2, 2), (2, 1, 2, 3)]:
+        run_dir = d / "run_{}".format("".join(map(str, layout)))
+        dp, tp, pp, mbs = (*layout, 1)[:4]
+        proc = run_cli(run_dir, *common, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                       f"parallel.micro_batch_size={mbs}", env=env)
         out[layout] = (proc, metrics(run_dir))
+    out["common"], out["env"] = common, env
     return out
 
 
@@ -75,3 +78,24 @@ def test_validation_is_the_same_under_tp2_pp2(chat_runs):
         assert g["val_ppl"] == pytest.approx(w["val_ppl"], rel=1e-5)
     for g, w in zip(got_train, want_train):  # masked labels train identically under the layout too
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4)
+
+
+def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs, monkeypatch):
+    """Chats carry different numbers of assistant tokens, so a mean of per-micro-batch means would
+    change with the micro-batch size; the step loss is the mean over every loss token of the global
+    batch instead: micro-batches of 3 (dp=2, pp=2) give the losses of micro-batches of 1, and both
+    equal plain transformers with ``num_items_in_batch`` (its gradient-accumulation fix)."""
+    from launch_helpers import compose_config
+
+    from hybridtrain.reference import reference_run
+
+    want_train, want_val = _split(chat_runs[(1, 1, 1)][1])
+    got_train, got_val = _split(chat_runs[(2, 1, 2, 3)][1])
+    assert len(got_train) == len(want_train) == 3 and len(got_val) == len(want_val) == 2
+    for g, w in zip(got_train + got_val, want_train + want_val):
+        key = "loss" if "loss" in w else "val_loss"
+        assert g[key] == pytest.approx(w[key], rel=1e-5), (g, w)
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", chat_runs["env"]["HYBRIDTRAIN_CACHE"])
+    oracle = reference_run(compose_config(chat_runs["common"]))
+    for o, w in zip(oracle, want_train, strict=True):
+        assert o["loss"] == pytest.approx(w["loss"], rel=1e-5), (o, w)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers_unit import compose_config
-from hybridtrain.data.sampler import BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
+from data_helpers import save_samples
+from hybridtrain.data.sampler import ArrowColumn, BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
 from hybridtrain.plan import PlanError, resolve
 from hybridtrain.plan.data import check_data_counts
 from hybridtrain.plan.validate import Machine
@@ -87,10 +88,10 @@ class SpyArray:
 
 def test_a_rank_reads_only_its_rows(tmp_path):
     ids = np.arange(40 * 4, dtype=np.uint16).reshape(40, 4)
-    np.save(tmp_path / "ids.npy", ids)
-    np.save(tmp_path / "labels.npy", ids.astype(np.int32))
-    samples = RowSamples(tmp_path / "ids.npy", tmp_path / "labels.npy", seed=1)
-    assert isinstance(samples.input_ids, np.memmap) and isinstance(samples.labels, np.memmap)  # not in memory
+    samples = RowSamples(save_samples(tmp_path / "ds", "rows", ids, ids, num_shards=2), None, seed=1)
+    for column in (samples.input_ids, samples.labels):  # views of the mapped Arrow files, not copies
+        assert isinstance(column, ArrowColumn) and not any(v.flags.owndata for v in column.views)
+    assert np.array_equal(samples.input_ids[np.arange(40)], ids)
     samples.input_ids, samples.labels = SpyArray(samples.input_ids), SpyArray(samples.labels)
     layout = BatchLayout(8, 2, 2)
     got = [x for x, _ in samples.micro_batches(0, layout, dp_rank=1)]
@@ -101,25 +102,22 @@ def test_a_rank_reads_only_its_rows(tmp_path):
 
 
 def test_packed_store_reads_only_its_blocks(tmp_path):
-    np.save(tmp_path / "t.npy", np.arange(101, dtype=np.uint16))
-    samples = PackedSamples(tmp_path / "t.npy", 4, seed=1)
-    assert isinstance(samples.tokens, np.memmap)
+    samples = PackedSamples(save_samples(tmp_path / "ds", "packed", [np.arange(101)]), 4, seed=1)
+    assert isinstance(samples.tokens, ArrowColumn)
     spy = samples.tokens = SpyArray(samples.tokens)
     samples.rows(np.array([3, 7]))
     assert spy.requests == [slice(12, 17), slice(28, 33)]  # the two blocks of seq_len + 1 tokens, no more
 
 
 def test_open_samples_memory_maps_both_kinds(tmp_path):
-    np.save(tmp_path / "train.tokens.npy", np.arange(50, dtype=np.uint16))
-    np.save(tmp_path / "val.input_ids.npy", np.zeros((3, 4), np.uint16))
-    np.save(tmp_path / "val.labels.npy", np.full((3, 4), -100, np.int32))
-    packed = {"dir": str(tmp_path), "kind": "packed", "seq_len": 7, "splits": {"train": {"tokens": "train.tokens.npy"}}}
-    rows = {"dir": str(tmp_path), "kind": "rows", "seq_len": 4,
-            "splits": {"val": {"input_ids": "val.input_ids.npy", "labels": "val.labels.npy"}}}
+    save_samples(tmp_path / "train", "packed", [np.arange(50)])
+    save_samples(tmp_path / "val", "rows", np.zeros((3, 4)), np.full((3, 4), -100))
+    packed = {"dir": str(tmp_path), "kind": "packed", "seq_len": 7, "splits": {"train": {"dataset": "train"}}}
+    rows = {"dir": str(tmp_path), "kind": "rows", "seq_len": 4, "splits": {"val": {"dataset": "val"}}}
     assert open_samples(packed, "train", 0).num_samples == 7 and open_samples(packed, "val", 0) is None
     (tmp_path / "data.json").write_text(json.dumps(rows))
     val = open_samples(tmp_path / "data.json", "val", 0)
-    assert isinstance(val.labels, np.memmap) and val.rows(np.array([2]))[1].tolist() == [[-100] * 4]
+    assert isinstance(val.labels, ArrowColumn) and val.rows(np.array([2]))[1].tolist() == [[-100] * 4]
 
 
 def test_validation_batches_are_fixed_unshuffled_and_drop_the_remainder():

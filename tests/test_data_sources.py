@@ -13,7 +13,7 @@ import pytest
 from data_helpers import chapters, text_corpus, write_jsonl
 from hybridtrain.config import DataConfig
 from hybridtrain.data import prepare as prep
-from hybridtrain.data.sampler import open_samples
+from hybridtrain.data.sampler import ArrowColumn, open_samples
 from hybridtrain.plan import PlanError
 
 
@@ -23,7 +23,7 @@ def _cfg(tmp_path: Path, **kw) -> DataConfig:
 
 
 def _stream(prepared, split: str = "train") -> np.ndarray:
-    return np.load(Path(prepared.dir) / prepared.splits[split]["tokens"])
+    return np.asarray(ArrowColumn(Path(prepared.dir) / prepared.splits[split]["dataset"], "ids"))
 
 
 def test_every_file_kind_gives_the_same_token_stream(tmp_path):
@@ -188,7 +188,7 @@ def test_validation_split_is_a_function_of_the_seed(tmp_path):
         p = prep.prepare(DataConfig(source="files", cache_dir=str(tmp_path / cache), seq_len=8, **kw), seed,
                          log=lambda _: None)
         meta = json.loads(p.to_json())
-        first = {s: {tuple(r) for r in open_samples(meta, s, 0).input_ids.tolist()} for s in ("train", "val")}
+        first = {s: {tuple(r) for r in np.asarray(open_samples(meta, s, 0).input_ids).tolist()} for s in ("train", "val")}
         return first, p
 
     a, pa = split(3, "c1")

@@ -24,25 +24,34 @@ LAYOUTS = [l for l in itertools.product((1, 2), repeat=3) if l != (1, 1, 1)]
 def _overrides(dp: int, tp: int, pp: int, *extra: str) -> list[str]:
     # a checkpoint at step STEPS-1: its HF export must reproduce the loss of step STEPS
     return [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.max_steps={STEPS}",
-            f"trainer.save_every={STEPS - 1}", *extra]
+            f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true", *extra]
 
 
 def _assert_export_reproduces_last_step(recipe: str, run_dir, out_dir) -> None:
     """Export the step STEPS-1 checkpoint; transformers' loss on step STEPS's batch must equal the
-    loss hybridtrain computed there (the same weights, the same batch)."""
+    loss hybridtrain computed there (the same weights, the same batch), and transformers' logits on
+    that batch's first micro-batch must equal, element by element, the logits hybridtrain's sharded
+    model wrote into the checkpoint (``trainer.save_logits``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from hybridtrain.data.prepare import train_samples
-    from hybridtrain.export import export
+    from safetensors.torch import load_file
 
-    export(run_dir / "checkpoints" / f"step_{STEPS - 1}", out_dir)
+    from hybridtrain.export import check_logits, export
+
+    checkpoint = run_dir / "checkpoints" / f"step_{STEPS - 1}"
+    export(checkpoint, out_dir)
+    diff, scale = check_logits(checkpoint, out_dir)
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"{recipe} export logits differ by {diff} (max |logit| {scale})"
     cfg = compose_config([f"+recipe={recipe}"])
     samples = train_samples(cfg.data, cfg.trainer.seed)
     x, y = (torch.from_numpy(a) for a in samples.rows(samples.global_indices(STEPS - 1, cfg.trainer.global_batch_size)))
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
     with torch.no_grad():
         hf = float(model(input_ids=x, labels=y, shift_labels=y).loss)
+    saved = load_file(str(checkpoint / "logits.safetensors"))["input_ids"]
+    assert torch.equal(saved, x[:len(saved)])  # the micro-batch of the loss comparison
     ours = losses(run_dir)[STEPS - 1]
     assert abs(hf - ours) <= 1e-5 * abs(ours), f"{recipe} export: transformers {hf!r} vs hybridtrain {ours!r}"
 

@@ -12,7 +12,7 @@ import torch
 import hybridtrain.data.embedded as embedded
 import hybridtrain.data.prepare as prepare
 from hybridtrain.config import DataConfig
-from hybridtrain.data.sampler import BatchLayout, PackedSamples
+from hybridtrain.data.sampler import ArrowColumn, BatchLayout, PackedSamples
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 
 SEQ = 4
@@ -113,11 +113,14 @@ def test_stream_resumes_at_any_step():
 
 
 def test_memory_mapped_file_gives_the_same_samples(tmp_path):
+    from data_helpers import save_samples
+
     tokens = np.arange(81, dtype=np.uint16)
-    np.save(tmp_path / "tokens.npy", tokens)
-    from_file = PackedSamples(tmp_path / "tokens.npy", 8, seed=1)
+    documents = [tokens[:10], tokens[10:11], tokens[11:50], tokens[50:]]  # blocks span documents and files
+    from_file = PackedSamples(save_samples(tmp_path / "ds", "packed", documents, num_shards=3), 8, seed=1)
     in_memory = PackedSamples(tokens, 8, seed=1)
-    assert isinstance(from_file.tokens, np.memmap)
+    assert len(from_file.tokens.views) == 3 and not any(v.flags.owndata for v in from_file.tokens.views)  # mapped
+    assert np.array_equal(from_file.tokens[0:81], tokens) and from_file.num_samples == in_memory.num_samples
     x, y = from_file.rows(from_file.global_indices(3, 4))
     ex, ey = in_memory.rows(in_memory.global_indices(3, 4))
     assert x.dtype == np.int64 and np.array_equal(x, ex) and np.array_equal(y, ey)
@@ -134,11 +137,12 @@ def test_cache_root_falls_back_to_the_environment(monkeypatch, tmp_path):
 def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
     prepared = prepare.prepare(cfg, seed=1234)
-    path = Path(prepared.dir) / prepared.splits["train"]["tokens"]
-    assert path.parent.parent == tmp_path / "cache" and path.parent.name.startswith("data-") and path.suffix == ".npy"
+    path = Path(prepared.dir) / prepared.splits["train"]["dataset"]
+    assert path.parent.parent == tmp_path / "cache" and path.parent.name.startswith("data-")
     assert [p.name for p in path.parent.parent.iterdir()] == [path.parent.name]  # no temporary folder left behind
+    assert sorted(p.suffix for p in path.iterdir()) == [".arrow", ".json", ".json"]  # Dataset.save_to_disk
 
-    tokens = np.load(path)
+    tokens = np.asarray(ArrowColumn(path, "ids"))
     tokenizer = load_tokenizer(cfg)
     eos = tokenizer.eos_token_id
     assert eos is not None and tokens.dtype == np.uint16 and int(tokens.max()) < len(tokenizer)
@@ -152,14 +156,14 @@ def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_pat
     assert documents[0].startswith("Genesis 1\n") and documents[-1].startswith("Revelation 22\n")
 
     # second call: the cached folder, untouched, and no tokenizer work at all
-    mtime = path.stat().st_mtime_ns
+    mtime = (path / "state.json").stat().st_mtime_ns
 
     def no_tokenizing(*_args, **_kwargs):
         raise AssertionError("prepare re-tokenized a cached corpus")
 
     monkeypatch.setattr(prepare.sources, "load_raw", no_tokenizing)
     assert prepare.prepare(cfg, seed=1234).dir == prepared.dir
-    assert path.stat().st_mtime_ns == mtime
+    assert (path / "state.json").stat().st_mtime_ns == mtime
 
     samples = PackedSamples(path, 32, seed=1234)
     assert samples.num_samples == (len(tokens) - 1) // 32
@@ -170,7 +174,7 @@ def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_pat
 def test_train_samples_opens_the_prepared_stream(tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"), seq_len=32)
     samples = prepare.train_samples(cfg, seed=1234)
-    assert isinstance(samples, PackedSamples) and isinstance(samples.tokens, np.memmap) and samples.seq_len == 32
+    assert isinstance(samples, PackedSamples) and isinstance(samples.tokens, ArrowColumn) and samples.seq_len == 32
 
 
 def test_unknown_tokenizer_path_is_explained(tmp_path):

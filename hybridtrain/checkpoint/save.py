@@ -5,6 +5,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from hybridtrain.checkpoint.hf_state import full_moment, gather
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
@@ -17,8 +18,13 @@ def stage_hf_params(module, include_replicas: bool = False) -> list:
     return [x for m in module.modules() if hasattr(m, "hf_params") for x in m.hf_params(include_replicas)]
 
 
-def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path) -> Path:
-    """Write ``RUN_DIR/checkpoints/step_<step>`` atomically; every rank must call it."""
+def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path,
+                    extra: Callable[[Path], None] | None = None) -> Path:
+    """Write ``RUN_DIR/checkpoints/step_<step>`` atomically; every rank must call it.
+
+    ``extra(tmp_dir)``, called on every rank before the checkpoint is sealed, may add files (such as
+    :mod:`hybridtrain.train.logits`); they are size-checked like the rest.
+    """
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -50,6 +56,8 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
                       metadata={"format": "pt"})
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng" / f"rank_{rank:05d}.pt")
+    if extra is not None:
+        extra(tmp)
     dist.barrier()
     if rank == 0:
         write_hf_metadata(tmp / "hf", hf_config, tokenizer_path)

@@ -167,6 +167,10 @@ class TrainerConfig:
     ``.../checkpoints/step_N`` path. Not together with ``model.pretrained`` (weights only)."""
     export_hf: bool = False
     """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
+    save_logits: bool = False
+    """Also store in every checkpoint the fp32 logits of the next step's first micro-batch
+    (``logits.safetensors``), so ``python -m hybridtrain.export CKPT OUT --check`` can compare the
+    exported model's logits with hybridtrain's element by element."""
 
 
 @dataclass

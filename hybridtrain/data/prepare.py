@@ -2,8 +2,8 @@
 
 :func:`prepare` loads the records (:mod:`hybridtrain.data.sources`), splits off validation
 records, tokenizes with HF ``datasets.map(batched=True, num_proc=data.num_proc)`` into samples
-(:mod:`hybridtrain.data.formats`) and writes ``.npy`` files that workers memory-map
-(:func:`hybridtrain.data.sampler.open_samples`). The output folder is named by a fingerprint of
+(:mod:`hybridtrain.data.formats`) and saves each split with ``Dataset.save_to_disk``: Arrow files
+that workers memory-map (:func:`hybridtrain.data.sampler.open_samples`). The output folder is named by a fingerprint of
 everything the samples depend on, so a second run with the same inputs skips all of it.
 """
 from __future__ import annotations
@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from hybridtrain.config.schema import DataConfig
 from hybridtrain.data import formats, sources
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 from hybridtrain.plan.validate import PlanError
 
-VERSION = 1
+VERSION = 2
 """Bump when the written samples change for the same inputs (invalidates every cache entry)."""
 
 
@@ -39,7 +38,7 @@ class Prepared:
     """Where a run's tokenized data is and what it holds (saved as the run's ``data.json``)."""
 
     dir: str
-    """Cache folder holding the ``.npy`` files."""
+    """Cache folder holding one saved dataset (Arrow files) per split."""
     kind: str
     """``packed`` (a token stream per split) or ``rows`` (``input_ids`` / ``labels`` per split)."""
     seq_len: int
@@ -156,35 +155,38 @@ def _field_keys(cfg: DataConfig) -> list[tuple[str, str]]:
                                   (cfg.completion_field, "data.completion_field")]}[cfg.format]
 
 
-def _write(ds, kind: str, seq_len: int, out: Path, split: str, dtype) -> dict:
-    """Write the mapped split ``ds`` as ``.npy`` files under ``out``; return its ``splits`` entry."""
+def features(kind: str, seq_len: int, dtype: str):
+    """The Arrow schema samples are stored with: token ids as ``dtype`` (``uint16`` for vocabularies
+    under 65536), labels as ``int32`` (``-100`` marks tokens without loss), rows of fixed length."""
+    from datasets import Features, List, Value
+
+    if kind == "packed":
+        return Features({"ids": List(Value(dtype))})
+    return Features({"input_ids": List(Value(dtype), length=seq_len), "labels": List(Value("int32"), length=seq_len)})
+
+
+def _label_counts(ds, seq_len: int):
+    """Loss tokens per row (saved as ``num_labels``: a step's loss weight needs the global batch's
+    count, and every rank reads it without touching other ranks' rows)."""
+    import numpy as np
+
+    counts = [(chunk.flatten().to_numpy().reshape(-1, seq_len) != -100).sum(axis=1)
+              for chunk in ds.data.table.column("labels").chunks]
+    return np.concatenate(counts).astype(np.int32) if counts else np.zeros(0, np.int32)
+
+
+def _write(ds, kind: str, seq_len: int, out: Path, split: str) -> dict:
+    """Save the mapped split ``ds`` as a dataset folder under ``out``; return its ``splits`` entry."""
     import pyarrow.compute as pc
 
-    batches = list(ds.with_format("arrow").iter(batch_size=10_000))
+    if kind == "rows":
+        ds = ds.add_column("num_labels", _label_counts(ds, seq_len))
+    ds.save_to_disk(str(out / split))
     if kind == "packed":
-        total = sum(int(pc.sum(pc.list_value_length(b["ids"])).as_py() or 0) for b in batches)
-        name = f"{split}.tokens.npy"
-        arr = np.lib.format.open_memmap(out / name, mode="w+", dtype=dtype, shape=(total,))
-        pos = 0
-        for b in batches:
-            flat = pc.list_flatten(b["ids"]).to_numpy()
-            arr[pos:pos + len(flat)] = flat
-            pos += len(flat)
-        arr.flush()
-        return {"tokens": name, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len),
+        total = sum(int(pc.sum(pc.list_value_length(chunk)).as_py() or 0) for chunk in ds.data.table.column("ids").chunks)
+        return {"dataset": split, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len),
                 "num_documents": len(ds)}
-    files = {"input_ids": f"{split}.input_ids.npy", "labels": f"{split}.labels.npy"}
-    arrays = {col: np.lib.format.open_memmap(out / files[col], mode="w+", shape=(len(ds), seq_len),
-                                             dtype=dtype if col == "input_ids" else np.int32) for col in files}
-    pos = 0
-    for b in batches:
-        for col, arr in arrays.items():
-            flat = pc.list_flatten(b[col]).to_numpy().reshape(-1, seq_len)
-            arr[pos:pos + len(flat)] = flat
-        pos += b.num_rows
-    for arr in arrays.values():
-        arr.flush()
-    return {**files, "num_samples": len(ds)}
+    return {"dataset": split, "num_samples": len(ds)}
 
 
 def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
@@ -232,19 +234,20 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
                                                      f"split ({err}); use a fraction that keeps records on both sides") from None
             train, val = parts["train"], parts["test"]
         fn, kwargs = _map_fn(cfg, tokenizer)
-        dtype = np.uint16 if len(tokenizer) < 2**16 else np.uint32
+        dtype = "uint16" if len(tokenizer) < 2**16 else "uint32"
         splits = {}
         for split, ds in (("train", train), ("val", val)):
             if ds is None:
                 continue
             mapped = ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names,
                             fn_kwargs={"tokenizer": tokenizer, **kwargs}, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                            features=features(kind, cfg.seq_len, dtype),
                             cache_file_name=str(work / f"map-{split}.arrow"), desc=f"tokenizing {split}")
             if kind == "rows" and len(mapped) == 0:
                 raise PlanError("data.seq_len", f"no {split} record leaves a token to learn from within data.seq_len="
                                                 f"{cfg.seq_len} (empty documents, prompts that fill seq_len, or assistant "
                                                 "turns past it); raise data.seq_len or check the records")
-            splits[split] = _write(mapped, kind, cfg.seq_len, out, split, dtype)
+            splits[split] = _write(mapped, kind, cfg.seq_len, out, split)
             if kind == "rows":
                 splits[split]["dropped_records"] = len(ds) - len(mapped)
             if kind == "packed" and splits[split]["num_tokens"] == 0:

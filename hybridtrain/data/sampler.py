@@ -2,7 +2,8 @@
 
 Every sample is ``(input_ids [seq_len], labels [seq_len])`` int64, labels already shifted
 (``labels[t]`` is the token after ``input_ids[t]``) and ``-100`` where no loss is taken. Two stores
-hold them, both memory-mapped ``.npy`` files written by :mod:`hybridtrain.data.prepare`:
+hold them, both read from the memory-mapped Arrow files of the HF ``datasets`` that
+:mod:`hybridtrain.data.prepare` saved (:class:`ArrowColumn`; in-memory arrays work too, for tests):
 
 * :class:`PackedSamples`: one token stream cut into blocks of ``seq_len + 1`` tokens overlapping by
   one (inputs ``block[:-1]``, labels ``block[1:]``);
@@ -90,6 +91,22 @@ class Samples:
         """``(input_ids, labels)``, each ``[len(indices), seq_len]`` int64; reads only those rows."""
         raise NotImplementedError
 
+    def label_counts(self, indices: np.ndarray) -> np.ndarray:
+        """Loss-carrying tokens (labels other than ``-100``) of each sample in ``indices``."""
+        raise NotImplementedError
+
+    def batch_weight(self, indices: np.ndarray, layout: BatchLayout) -> float:
+        """The factor that turns a micro-batch's summed token loss into its share of the global batch's
+        mean token loss: ``grad_accum x dp / loss tokens of the global batch``.
+
+        DeepSpeed averages micro-batch losses over accumulation steps and data-parallel ranks, so
+        each micro-batch returning ``sum x weight`` makes the step's loss (and gradient) the mean over
+        every loss token of the global batch, whatever the micro-batch size: with masked labels
+        (chat, prompt_completion, unpacked text) a mean of per-micro-batch means would depend on how
+        the batch is cut.
+        """
+        return layout.grad_accum * layout.dp / max(1, int(self.label_counts(indices).sum()))
+
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
@@ -109,46 +126,105 @@ class Samples:
         """Sample indices of step ``step`` (0-based), in order."""
         return self.indices_at(step * global_batch_size, global_batch_size)
 
-    def _tensors(self, rows: np.ndarray) -> Iterator[tuple]:
+    def _tensors(self, idx: np.ndarray, layout: BatchLayout, dp_rank: int, weighted: bool) -> Iterator[tuple]:
+        """This rank's micro-batches of the global batch ``idx``: ``(input_ids, labels)``, or with
+        ``weighted`` ``(input_ids, (labels, weight))`` (see :meth:`batch_weight`)."""
         import torch
 
-        for row in rows:
+        weight = torch.tensor(self.batch_weight(idx, layout), dtype=torch.float32) if weighted else None
+        for row in layout.rank_rows(idx, dp_rank):
             inputs, labels = self.rows(row)
-            yield torch.from_numpy(inputs), torch.from_numpy(labels)
+            labels = torch.from_numpy(labels)
+            yield torch.from_numpy(inputs), (labels, weight) if weighted else labels
 
-    def micro_batches(self, step: int, layout: BatchLayout, dp_rank: int) -> Iterator[tuple]:
+    def micro_batches(self, step: int, layout: BatchLayout, dp_rank: int, weighted: bool = False) -> Iterator[tuple]:
         """This data-parallel rank's ``grad_accum`` micro-batches of ``step`` as torch tensors."""
-        idx = self.global_indices(step, layout.global_batch_size)
-        return self._tensors(layout.rank_rows(idx, dp_rank))
+        return self._tensors(self.global_indices(step, layout.global_batch_size), layout, dp_rank, weighted)
 
-    def stream_from(self, position: DataPosition, layout: BatchLayout, dp_rank: int) -> Iterator[tuple]:
+    def stream_from(self, position: DataPosition, layout: BatchLayout, dp_rank: int,
+                    weighted: bool = False) -> Iterator[tuple]:
         """Endless micro-batches of the global batches after ``position`` (what the pipeline engine pulls)."""
         if position.seed != self.seed:
             raise ValueError(f"data position was saved with seed {position.seed}, this run uses trainer.seed="
                              f"{self.seed}; resume with the same trainer.seed to continue the same order")
         start = position.samples_seen
         while True:
-            idx = self.indices_at(start, layout.global_batch_size)
-            yield from self._tensors(layout.rank_rows(idx, dp_rank))
+            yield from self._tensors(self.indices_at(start, layout.global_batch_size), layout, dp_rank, weighted)
             start += layout.global_batch_size
 
-    def stream(self, start_step: int, layout: BatchLayout, dp_rank: int) -> Iterator[tuple]:
+    def stream(self, start_step: int, layout: BatchLayout, dp_rank: int, weighted: bool = False) -> Iterator[tuple]:
         """Endless micro-batches from ``start_step`` on."""
-        return self.stream_from(DataPosition(start_step * layout.global_batch_size, self.seed), layout, dp_rank)
+        position = DataPosition(start_step * layout.global_batch_size, self.seed)
+        return self.stream_from(position, layout, dp_rank, weighted)
 
-    def eval_batches(self, layout: BatchLayout, dp_rank: int) -> Iterator[list[tuple]]:
+    def eval_batches(self, layout: BatchLayout, dp_rank: int, weighted: bool = False) -> Iterator[list[tuple]]:
         """Validation order: consecutive global batches of samples ``0, 1, 2, ...`` unshuffled, each as
         this rank's list of micro-batches; the last ``num_samples % global_batch_size`` samples are dropped."""
         gbs = layout.global_batch_size
         for b in range(self.num_samples // gbs):
-            yield list(self._tensors(layout.rank_rows(np.arange(b * gbs, (b + 1) * gbs), dp_rank)))
+            yield list(self._tensors(np.arange(b * gbs, (b + 1) * gbs), layout, dp_rank, weighted))
+
+
+class ArrowColumn:
+    """One list column of a dataset saved with ``Dataset.save_to_disk``, read in place.
+
+    ``datasets.load_from_disk`` memory-maps the ``.arrow`` files; each record batch's list values are
+    viewed as a numpy array without copying (a variable-length column as one flat token stream,
+    ``fixed_size_list`` as ``[rows, length]``). Reading a slice or a few rows touches only those pages,
+    so no rank holds the tokenized dataset in memory. (``Dataset.__getitem__`` would convert rows
+    through Python lists; these zero-copy views are what makes per-step reads cheap.)
+    """
+
+    def __init__(self, folder: str | Path, column: str):
+        from datasets import load_from_disk
+
+        self.folder = Path(folder)
+        table = load_from_disk(str(folder)).data.table  # memory-mapped; save_to_disk leaves no index mapping
+        views = []
+        for chunk in table.column(column).chunks:
+            if not hasattr(chunk, "flatten"):  # a scalar column (``num_labels``)
+                views.append(chunk.to_numpy(zero_copy_only=True))
+                continue
+            flat = chunk.flatten().to_numpy(zero_copy_only=True)
+            length = getattr(chunk.type, "list_size", None)
+            views.append(flat.reshape(-1, length) if length else flat)
+        self.views = [v for v in views if len(v)]
+        self.starts = np.cumsum([0] + [len(v) for v in self.views])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole column as one array (a copy: for tests and small data only)."""
+        whole = np.concatenate(self.views) if self.views else np.empty(0, np.int64)
+        return whole.astype(dtype) if dtype is not None else whole
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self),) + (self.views[0].shape[1:] if self.views else ())
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):  # a contiguous range (packed blocks), possibly across record batches
+            start, stop, _ = key.indices(len(self))
+            first = int(np.searchsorted(self.starts, start, side="right")) - 1
+            parts = []
+            while start < stop:
+                view, base = self.views[first], int(self.starts[first])
+                take = view[start - base:min(stop - base, len(view))]
+                parts.append(take)
+                start += len(take)
+                first += 1
+            return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int64)
+        idx = np.asarray(key, dtype=np.int64)  # rows
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        return np.stack([self.views[w][i - self.starts[w]] for w, i in zip(which, idx)])
 
 
 class PackedSamples(Samples):
     """Fixed-length samples cut from one (memory-mapped) token stream."""
 
-    def __init__(self, tokens: np.ndarray | str | Path, seq_len: int, seed: int):
-        self.tokens = np.load(tokens, mmap_mode="r") if isinstance(tokens, (str, Path)) else tokens
+    def __init__(self, tokens: np.ndarray | ArrowColumn | str | Path, seq_len: int, seed: int):
+        self.tokens = ArrowColumn(tokens, "ids") if isinstance(tokens, (str, Path)) else tokens
         super().__init__(max(0, (len(self.tokens) - 1) // seq_len), seq_len, seed)
 
     def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -156,20 +232,32 @@ class PackedSamples(Samples):
         blocks = np.stack([np.asarray(self.tokens[i * s:i * s + s + 1], dtype=np.int64) for i in indices])
         return np.ascontiguousarray(blocks[:, :-1]), np.ascontiguousarray(blocks[:, 1:])
 
+    def label_counts(self, indices: np.ndarray) -> np.ndarray:
+        return np.full(len(indices), self.seq_len, dtype=np.int64)  # every packed token has a label
+
 
 class RowSamples(Samples):
-    """One sample per record: ``input_ids`` and ``labels`` arrays ``[N, seq_len]`` (memory-mapped)."""
+    """One sample per record: ``input_ids`` and ``labels`` ``[N, seq_len]``, arrays or the columns of a
+    saved dataset folder (memory-mapped)."""
 
-    def __init__(self, input_ids: np.ndarray | str | Path, labels: np.ndarray | str | Path, seed: int):
-        load = lambda a: np.load(a, mmap_mode="r") if isinstance(a, (str, Path)) else a  # noqa: E731
-        self.input_ids, self.labels = load(input_ids), load(labels)
+    def __init__(self, input_ids: np.ndarray | str | Path, labels: np.ndarray | str | Path | None, seed: int):
+        if isinstance(input_ids, (str, Path)):  # one dataset folder holds both columns and the counts
+            folder = input_ids
+            input_ids, labels = ArrowColumn(folder, "input_ids"), ArrowColumn(folder, "labels")
+            self.num_labels = ArrowColumn(folder, "num_labels")
+        else:
+            self.num_labels = (np.asarray(labels) != -100).sum(axis=1)
+        self.input_ids, self.labels = input_ids, labels
         assert self.input_ids.shape == self.labels.shape, (self.input_ids.shape, self.labels.shape)
         super().__init__(self.input_ids.shape[0], self.input_ids.shape[1], seed)
 
     def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64)
-        # fancy indexing a memmap copies just these rows out of the file
+        # fancy indexing copies just these rows out of the mapped file
         return self.input_ids[idx].astype(np.int64), self.labels[idx].astype(np.int64)
+
+    def label_counts(self, indices: np.ndarray) -> np.ndarray:
+        return np.asarray(self.num_labels[np.asarray(indices, dtype=np.int64)], dtype=np.int64)
 
 
 def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples | None:
@@ -181,8 +269,8 @@ def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples
         return None
     folder = Path(meta["dir"])
     if meta["kind"] == "packed":
-        samples: Samples = PackedSamples(folder / files["tokens"], meta["seq_len"], seed)
+        samples: Samples = PackedSamples(folder / files["dataset"], meta["seq_len"], seed)
     else:
-        samples = RowSamples(folder / files["input_ids"], folder / files["labels"], seed)
+        samples = RowSamples(folder / files["dataset"], None, seed)
     assert samples.seq_len == meta["seq_len"]
     return samples

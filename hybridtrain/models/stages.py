@@ -121,7 +121,7 @@ class LMHead(VocabParallelHead):
 class SequentialLM(nn.Module):
     """All pipeline layers in one process (pp=1), for DeepSpeed's ordinary engine.
 
-    ``forward(input_ids, labels)`` returns the mean token loss; a tied head reuses the embedding
+    ``forward(input_ids, labels)`` returns the loss of ``loss_fn`` (labels may be ``(labels, weight)``); a tied head reuses the embedding
     module itself, so its weight is one parameter.
     """
 
@@ -131,9 +131,12 @@ class SequentialLM(nn.Module):
         self.head = head  # None: tied to layers[0]
         self.loss_fn = loss_fn
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's vocabulary shard of the logits ``[B, S, V / tp]``."""
         hidden = input_ids
         for layer in self.layers:
             hidden = layer(hidden)
-        logits = self.layers[0](hidden, as_head=True) if self.head is None else self.head(hidden)
-        return self.loss_fn(logits, labels)
+        return self.layers[0](hidden, as_head=True) if self.head is None else self.head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.logits(input_ids), labels)

@@ -132,10 +132,13 @@ def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: in
 
 
 class VocabParallelLoss:
-    """Mean token cross-entropy over vocabulary-parallel logits (DeepSpeed's implementation).
+    """Token cross-entropy over vocabulary-parallel logits (DeepSpeed's implementation).
 
     No rank ever holds full-vocabulary logits: max, sum-exp and the target logit are all-reduced
-    over the TP group. Labels equal to ``-100`` are ignored.
+    over the TP group. Labels equal to ``-100`` are ignored. Called with plain labels it returns the
+    mean over the micro-batch's loss tokens; with ``(labels, weight)`` (what training feeds, see
+    :meth:`hybridtrain.data.sampler.Samples.batch_weight`) the summed token loss times ``weight``,
+    so that the step's loss is the mean over all loss tokens of the global batch.
     """
 
     def __init__(self, padded_vocab: int, tp: TPContext):
@@ -143,10 +146,12 @@ class VocabParallelLoss:
         self.tp = tp  # read at call time: the group is bound after construction
         self.__name__ = "vocab_parallel_cross_entropy"
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
+        labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
         start, stop = self.tp.shard(self.padded_vocab)
-        return vocab_parallel_cross_entropy(
+        loss = vocab_parallel_cross_entropy(
             logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
-            global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="mean")
+            global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="mean" if weight is None else "sum")
+        return loss if weight is None else loss * weight.to(loss.dtype)

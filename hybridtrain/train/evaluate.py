@@ -3,8 +3,8 @@
 The validation split is read in a fixed order (:meth:`~hybridtrain.data.sampler.Samples.eval_batches`):
 consecutive global batches of the training ``global_batch_size`` and ``micro_batch_size``, the
 remainder dropped, each laid out ``[accumulation, dp, micro]`` like a training batch. A batch's
-loss is the mean of its micro-batch losses (each the mean over its loss-carrying tokens) averaged
-over data-parallel ranks, exactly as a training step reports it; ``val_loss`` is the mean over the
+loss is the mean over its loss-carrying tokens (micro-batches return weighted token sums, see
+:meth:`~hybridtrain.data.sampler.Samples.batch_weight`), exactly as a training step reports it; ``val_loss`` is the mean over the
 batches and ``val_ppl = exp(val_loss)``. Every rank returns the same numbers.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     with torch.no_grad():
-        for input_ids, labels in micro:
-            total += engine(input_ids.to(engine.device), labels.to(engine.device)).float()
+        for input_ids, (labels, weight) in micro:
+            total += engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device))).float()
     total /= layout.grad_accum
     if layout.dp > 1:
         dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
@@ -71,7 +71,7 @@ class Evaluator:
         if not self.pipelined:
             engine.eval()
         try:
-            for micro in self.samples.eval_batches(self.layout, built.dp_rank):
+            for micro in self.samples.eval_batches(self.layout, built.dp_rank, weighted=True):
                 step_loss = _loss_pipeline if self.pipelined else _loss_sequential
                 losses.append(step_loss(built, micro, self.layout))
         finally:

@@ -39,8 +39,8 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for input_ids, labels in timer.wrap(samples.micro_batches(step, layout, built.dp_rank)):
-        loss = engine(input_ids.to(engine.device), labels.to(engine.device))
+    for input_ids, (labels, weight) in timer.wrap(samples.micro_batches(step, layout, built.dp_rank, weighted=True)):
+        loss = engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device)))
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
@@ -62,7 +62,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     engine = built.engine
     timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
     evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
-    stream = timer.wrap(samples.stream(start_step, layout, built.dp_rank)) if plan.pp > 1 else None
+    stream = timer.wrap(samples.stream(start_step, layout, built.dp_rank, weighted=True)) if plan.pp > 1 else None
     writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0)
     bar = None
     if is_rank0:

@@ -1,0 +1,62 @@
+"""Full-vocabulary logits of one micro-batch from the sharded model: what an HF export must reproduce.
+
+With ``trainer.save_logits`` every checkpoint also holds ``logits.safetensors``: the first
+micro-batch of the next step (data-parallel rank 0's ``input_ids``) and hybridtrain's fp32 logits for
+it, gathered over the tensor-parallel group with the vocabulary padding removed. ``python -m
+hybridtrain.export CKPT OUT --check`` then loads the exported folder in transformers and compares
+its logits element by element, so a conversion bug shows up as a number, not as a bad fine-tune.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+LOGITS_FILE = "logits.safetensors"
+
+
+def micro_batch_logits(built, plan, input_ids, labels):
+    """Logits ``[batch, seq, vocab]`` (fp32, unpadded) of one micro-batch on the last pipeline stage,
+    ``None`` on other stages. Every rank must call it (the pipeline forward is collective)."""
+    import torch
+    import torch.distributed as dist
+
+    engine = built.engine
+    if plan.pp > 1:
+        try:  # DeepSpeed's inference schedule; return_logits keeps the last stage's outputs
+            _, shard = engine.eval_batch(iter([(input_ids, labels)]), return_logits=True, bcast_loss=False,
+                                         num_micro_batches=1)
+        finally:
+            engine.train()  # eval_batch leaves the module in eval mode
+        if built.stage != plan.pp - 1:
+            return None
+    else:
+        module = engine.module
+        module.eval()
+        try:
+            with torch.no_grad():
+                shard = module.logits(input_ids.to(engine.device))
+        finally:
+            module.train()
+    shard = shard.detach().float()
+    if built.tp.size > 1:  # vocabulary-parallel shards -> full vocabulary
+        parts = [torch.empty_like(shard) for _ in range(built.tp.size)]
+        dist.all_gather(parts, shard.contiguous(), group=built.tp.group)
+        shard = torch.cat(parts, dim=-1)
+    return shard[..., :plan.vocab_size].cpu()
+
+
+def logits_writer(built, plan, samples, step: int):
+    """The ``extra(tmp_dir)`` callback of :func:`~hybridtrain.checkpoint.save.save_checkpoint` that
+    writes ``logits.safetensors`` for the first micro-batch of step ``step`` (0-based)."""
+    from hybridtrain.data.sampler import BatchLayout
+
+    def write(folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
+        input_ids, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
+        logits = micro_batch_logits(built, plan, input_ids, labels)
+        if logits is not None and built.tp_rank == 0 and built.dp_rank == 0:
+            save_file({"input_ids": input_ids.contiguous(), "logits": logits.contiguous()},
+                      str(Path(folder) / LOGITS_FILE), metadata={"step": str(step)})
+
+    return write
