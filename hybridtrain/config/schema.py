@@ -167,6 +167,15 @@ class TrainerConfig:
     ``.../checkpoints/step_N`` path. Not together with ``model.pretrained`` (weights only)."""
     export_hf: bool = False
     """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
+    profile_steps: List[int] = field(default_factory=list)
+    """Steps (1-based, as in ``metrics.jsonl``) whose every forward, backward, send/receive and
+    optimizer span is recorded on every rank: the run writes ``timeline.png``, the Chrome trace
+    ``timeline_trace.json`` and the measured pipeline bubble (``docs/observability.md``). ``[]``: none."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device for MFU. ``null``: NVIDIA's dense figure for a known GPU and
+    ``trainer.precision``, or on a CPU a matmul probe measured once and cached."""
+    report: bool = True
+    """Write ``report.md`` with plots and findings into the run directory at the end of training."""
 
 
 @dataclass
@@ -192,6 +201,21 @@ class LauncherConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where rank 0 sends the metrics besides ``metrics.jsonl`` (``logger=none|tensorboard|wandb``)."""
+
+    name: str = "none"
+    """``none``, ``tensorboard`` (event files) or ``wandb`` (Weights & Biases, offline mode only)."""
+    dir: Optional[str] = None
+    """Output folder; ``null``: ``RUN_DIR/tensorboard`` for TensorBoard, ``RUN_DIR`` for W&B (which
+    writes ``wandb/offline-run-*`` there; upload later with ``wandb sync``)."""
+    project: str = "hybridtrain"
+    """W&B project name recorded in the offline run."""
+    run_name: Optional[str] = None
+    """Run name shown by the logger; ``null``: the run directory's name."""
+
+
+@dataclass
 class Config:
     """A whole run: what Hydra composes and what is saved as ``config.yaml``."""
 
@@ -201,5 +225,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: Optional[str] = None
     """Output folder; filled from ``hydra.run.dir`` at launch."""
