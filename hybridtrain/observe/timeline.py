@@ -121,8 +121,9 @@ def step_title(step: int, pp: int, m: int, measured: float) -> str:
             f"theory (pp-1)/(m+pp-1) = {theoretical_bubble(pp, m):.0%}")
 
 
-def save_png(path: Path, panels: list[tuple[list[dict], str]]) -> None:
-    """One PNG with a panel per ``(step_events, title)``, stacked vertically."""
+def save_png(path: Path, panels: list[tuple[list[dict], str]], share_x: bool = False) -> None:
+    """One PNG with a panel per ``(step_events, title)``, stacked vertically; ``share_x`` puts every
+    panel on the same time scale (to compare two schedules)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,6 +133,10 @@ def save_png(path: Path, panels: list[tuple[list[dict], str]]) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 0.9 + len(panels) * (0.55 * rows + 1.0)), squeeze=False)
     for ax, (ev, title) in zip(axes[:, 0], panels):
         draw_step(ax, ev, title)
+    if share_x:
+        right = max(ax.get_xlim()[1] for ax in axes[:, 0])
+        for ax in axes[:, 0]:
+            ax.set_xlim(0, right)
     legend(fig, {e["kind"] for ev, _ in panels for e in ev})
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
