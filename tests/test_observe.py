@@ -153,6 +153,9 @@ def test_findings_bubble_data_wait_comm_and_bad_peak():
     assert "theory (pp-1)/(m+pp-1) = 50%" in bubble.detail and "more micro-batches" in bubble.suggestion
     measured = findings(recs, naive, {"bubble_measured": 0.6})
     assert "measured 60% (theory 50%)" in next(f for f in measured if f.title == "Large pipeline bubble").detail
+    gpu = [_record(s, rank_gpu_peak_bytes=[70 * 2**30, 60 * 2**30]) for s in range(1, 6)]
+    assert "GPU memory nearly full" in titles(findings(gpu, PLAN, gpu_total_bytes=75 * 2**30))
+    assert "GPU memory nearly full" not in titles(findings(gpu, PLAN, gpu_total_bytes=140 * 2**30))
     diverged = findings([_record(s, loss=float("nan")) for s in range(1, 6)], PLAN)
     assert "Loss is not finite" in titles(diverged)
 

@@ -80,6 +80,7 @@ class Observer:
             (Path(run_dir) / "observe.json").write_text(json.dumps({
                 "peak_tflops": peak.tflops, "peak_source": peak.source, "device": name or "cpu",
                 "model_flops_per_token": flops, "world_size": plan.world_size, "precision": plan.precision,
+                "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if name else None,
                 "profile_steps": list(cfg.trainer.profile_steps)}, indent=1))
         if dist.is_initialized():
             dist.barrier()

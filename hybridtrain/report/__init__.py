@@ -98,7 +98,7 @@ def write_report(run_dir: str | Path) -> Path:
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table] + [""]
     lines += ["Medians skip the first logged step (start-up). MFU = model FLOPs (forward + backward, "
               "`hybridtrain/plan/flops.py`) per second per device / the device's peak.", ""]
-    lines += ["## Findings", ""] + [f.markdown() for f in findings(records, plan, timeline)] + [""]
+    lines += ["## Findings", ""] + [f.markdown() for f in findings(records, plan, timeline, observe.get("gpu_total_bytes"))] + [""]
     if times is not None:
         lines += ["## Time per stage (median ms per step)", "",
                   "| stage | forward | backward | send/receive | optimizer | step |", "|---|---|---|---|---|---|"]
