@@ -3,9 +3,9 @@ the Chrome trace, the report's findings and files, the loggers' checks and the l
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -218,7 +218,7 @@ def test_cli_stops_before_workers_when_wandb_is_missing(tmp_path):
             "from hybridtrain.__main__ import main; main()")
     proc = subprocess.run([sys.executable, "-c", code, "+recipe=gpt_tiny", "logger=wandb",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          env={**__import__("os").environ, "HYBRIDTRAIN_CACHE": str(tmp_path / "cache")}, timeout=120)
+                          env={**os.environ, "HYBRIDTRAIN_CACHE": str(tmp_path / "cache")}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "config error: logger.name: logger=wandb needs the wandb package" in proc.stderr
     assert "launching" not in proc.stdout and not (tmp_path / "run" / "plan.json").exists()

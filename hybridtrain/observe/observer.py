@@ -74,7 +74,7 @@ class Observer:
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None
             peak = resolve_peak(cfg.trainer.peak_tflops, plan.precision, name,
                                 cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads())
-            print(f"[hybridtrain] MFU peak: "
+            print("[hybridtrain] MFU peak: "
                   + (f"{peak.tflops:.3g} TFLOP/s per device ({peak.source})" if peak.tflops else peak.source)
                   + f"; {flops / 1e6:.2f} MFLOP per token (model FLOPs, forward + backward)", flush=True)
             (Path(run_dir) / "observe.json").write_text(json.dumps({
@@ -163,8 +163,6 @@ class Observer:
         return out
 
     def _write_timeline(self) -> None:
-        from hybridtrain.observe.clock import KINDS as kinds
-
         per_rank = gather.all_rows(self._rows, gather.EVENT_WIDTH, self.device)
         self._rows = []
         if not self.is_rank0:
@@ -177,7 +175,7 @@ class Observer:
             stage, dp_rank, tp_rank = _coords(rank, plan.dp, plan.tp)
             for step, k, mb, t0, t1 in rows:
                 events.append({"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank,
-                               "step": int(step), "kind": kinds[int(k)] if k >= 0 else "other",
+                               "step": int(step), "kind": KINDS[int(k)] if k >= 0 else "other",
                                "micro_batch": int(mb), "start": t0, "end": t1})
         first = min(self._origins.values())
         offsets = {s: o - first for s, o in self._origins.items()}

@@ -70,7 +70,7 @@ def stages(times: dict[str, list[float]], path: Path) -> Path:
     """Per-stage median seconds per step, stacked: forward, backward, send/receive, optimizer, other."""
     plt = _plt()
     pp = len(times["forward"])
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * pp + 2), 3.5))
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * pp + 2) + 2.5, 3.5))
     bottom = [0.0] * pp
     parts = [("forward", times["forward"]), ("backward", times["backward"]), ("send/receive", times["comm"]),
              ("optimizer", times["optimizer"])]
@@ -81,6 +81,6 @@ def stages(times: dict[str, list[float]], path: Path) -> Path:
     ax.set_xticks(range(pp))
     ax.set_xticklabels([f"stage {s}" for s in range(pp)])
     ax.set_ylabel("ms per step (median)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
