@@ -180,7 +180,14 @@ class Observer:
         first = min(self._origins.values())
         offsets = {s: o - first for s, o in self._origins.items()}
         t0 = time.perf_counter()
-        summary = timeline.write(self.run_dir, events, offsets, plan.pp, plan.grad_accum)
+        try:
+            summary = timeline.write(self.run_dir, events, offsets, plan.pp, plan.grad_accum)
+        except Exception as err:  # noqa: BLE001 - a failed picture must not end the training run
+            import traceback
+
+            traceback.print_exc()
+            print(f"[hybridtrain] timeline not written ({err}); training continues", flush=True)
+            return
         print(f"[hybridtrain] timeline of step(s) {summary['steps']}: bubble measured "
               f"{summary['bubble_measured']:.1%}, theory (pp-1)/(m+pp-1) = {summary['bubble_theory']:.1%}; "
               f"{self.run_dir / 'timeline.png'}, {self.run_dir / 'timeline_trace.json'} "

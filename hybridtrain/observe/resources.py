@@ -67,10 +67,16 @@ class NvmlSampler:
                 self._n += 1
 
     def take(self) -> float | None:
-        """Mean utilization (percent) since the last call; ``None`` if no sample arrived."""
+        """Mean utilization (percent) since the last call; with no sample since (a step shorter than
+        the interval) NVML's current reading; ``None`` if NVML fails."""
         with self._lock:
             mean = self._sum / self._n if self._n else None
             self._sum, self._n = 0.0, 0
+        if mean is None:
+            try:
+                mean = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            except Exception:  # noqa: BLE001 - no reading this time
+                return None
         return mean
 
     def close(self) -> None:
