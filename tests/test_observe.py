@@ -61,6 +61,16 @@ def test_cpu_probe_is_measured_once_and_cached_per_thread_count(tmp_path):
     assert probe_cpu_tflops(cache, 1, "fp32")[1] is False
 
 
+def test_gpu_readings_are_absent_on_cpu():
+    import torch
+
+    from hybridtrain.observe.resources import NvmlSampler, gpu_peak_bytes, rss_bytes
+
+    cpu = torch.device("cpu")
+    assert NvmlSampler.create(cpu) is None and gpu_peak_bytes(cpu) is None
+    assert rss_bytes() > 10 * 2**20  # this process, with torch imported
+
+
 # -- bubble and trace ----------------------------------------------------------------------------
 
 def gpipe_events(pp: int, m: int, f: float = 1.0, b: float = 2.0, rank_offset: int = 0) -> list[dict]:
