@@ -47,6 +47,7 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.local import launch
     from hybridtrain.models.build import meta_model
+    from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.plan.data import check_data_counts
 
@@ -61,6 +62,7 @@ def run(cfg: DictConfig) -> int:
     machine = machine_facts()
     try:
         plan, hf_config = resolve(typed, machine)
+        check_observe(typed)  # profile steps, peak, logger package: before any worker starts
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2

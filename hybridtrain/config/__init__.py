@@ -7,6 +7,7 @@ from hybridtrain.config.schema import (
     Config,
     DataConfig,
     LauncherConfig,
+    LoggerConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -14,7 +15,7 @@ from hybridtrain.config.schema import (
 )
 
 __all__ = [
-    "Config", "DataConfig", "LauncherConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "Config", "DataConfig", "LauncherConfig", "LoggerConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "TrainerConfig", "CONF_DIR", "register_schema", "to_config", "save_config", "load_config",
 ]
 

@@ -171,6 +171,15 @@ class TrainerConfig:
     """Also store in every checkpoint the fp32 logits of the next step's first micro-batch
     (``logits.safetensors``), so ``python -m hybridtrain.export CKPT OUT --check`` can compare the
     exported model's logits with hybridtrain's element by element."""
+    profile_steps: List[int] = field(default_factory=list)
+    """Steps (1-based, as in ``metrics.jsonl``) whose every forward, backward, send/receive and
+    optimizer span is recorded on every rank: the run writes ``timeline.png``, the Chrome trace
+    ``timeline_trace.json`` and the measured pipeline bubble (``docs/observability.md``). ``[]``: none."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device for MFU. ``null``: NVIDIA's dense figure for a known GPU and
+    ``trainer.precision``, or on a CPU a matmul probe measured once and cached."""
+    report: bool = True
+    """Write ``report.md`` with plots and findings into the run directory at the end of training."""
 
 
 @dataclass
@@ -196,6 +205,21 @@ class LauncherConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where rank 0 sends the metrics besides ``metrics.jsonl`` (``logger=none|tensorboard|wandb``)."""
+
+    name: str = "none"
+    """``none``, ``tensorboard`` (event files) or ``wandb`` (Weights & Biases, offline mode only)."""
+    dir: Optional[str] = None
+    """Output folder; ``null``: ``RUN_DIR/tensorboard`` for TensorBoard, ``RUN_DIR`` for W&B (which
+    writes ``wandb/offline-run-*`` there; upload later with ``wandb sync``)."""
+    project: str = "hybridtrain"
+    """W&B project name recorded in the offline run."""
+    run_name: Optional[str] = None
+    """Run name shown by the logger; ``null``: the run directory's name."""
+
+
+@dataclass
 class Config:
     """A whole run: what Hydra composes and what is saved as ``config.yaml``."""
 
@@ -205,5 +229,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: Optional[str] = None
     """Output folder; filled from ``hydra.run.dir`` at launch."""

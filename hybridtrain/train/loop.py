@@ -9,6 +9,7 @@ from typing import Any, Callable
 from hybridtrain.config.schema import Config
 from hybridtrain.data.sampler import BatchLayout, Samples
 from hybridtrain.engine import Built, lr_lambda
+from hybridtrain.observe.clock import StepClock
 from hybridtrain.plan.validate import Plan
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
@@ -17,12 +18,15 @@ from hybridtrain.train.evaluate import Evaluator
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (global rank 0 only)."""
 
-    def __init__(self, path: Path | None, append: bool = False):
+    def __init__(self, path: Path | None, append: bool = False, also: Callable[[dict], None] | None = None):
         self._file = open(path, "a" if append else "w", buffering=1) if path is not None else None
+        self._also = also  # the logger (TensorBoard, W&B) gets every record too
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+            if self._also is not None:
+                self._also(record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -33,16 +37,20 @@ def _step_pipeline(built: Built, stream) -> float:
     return float(built.engine.train_batch(data_iter=stream))
 
 
-def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer) -> float:
+def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer,
+                     clock: StepClock) -> float:
     import torch
     import torch.distributed as dist
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for input_ids, (labels, weight) in timer.wrap(samples.micro_batches(step, layout, built.dp_rank, weighted=True)):
-        loss = engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device)))
-        engine.backward(loss)
-        engine.step()
+        with clock.span("forward"):  # spans feed stage times and the timeline (hybridtrain/observe)
+            loss = engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device)))
+        with clock.span("backward"):
+            engine.backward(loss)
+        with clock.span("optimizer"):  # a real step only at the accumulation boundary
+            engine.step()
         total += loss.detach().float()
     total /= layout.grad_accum
     if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
@@ -63,7 +71,10 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
     evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
     stream = timer.wrap(samples.stream(start_step, layout, built.dp_rank, weighted=True)) if plan.pp > 1 else None
-    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0)
+    from hybridtrain.observe.observer import Observer
+
+    obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
+    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0, also=obs.log)
     bar = None
     if is_rank0:
         from tqdm import tqdm
@@ -73,16 +84,19 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(start_step, cfg.trainer.max_steps):
+        log_now = (step + 1) % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps
+        obs.begin_step(step + 1, log_now)
         t0, wait0 = time.perf_counter(), timer.seconds
         loss = (_step_pipeline(built, stream) if plan.pp > 1
-                else _step_sequential(built, samples, step, layout, timer))
+                else _step_sequential(built, samples, step, layout, timer, obs.clock))
         dt = time.perf_counter() - t0
+        observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", **obs.postfix(dt))
             bar.update(1)
-        if (step + 1) % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
+        if log_now:
             norm = engine.get_global_grad_norm()
             writer.write({
                 "step": step + 1, "loss": loss, "lr": cfg.optim.lr * lr_at(step),
@@ -90,6 +104,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
                 "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
                 "elapsed_s": time.perf_counter() - start,
                 "model_state_bytes": built.model_state_bytes, "data_wait_s": timer.seconds - wait0,
+                **observed,
             })
         done = step + 1
         if evaluator is not None and evaluator.due(done):
@@ -101,4 +116,5 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     if bar is not None:
         bar.close()
     writer.close()
+    obs.finish()  # report.md (rank 0), logger closed
     return losses

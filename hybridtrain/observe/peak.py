@@ -1,0 +1,134 @@
+"""Peak FLOP/s of one device, for MFU: a table of known GPUs, or a measured and cached CPU probe.
+
+The GPU numbers are NVIDIA's dense (no sparsity) tensor-core figures from the data sheets; fp32
+is the plain (non-TF32) rate, because torch leaves TF32 matmuls off by default. fp16 uses the
+bf16 rate on every GPU listed (they are equal). On a CPU there is no data sheet worth trusting
+(clock, SIMD width and threads vary), so :func:`probe_cpu_tflops` times large matmuls with the
+rank's thread count once and caches the result on disk; ``trainer.peak_tflops`` overrides both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    # name fragment (matched against torch.cuda.get_device_name(), longest first): dense TFLOP/s
+    "B200": {"bf16": 2250.0, "fp32": 80.0},
+    "H200": {"bf16": 989.4, "fp32": 66.9},
+    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp32": 66.9},  # SXM
+    "H800": {"bf16": 989.4, "fp32": 66.9},
+    "GH200": {"bf16": 989.4, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp32": 31.2},
+    "V100": {"bf16": 125.0, "fp32": 15.7},  # no bf16 units: the fp16 tensor-core rate
+}
+"""Dense peak TFLOP/s per GPU model and precision (``bf16`` also serves ``fp16``)."""
+
+
+@dataclass
+class Peak:
+    """The peak FLOP/s MFU divides by, and where it came from."""
+
+    tflops: float | None
+    """Peak TFLOP/s of one device (one rank); ``None`` when unknown (no MFU is reported)."""
+    source: str
+    """``trainer.peak_tflops``, ``table: <GPU>``, ``cpu probe (...)`` or why it is unknown."""
+
+
+def _precision_key(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "bf16"
+
+
+def gpu_peak_tflops(device_name: str, precision: str) -> tuple[str, float] | None:
+    """``(table key, TFLOP/s)`` of the first table entry whose name occurs in ``device_name``
+    (longest names first, so ``H100 PCIe`` wins over ``H100``); ``None`` for an unknown GPU."""
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return key, GPU_PEAK_TFLOPS[key][_precision_key(precision)]
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU model name (``/proc/cpuinfo``), or ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe_key(threads: int, precision: str) -> str:
+    """The cache key of a CPU probe: CPU model, threads, dtype and torch version."""
+    import torch
+
+    return f"{cpu_model()}|threads={threads}|{precision}|torch={torch.__version__}"
+
+
+def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best TFLOP/s of ``[n, n] @ [n, n]`` matmuls with ``threads`` torch threads (dtype of
+    ``precision``), over repeated rounds of about ``seconds / 5`` each."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        for _ in range(3):  # warm-up: thread pool, caches, frequency
+            torch.mm(a, b)
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 5:
+                torch.mm(a, b)
+                reps += 1
+            best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0))
+        return best / 1e12
+    finally:
+        torch.set_num_threads(old)
+
+
+def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[float, bool]:
+    """``(TFLOP/s, from_cache)``: the cached probe of this CPU, thread count and dtype, or a new
+    measurement (:func:`measure_matmul_tflops`) added to ``cache_file``."""
+    key = probe_key(threads, precision)
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return float(cache[key]), True
+    tflops = measure_matmul_tflops(threads, precision)
+    cache[key] = tflops
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(cache, indent=1))
+    tmp.replace(cache_file)  # atomic: two runs probing at once never leave a torn file
+    return tflops, False
+
+
+def resolve_peak(override: float | None, precision: str, device_name: str | None, cache_file: Path,
+                 threads: int) -> Peak:
+    """The peak of one rank's device: ``override`` (``trainer.peak_tflops``), else the GPU table for
+    ``device_name`` (``None`` on CPU), else the cached CPU probe with ``threads`` threads."""
+    if override:
+        return Peak(float(override), "trainer.peak_tflops")
+    if device_name is not None:
+        hit = gpu_peak_tflops(device_name, precision)
+        if hit is None:
+            return Peak(None, f"unknown GPU {device_name!r}: set trainer.peak_tflops for MFU")
+        return Peak(hit[1], f"table: {hit[0]} {_precision_key(precision)}")
+    tflops, cached = probe_cpu_tflops(cache_file, threads, precision)
+    how = "cached in" if cached else "measured now, cached in"
+    return Peak(tflops, f"cpu matmul probe, {threads} thread(s), {precision} ({how} {cache_file})")

@@ -1,0 +1,234 @@
+"""Observability pieces in one process: the GPU peak table, the cached CPU probe, the bubble,
+the Chrome trace, the report's findings and files, the loggers' checks and the launch-time errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers_unit import ROOT, compose_config
+from hybridtrain.observe import timeline
+from hybridtrain.observe.checks import check_observe
+from hybridtrain.observe.loggers import check_logger, scalars
+from hybridtrain.observe.peak import gpu_peak_tflops, probe_cpu_tflops, probe_key, resolve_peak
+from hybridtrain.plan.validate import PlanError
+from hybridtrain.report import write_report
+from hybridtrain.report.findings import findings
+
+
+# -- peak ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, precision, key, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", "H100", 989.4),
+    ("NVIDIA H100 PCIe", "bf16", "H100 PCIe", 756.0),  # the longer name wins over "H100"
+    ("NVIDIA H100 NVL", "fp32", "H100 NVL", 60.0),
+    ("NVIDIA H200", "fp16", "H200", 989.4),  # fp16 takes the bf16 rate
+    ("NVIDIA A100-SXM4-80GB", "fp32", "A100", 19.5),
+    ("NVIDIA A100 80GB PCIe", "bf16", "A100", 312.0),
+    ("NVIDIA L40S", "bf16", "L40S", 362.1),
+    ("NVIDIA L4", "fp32", "L4", 30.3),
+])
+def test_gpu_peak_table(name, precision, key, tflops):
+    assert gpu_peak_tflops(name, precision) == (key, tflops)
+
+
+def test_peak_resolution_order(tmp_path):
+    cache = tmp_path / "peak.json"
+    assert resolve_peak(123.0, "bf16", "NVIDIA H100", cache, 1).tflops == 123.0  # trainer.peak_tflops wins
+    table = resolve_peak(None, "bf16", "NVIDIA H100 80GB HBM3", cache, 1)
+    assert table.tflops == 989.4 and table.source == "table: H100 bf16"
+    unknown = resolve_peak(None, "bf16", "Tesla T4", cache, 1)
+    assert unknown.tflops is None and "trainer.peak_tflops" in unknown.source
+    assert not cache.exists()  # GPUs never probe
+
+
+def test_cpu_probe_is_measured_once_and_cached_per_thread_count(tmp_path):
+    cache = tmp_path / "sub" / "peak_tflops.json"
+    first, cached = probe_cpu_tflops(cache, 1, "fp32")
+    assert not cached and 1e-4 < first < 50  # a real matmul rate of one CPU thread, in TFLOP/s
+    again, cached = probe_cpu_tflops(cache, 1, "fp32")
+    assert cached and again == first
+    stored = json.loads(cache.read_text())
+    assert stored == {probe_key(1, "fp32"): first}
+    assert len({probe_key(1, "fp32"), probe_key(2, "fp32"), probe_key(1, "bf16")}) == 3  # threads, dtype: own entries
+    cache.write_text(json.dumps({probe_key(1, "fp32"): 42.0}))  # the file is the source of truth
+    peak = resolve_peak(None, "fp32", None, cache, 1)
+    assert peak.tflops == 42.0 and "cached in" in peak.source and "measured now" not in peak.source
+    cache.write_text("{torn")  # an unreadable cache is measured again, not an error
+    assert probe_cpu_tflops(cache, 1, "fp32")[1] is False
+
+
+def test_gpu_readings_are_absent_on_cpu():
+    import torch
+
+    from hybridtrain.observe.resources import NvmlSampler, gpu_peak_bytes, rss_bytes
+
+    cpu = torch.device("cpu")
+    assert NvmlSampler.create(cpu) is None and gpu_peak_bytes(cpu) is None
+    assert rss_bytes() > 10 * 2**20  # this process, with torch imported
+
+
+# -- bubble and trace ----------------------------------------------------------------------------
+
+def gpipe_events(pp: int, m: int, f: float = 1.0, b: float = 2.0, rank_offset: int = 0) -> list[dict]:
+    """A GPipe step with equal stages: all forwards (stage s runs micro-batch i at (i + s) f), then
+    all backwards in reverse stage order. Its idle fraction is exactly (pp - 1) / (m + pp - 1)."""
+    ev = []
+    t_f = (m + pp - 1) * f
+    for s in range(pp):
+        for i in range(m):
+            ev.append(dict(rank=s + rank_offset, stage=s, dp_rank=0, tp_rank=0, step=1, kind="forward",
+                           micro_batch=i, start=(i + s) * f, end=(i + s + 1) * f))
+            t0 = t_f + (i + pp - 1 - s) * b
+            ev.append(dict(rank=s + rank_offset, stage=s, dp_rank=0, tp_rank=0, step=1, kind="backward",
+                           micro_batch=i, start=t0, end=t0 + b))
+    return ev
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (4, 12), (3, 5)])
+def test_measured_bubble_of_an_ideal_schedule_is_the_theory(pp, m):
+    mean, per_stage = timeline.measured_bubble(gpipe_events(pp, m))
+    assert mean == pytest.approx(timeline.theoretical_bubble(pp, m), rel=1e-12)
+    assert per_stage == pytest.approx([(pp - 1) / (m + pp - 1)] * pp)
+
+
+def test_bubble_uses_one_rank_per_stage_and_counts_waiting_as_idle():
+    ev = gpipe_events(2, 4)
+    noisy = [dict(e, rank=e["rank"] + 10, start=e["start"] + 0.5, end=e["end"] + 9.0) for e in ev]  # dp peers
+    comm = [dict(ev[0], kind="recv_grad", start=0.0, end=100.0)]  # communication is not compute
+    assert timeline.measured_bubble(ev + noisy + comm)[0] == pytest.approx(1 / 5)
+    assert timeline.theoretical_bubble(2, 1) == 0.5 and timeline.theoretical_bubble(4, 12) == pytest.approx(0.2)
+
+
+def test_chrome_trace_has_a_process_per_stage_and_an_event_per_span():
+    ev = gpipe_events(3, 2)
+    trace = timeline.chrome_trace(ev, {1: 0.0}, {"pp": 3})
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {(e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"stage 0", "stage 1", "stage 2"} and len(spans) == len(ev)
+    assert {(e["pid"], e["cat"], e["args"]["micro_batch"]) for e in spans} == \
+        {(s, k, i) for s in range(3) for k in ("forward", "backward") for i in range(2)}
+    fwd = next(e for e in spans if e["pid"] == 1 and e["cat"] == "forward" and e["args"]["micro_batch"] == 1)
+    assert fwd["ts"] == pytest.approx(2e6) and fwd["dur"] == pytest.approx(1e6)  # microseconds
+    assert trace["otherData"] == {"pp": 3}
+
+
+def test_timeline_files(tmp_path):
+    summary = timeline.write(tmp_path, gpipe_events(2, 3), {1: 0.0}, pp=2, micro_batches=3)
+    assert summary["bubble_measured"] == pytest.approx(0.25) and summary["bubble_theory"] == pytest.approx(0.25)
+    assert (tmp_path / "timeline.png").stat().st_size > 5000
+    assert json.loads((tmp_path / "timeline_trace.json").read_text())["otherData"]["steps"] == [1]
+
+
+# -- findings and the report ---------------------------------------------------------------------
+
+def _record(step, **kw):
+    rec = {"step": step, "loss": 5.0 - 0.1 * step, "step_time_s": 1.0, "tokens_per_sec": 100.0,
+           "data_wait_s": 0.0, "data_wait_max_s": 0.0, "mfu": 0.3, "tflops_per_device": 3.0,
+           "stage_forward_s": [0.2, 0.2], "stage_backward_s": [0.4, 0.4], "stage_comm_s": [0.1, 0.1],
+           "stage_optimizer_s": [0.05, 0.05], "stage_step_time_s": [1.0, 1.0],
+           "rank_rss_bytes": [2**30, 2**30], "rss_max_bytes": 2**30, "rank_model_state_bytes": [2**20, 2**20]}
+    rec.update(kw)
+    return rec
+
+
+PLAN = {"dp": 1, "tp": 1, "pp": 2, "world_size": 2, "grad_accum": 16, "micro_batch_size": 1,
+        "global_batch_size": 16, "tokens_per_step": 512, "precision": "fp32", "partition": "blocks"}
+
+
+def titles(found):
+    return [f.title for f in found]
+
+
+def test_findings_balanced_run_has_none():
+    assert titles(findings([_record(s) for s in range(1, 6)], PLAN)) == ["Nothing stands out"]
+
+
+def test_findings_name_the_slow_stage_and_the_partition_key():
+    recs = [_record(s, stage_forward_s=[0.1, 0.4], stage_backward_s=[0.2, 0.8]) for s in range(1, 6)]
+    slow = [f for f in findings(recs, PLAN) if f.title == "Stage 1 is the slowest"]
+    assert slow and "parallel.partition=" in slow[0].suggestion and "stage 0" in slow[0].suggestion
+
+
+def test_findings_bubble_data_wait_comm_and_bad_peak():
+    naive = dict(PLAN, grad_accum=1)
+    recs = [_record(s, data_wait_max_s=0.2, stage_comm_s=[0.5, 0.1], mfu=1.7) for s in range(1, 6)]
+    found = findings(recs, naive)
+    assert {"Large pipeline bubble", "High data wait", "Much time in pipeline send/receive",
+            "MFU above 100%"} <= set(titles(found))
+    bubble = next(f for f in found if f.title == "Large pipeline bubble")
+    assert "theory (pp-1)/(m+pp-1) = 50%" in bubble.detail and "more micro-batches" in bubble.suggestion
+    measured = findings(recs, naive, {"bubble_measured": 0.6})
+    assert "measured 60% (theory 50%)" in next(f for f in measured if f.title == "Large pipeline bubble").detail
+    gpu = [_record(s, rank_gpu_peak_bytes=[70 * 2**30, 60 * 2**30]) for s in range(1, 6)]
+    assert "GPU memory nearly full" in titles(findings(gpu, PLAN, gpu_total_bytes=75 * 2**30))
+    assert "GPU memory nearly full" not in titles(findings(gpu, PLAN, gpu_total_bytes=140 * 2**30))
+    diverged = findings([_record(s, loss=float("nan")) for s in range(1, 6)], PLAN)
+    assert "Loss is not finite" in titles(diverged)
+
+
+def test_report_from_a_run_directory(tmp_path):
+    recs = [_record(s) for s in range(1, 5)] + [{"step": 4, "val_loss": 4.5, "val_ppl": 90.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    report = write_report(tmp_path)
+    text = report.read_text()
+    for png in ("loss", "throughput", "mfu", "memory", "stages"):
+        assert f"(report/{png}.png)" in text and (tmp_path / "report" / f"{png}.png").stat().st_size > 3000
+    assert "| validation loss (last) | 4.5000 |" in text and "## Findings" in text
+    assert "| MFU (median) | 30.00% |" in text
+
+
+def test_report_command(tmp_path):
+    cmd = [sys.executable, "-m", "hybridtrain.report"]
+    missing = subprocess.run(cmd + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n")
+    done = subprocess.run(cmd + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and (tmp_path / "report.md").is_file(), done.stderr
+
+
+# -- loggers and launch-time checks --------------------------------------------------------------
+
+def test_scalars_flatten_lists_and_drop_missing_values():
+    assert scalars({"step": 3, "loss": 2.0, "mfu": None, "stage_forward_s": [0.1, 0.2], "flag": True}) == \
+        {"loss": 2.0, "stage_forward_s/0": 0.1, "stage_forward_s/1": 0.2}
+
+
+def test_missing_logger_package_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` does when it is not installed
+    with pytest.raises(PlanError) as err:
+        check_logger("wandb")
+    assert err.value.key == "logger.name" and "pip install wandb" in str(err.value)
+    with pytest.raises(PlanError, match="logger=none, logger=tensorboard or logger=wandb"):
+        check_logger("mlflow")
+
+
+def test_logger_group_composes():
+    cfg = compose_config("+recipe=gpt_tiny", "logger=wandb", "logger.project=p")
+    assert (cfg.logger.name, cfg.logger.project) == ("wandb", "p")
+    assert compose_config("+recipe=gpt_tiny").logger.name == "none"
+
+
+def test_profile_steps_and_peak_are_checked():
+    with pytest.raises(PlanError) as err:
+        check_observe(compose_config("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.profile_steps=[2,9]"))
+    assert err.value.key == "trainer.profile_steps" and "[9]" in str(err.value) and "1..4" in str(err.value)
+    with pytest.raises(PlanError, match="trainer.peak_tflops"):
+        check_observe(compose_config("+recipe=gpt_tiny", "trainer.peak_tflops=0"))
+    check_observe(compose_config("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
+
+
+def test_cli_stops_before_workers_when_wandb_is_missing(tmp_path):
+    # The real CLI, with the wandb package made unimportable the way a missing package is.
+    code = ("import sys; sys.modules['wandb'] = None; sys.argv = ['hybridtrain'] + sys.argv[1:]; "
+            "from hybridtrain.__main__ import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code, "+recipe=gpt_tiny", "logger=wandb",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "HYBRIDTRAIN_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config error: logger.name: logger=wandb needs the wandb package" in proc.stderr
+    assert "launching" not in proc.stdout and not (tmp_path / "run" / "plan.json").exists()
