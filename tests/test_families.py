@@ -158,3 +158,14 @@ def test_plan_entry_without_module_is_an_error(family):
     broken = dataclasses.replace(family, tp_plan={"mlp.no_such_proj": rule, **family.tp_plan})
     with pytest.raises(ValueError, match=r"'mlp.no_such_proj'.*not a module"):
         shard_block(block, broken, TPContext())
+
+
+def test_fused_shard_ranges_keep_matching_q_k_v_parts():
+    from hybridtrain.parallel.slicing import shard_ranges, shard_tensor
+    import torch
+
+    # q | k | v of 4 rows each over tp=2: rank 1 takes rows 2-3 of each sub-block
+    assert shard_ranges(12, 3, 1, 2) == [(2, 4), (6, 8), (10, 12)]
+    t = torch.arange(12 * 2).reshape(12, 2)
+    assert shard_tensor(t, 0, 3, 1, 2)[:, 0].tolist() == [4, 6, 12, 14, 20, 22]
+    assert shard_tensor(t.t(), 1, 1, 0, 2).shape == (2, 6)

@@ -16,6 +16,7 @@ import torch
 
 from hybridtrain.checkpoint.hf_state import Split
 from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.slicing import shard_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -27,8 +28,7 @@ def from_hf(tensor: torch.Tensor, split: Split, tp: TPContext, padded_vocab: int
         t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
     if split.dim is None or tp.size == 1:
         return t.contiguous()
-    parts = t.chunk(split.fused, dim=split.dim)
-    return torch.cat([p.chunk(tp.size, dim=split.dim)[tp.rank] for p in parts], dim=split.dim).contiguous()
+    return shard_tensor(t, split.dim, split.fused, tp.rank, tp.size)
 
 
 def _prepare_zero_states(engine, step: int) -> None:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from hybridtrain.models.families import Family, TPRule, padded_vocab  # noqa: F401  (re-export)
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from hybridtrain.parallel.slicing import shard_tensor
 
 
 def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
@@ -217,16 +218,12 @@ def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext, shards=None) -
     weight = linear.weight.detach()
     weight = weight.t() if rule.conv1d else weight  # -> [out, in]
     bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
-    if rule.style == "column":
-        # Split each fused sub-block (q | k | v) on the output dim, keep this rank's part of each.
-        parts = weight.chunk(rule.fused, dim=0)
-        w = torch.cat([p.chunk(tp.size, dim=0)[tp.rank] for p in parts]).contiguous()
-        b = None
-        if bias is not None:
-            b = torch.cat([p.chunk(tp.size)[tp.rank] for p in bias.chunk(rule.fused)]).contiguous()
+    if rule.style == "column":  # output dim, each fused sub-block (q | k | v) split on its own
+        w = shard_tensor(weight, 0, rule.fused, tp.rank, tp.size)
+        b = shard_tensor(bias, 0, rule.fused, tp.rank, tp.size) if bias is not None else None
         return ColumnParallelLinear(w, b)
     if rule.style == "row":
-        w = weight.chunk(tp.size, dim=1)[tp.rank].contiguous()  # [out, in/tp]
+        w = shard_tensor(weight, 1, 1, tp.rank, tp.size)  # [out, in/tp]
         return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
     raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use 'column' or 'row'")
 

@@ -95,11 +95,11 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
     """Only this rank's part of tensor ``name``: along ``dim`` (HF layout), each of ``fused`` equal
     sub-blocks cut into ``size`` chunks, chunk ``rank`` of each, read with safetensors slicing."""
 
+    from hybridtrain.parallel.slicing import shard_ranges
+
     def cut(view):
-        part = view.get_shape()[dim] // fused
-        chunk = part // size
-        los = [j * part + rank * chunk for j in range(fused)]
-        return [view[lo:lo + chunk] if dim == 0 else view[:, lo:lo + chunk] for lo in los]
+        ranges = shard_ranges(view.get_shape()[dim], fused, rank, size)
+        return [view[lo:hi] if dim == 0 else view[:, lo:hi] for lo, hi in ranges]
 
     return torch.cat(weights.sliced(name, cut), dim=dim).float()
 
