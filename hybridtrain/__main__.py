@@ -87,7 +87,9 @@ def run(cfg: DictConfig) -> int:
     params = sum(p.numel() for p in meta_model(hf_config).parameters())
     print(summary(plan, hf_config, params), flush=True)
     prepared = None
-    if not typed.launcher.dry_run:  # a dry run checks the plan only, no data preparation
+    # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
+    deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
+    if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
             prepared = prepare(typed.data, typed.trainer.seed)
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
@@ -102,10 +104,11 @@ def run(cfg: DictConfig) -> int:
     # written atomically: with launcher.no_ssh every node's controller writes the same shared files
     _atomic(run_dir / "config.yaml", lambda tmp: save_config(typed, tmp))
     _atomic(run_dir / "plan.json", lambda tmp: tmp.write_text(json.dumps(plan.to_dict(), indent=1)))
-    if prepared is None:
+    if typed.launcher.dry_run:
         print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
         return 0
-    _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))  # where workers memory-map samples
+    if prepared is not None:  # where the workers memory-map the samples
+        _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))
     code = start(run_dir, plan, typed.launcher, machine)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "

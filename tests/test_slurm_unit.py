@@ -176,4 +176,18 @@ def test_cli_submit_false_writes_and_prints_the_script(tmp_path):
                    "launcher.submit=false", "launcher.gpus=false", "launcher.time=00:10:00", timeout=180)
     script = (tmp_path / "job.sbatch").read_text()
     assert script in proc.stdout and "#SBATCH --time=00:10:00" in script and "not submitted" in proc.stdout
-    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "data.json").is_file()
+    assert (tmp_path / "config.yaml").is_file() and not (tmp_path / "data.json").exists()
+    # the job's first step prepares the data the controller skipped, once
+    from hybridtrain.launch.slurm_job import prepare_data
+
+    assert prepare_data(tmp_path) and (tmp_path / "data.json").is_file()
+    assert not prepare_data(tmp_path)
+
+
+def test_cli_llama_7b_slurm_script_anywhere(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=llama_7b", "launcher=slurm", "launcher.submit=false", "launcher.partition=gpu",
+                   "launcher.gpus=true", timeout=180)
+    script = (tmp_path / "job.sbatch").read_text()
+    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"]:
+        assert line in script.splitlines()
+    assert "groups crossing nodes: pp" in proc.stdout  # tp=8 fills a node: only the pipeline crosses nodes

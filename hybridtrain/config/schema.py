@@ -226,7 +226,8 @@ class LauncherConfig:
     """``slurm``: on the warning signal or SIGTERM, checkpoint and requeue the job (``scontrol requeue``);
     the requeued job resumes from that checkpoint. Off: checkpoint and end the job."""
     submit: bool = True
-    """``slurm``: submit the job with ``sbatch``; off: only write ``RUN_DIR/job.sbatch`` and print it."""
+    """``slurm``: submit the job with ``sbatch``; off: only write ``RUN_DIR/job.sbatch`` and print it (the
+    data is then prepared when the job starts)."""
     wait: bool = False
     """``slurm``: wait for the job to end (``sbatch --wait``) and exit with its status."""
     # --- multinode

@@ -98,8 +98,8 @@ def submit(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> int:
     print(f"[hybridtrain] job script {path}", flush=True)
     if not launcher.submit:
         print(path.read_text(), flush=True)
-        print(f"[hybridtrain] not submitted (launcher.submit=false); submit with: sbatch {shlex.quote(str(path))}",
-              flush=True)
+        print(f"[hybridtrain] not submitted (launcher.submit=false); the job prepares the data when it starts; "
+              f"submit with: sbatch {shlex.quote(str(path))}", flush=True)
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:

@@ -10,6 +10,7 @@ controller, or the SLURM job script that requeues itself) that the stop was orde
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -36,8 +37,10 @@ class StopRequest:
     def _handler(self, signum, _frame) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            print(f"[hybridtrain] {self.signal_name} received: stopping after this step with a checkpoint",
-                  flush=True)
+            # os.write, not print: a handler that prints while the main thread is printing raises
+            # "reentrant call" inside the buffered stream
+            os.write(2, f"[hybridtrain] {self.signal_name} received: stopping after this step with a "
+                        "checkpoint\n".encode())
 
     def agreed(self, device) -> bool:
         """Whether any rank has been signalled; a collective every rank must call at the same step."""
