@@ -7,7 +7,8 @@
 #
 # Idempotent: if the cluster this script started is still up with the same
 # config, it exits 0 at once; otherwise it stops only the daemons it started
-# (by PID) and starts fresh. Must run as root.
+# (by PID) and starts fresh. Must run as root. scripts/slurm_down.sh stops it.
+# tests/test_slurm.py runs both; docs/slurm.md#testing-on-one-machine describes them.
 #
 # Knobs (environment):
 #   SLURM_CI_NODES            number of emulated nodes            (default 2)

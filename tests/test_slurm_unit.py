@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers_unit import compose_config
-from launch_helpers import REPO, run_cli
+from launch_helpers import run_cli
 from hybridtrain.launch import env, placement
 from hybridtrain.launch.slurm import render
 from hybridtrain.plan import Machine, PlanError, resolve
