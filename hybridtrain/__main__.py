@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> int:
 
     from hybridtrain.config import save_config, to_config
     from hybridtrain.data.prepare import prepare
-    from hybridtrain.launch.local import launch
+    from hybridtrain.launch import check, start
     from hybridtrain.models.build import meta_model
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
@@ -76,15 +76,22 @@ def run(cfg: DictConfig) -> int:
             return 2
         print(f"[hybridtrain] resume: {found or 'no checkpoint in ' + str(run_dir) + ', starting fresh'}")
         typed.trainer.resume = str(found) if found else None
-    if typed.launcher.nodes > 1 and not typed.launcher.dry_run:
+    if typed.launcher.name == "local" and typed.launcher.nodes > 1 and not typed.launcher.dry_run:
         print(f"[hybridtrain] config error: launcher.nodes={typed.launcher.nodes}: the local launcher runs on one "
-              "machine; use launcher.nodes=1, or launcher.dry_run=true to validate a multi-node plan here",
-              file=sys.stderr)
+              "machine; use launcher.nodes=1, launcher=slurm or launcher=multinode, or launcher.dry_run=true to "
+              "validate a multi-node plan here", file=sys.stderr)
+        return 2
+    try:
+        check(typed.launcher, plan)
+    except PlanError as err:
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
     params = sum(p.numel() for p in meta_model(hf_config).parameters())
     print(summary(plan, hf_config, params), flush=True)
     prepared = None
-    if not typed.launcher.dry_run:  # a dry run checks the plan only, no data preparation
+    # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
+    deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
+    if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
             prepared = prepare(typed.data, typed.trainer.seed)
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
@@ -96,17 +103,28 @@ def run(cfg: DictConfig) -> int:
               f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
               + (f", validation {n_val} samples" if n_val else ""), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(typed, run_dir / "config.yaml")
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if prepared is None:
+    # written atomically: with launcher.no_ssh every node's controller writes the same shared files
+    _atomic(run_dir / "config.yaml", lambda tmp: save_config(typed, tmp))
+    _atomic(run_dir / "plan.json", lambda tmp: tmp.write_text(json.dumps(plan.to_dict(), indent=1)))
+    if typed.launcher.dry_run:
         print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
         return 0
-    (run_dir / "data.json").write_text(prepared.to_json())  # where the workers memory-map the samples
-    code = launch(run_dir, plan, typed.launcher, machine)
-    if code != 0:
+    if prepared is not None:  # where the workers memory-map the samples
+        _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))
+    code = start(run_dir, plan, typed.launcher, machine)
+    if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
               f"the run directory is {run_dir}", file=sys.stderr)
     return code
+
+
+def _atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename over ``path``, so a reader never sees a half-written file."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

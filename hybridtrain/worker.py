@@ -24,6 +24,9 @@ def _setup_threads() -> None:
 def run(run_dir: Path) -> int:
     """Train one rank of the run in ``run_dir``; return the exit code."""
     t0 = time.perf_counter()
+    from hybridtrain.train.preempt import StopRequest
+
+    stop = StopRequest().install()  # first: a SIGTERM while starting up still ends in a checkpoint
     import warnings
 
     import torch
@@ -62,16 +65,37 @@ def run(run_dir: Path) -> int:
     built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
     samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
+    if rank == 0 and plan.nodes > 1:
+        from hybridtrain.launch.placement import describe
+
+        names = os.environ.get("HYBRIDTRAIN_NODES")  # set by the slurm / multinode launchers
+        print(describe(plan, names.split(",") if names else None), flush=True)
     if rank == 0:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "
               f"{built.model_state_bytes / 2**20:.1f} MiB of parameters)", flush=True)
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
-    losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save)
+    losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
+                   stop=stop)
     torch.distributed.barrier()  # nobody exits while a peer may still be in the last collective
+    if stop.stopped_at is not None:
+        if rank == 0:
+            _stopped(run_dir, stop)
+        return 0
     if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0
+
+
+def _stopped(run_dir: Path, stop) -> None:
+    """Rank 0 after a signal stop: say so, and leave ``stopped.json`` for the launcher."""
+    from hybridtrain.checkpoint.io import checkpoints_dir
+    from hybridtrain.train.preempt import write_marker
+
+    path = checkpoints_dir(run_dir) / f"step_{stop.stopped_at}"
+    write_marker(run_dir, stop.stopped_at, path)
+    print(f"[hybridtrain] stopped by {stop.signal_name or 'a peer'} after step {stop.stopped_at}; "
+          f"checkpoint {path}", flush=True)
 
 
 def _saved_plan(checkpoint: Path) -> dict:
@@ -127,6 +151,10 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m hybridtrain.worker RUN_DIR  (started by `python -m hybridtrain`)")
     try:
+        if os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm":  # an srun task: RANK etc. from SLURM's variables
+            from hybridtrain.launch import env
+
+            env.apply(os.environ)
         code = run(Path(sys.argv[1]))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
         import traceback

@@ -97,8 +97,8 @@ def test_vocab_pad_multiple_positive():
 
 def test_launcher_name():
     cfg = tiny()
-    cfg.launcher.name = "slurm"
-    plan_error(cfg, "launcher.name", "'slurm'", "['local']")
+    cfg.launcher.name = "kubernetes"
+    plan_error(cfg, "launcher.name", "'kubernetes'", "['local', 'slurm', 'multinode']")
 
 
 def test_data_source():

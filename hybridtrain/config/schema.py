@@ -184,24 +184,77 @@ class TrainerConfig:
 
 @dataclass
 class LauncherConfig:
-    """How worker processes are started."""
+    """How worker processes are started (``docs/slurm.md`` for ``slurm`` and ``multinode``)."""
 
     name: str = "local"
-    """``local``: the deepspeed runner on this machine."""
+    """``local``: the deepspeed runner on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
+    starts every rank; ``multinode``: the deepspeed runner over several machines (``launcher.hostfile``,
+    or ``launcher.no_ssh`` on each node)."""
     nodes: int = 1
     """Machines the job spans; the local launcher runs on one."""
     gpus_per_node: Optional[int] = None
     """Devices per node: GPUs, or CPU processes on machines without GPUs. ``null``: the number
-    of CUDA GPUs here, or on a machine without GPUs no limit."""
+    of CUDA GPUs here, or on a machine without GPUs no limit (``slurm``/``multinode``: the ranks
+    spread evenly over ``launcher.nodes``)."""
     master_port: Optional[int] = None
-    """Rendezvous port; ``null`` picks a free one."""
+    """Rendezvous port; ``null`` picks a free one (``slurm``: 20000 + job id modulo 20000;
+    ``multinode``: DeepSpeed's 29500)."""
     threads_per_rank: Optional[int] = None
-    """CPU threads per worker; ``null``: the machine's cores divided by the local ranks."""
+    """CPU threads per worker; ``null``: the node's cores divided by the local ranks (``slurm``: the
+    job's CPUs on the node, ``SLURM_CPUS_ON_NODE``, divided by the tasks per node). ``slurm``: a value
+    also asks for that many CPUs per task (``--cpus-per-task``)."""
     timeout_minutes: int = 10
     """Collective timeout: a rank that stops answering ends the job after this long."""
     dry_run: bool = False
     """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
     without preparing data or starting workers (also for cluster recipes on a laptop)."""
+    # --- slurm
+    partition: Optional[str] = None
+    """``slurm``: the partition (``--partition``); ``null``: the cluster's default."""
+    account: Optional[str] = None
+    """``slurm``: the account charged (``--account``); ``null``: your default account."""
+    qos: Optional[str] = None
+    """``slurm``: the quality of service (``--qos``); ``null``: the default."""
+    time: Optional[str] = None
+    """``slurm``: the time limit (``--time``, e.g. ``02:00:00`` or ``1-00:00:00``); ``null``: the
+    partition's default."""
+    constraint: Optional[str] = None
+    """``slurm``: node features the job needs (``--constraint``, e.g. ``a100``); ``null``: any node."""
+    gpus: Optional[bool] = None
+    """``slurm``: ask for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``). ``null``: when
+    ``sinfo`` reports GPUs (GRES ``gpu``) in the partition; without ``sinfo``, or without GPUs, the
+    ranks are CPU processes."""
+    sbatch: List[str] = field(default_factory=list)
+    """``slurm``: extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
+    the ``#SBATCH`` prefix is optional."""
+    setup: List[str] = field(default_factory=list)
+    """``slurm``: shell lines the job runs before starting the ranks (``module load cuda/12.4``,
+    ``source ~/venv/bin/activate``); with them set ``launcher.python=python`` to use the activated one."""
+    python: Optional[str] = None
+    """``slurm``: the Python the job runs; ``null``: the interpreter running this command."""
+    signal_seconds: int = 120
+    """``slurm``: seconds before the time limit at which SLURM warns the ranks (``--signal=USR1@N``); they
+    save a checkpoint and the job requeues itself. 0: no warning."""
+    requeue: bool = True
+    """``slurm``: on the warning signal or SIGTERM, checkpoint and requeue the job (``scontrol requeue``);
+    the requeued job resumes from that checkpoint. Off: checkpoint and end the job."""
+    submit: bool = True
+    """``slurm``: submit the job with ``sbatch``; off: only write ``RUN_DIR/job.sbatch`` and print it (the
+    data is then prepared when the job starts)."""
+    wait: bool = False
+    """``slurm``: wait for the job to end (``sbatch --wait``) and exit with its status."""
+    # --- multinode
+    hostfile: Optional[str] = None
+    """``multinode``: a DeepSpeed hostfile (``host slots=N`` per line); the runner reaches the hosts over
+    ssh (pdsh). With ``launcher.no_ssh``: optional, it only names the nodes."""
+    no_ssh: bool = False
+    """``multinode``: start only this node's ranks (the runner's ``--no_ssh``); run the same command on
+    every node with its ``launcher.node_rank`` and the same ``launcher.master_addr``."""
+    node_rank: Optional[int] = None
+    """``multinode`` with ``no_ssh``: this node's index, 0 .. ``launcher.nodes - 1`` (rank 0's node is 0)."""
+    master_addr: Optional[str] = None
+    """``multinode``: the address of node 0, where rank 0 listens (needed with ``no_ssh``; else the
+    runner asks the first host of the hostfile)."""
 
 
 @dataclass

@@ -50,13 +50,58 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     cmd = command(run_dir, plan, port)
     print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-
-    def forward(signum, _frame):  # pass Ctrl-C / SIGTERM to the runner and its ranks
-        os.killpg(proc.pid, signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    return report_stop(run_dir, code)
+
+
+def forwarder(proc: subprocess.Popen):
+    """A signal handler for the controller: Ctrl-C ends the runner and its ranks at once; SIGTERM goes
+    to the ranks only, which checkpoint and exit (:mod:`hybridtrain.train.preempt`).
+
+    DeepSpeed's per-node launcher answers SIGTERM by terminating its ranks and killing them 30 s
+    later, too soon for a large checkpoint; so it is left out, and exits by itself once its ranks
+    have exited cleanly.
+    """
+    def forward(signum, _frame):
+        workers = worker_processes(proc.pid) if signum == signal.SIGTERM else []
+        if not workers:  # Ctrl-C, or the ranks are not started yet
+            os.killpg(proc.pid, signum)
+        for p in workers:
+            p.send_signal(signum)
+
+    return forward
+
+
+def worker_processes(pid: int) -> list:
+    """The ``hybridtrain.worker`` processes under process ``pid`` (psutil, a DeepSpeed dependency)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in children:
+        try:
+            if "hybridtrain.worker" in p.cmdline():
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def report_stop(run_dir: Path, code: int) -> int:
+    """After the ranks exited: if they stopped on a signal with a checkpoint, say so and return 0."""
+    from hybridtrain.train.preempt import take_marker
+
+    stopped = take_marker(run_dir)
+    if stopped is None:
+        return code
+    print(f"[hybridtrain] stopped early after step {stopped['step']} with checkpoint {stopped['checkpoint']}; "
+          f"continue with trainer.resume=auto hydra.run.dir={run_dir}", flush=True)
+    return 0

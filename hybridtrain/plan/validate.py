@@ -16,7 +16,7 @@ from hybridtrain.plan.partition import METHODS, partition
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-LAUNCHERS = ("local",)
+LAUNCHERS = ("local", "slurm", "multinode")
 
 
 class PlanError(ValueError):
@@ -106,6 +106,23 @@ def layer_names(family: Family, num_layers: int) -> list[str]:
     return pre + [f"block.{i}" for i in range(num_layers)] + ["final_norm", "head"]
 
 
+def _check_cluster_launcher(lau) -> None:
+    """Rules of the ``slurm`` and ``multinode`` launcher keys (docs/slurm.md)."""
+    if lau.name == "slurm":
+        _need(lau.signal_seconds >= 0, "launcher.signal_seconds", f"must be >= 0 (0: no warning), got {lau.signal_seconds}")
+        _need(not lau.wait or lau.submit, "launcher.wait", "launcher.wait=true needs launcher.submit=true (nothing "
+              "to wait for); drop one of them")
+    if lau.name == "multinode":
+        _need(lau.no_ssh or lau.hostfile is not None, "launcher.hostfile",
+              "launcher=multinode needs a DeepSpeed hostfile (launcher.hostfile=hosts.txt, reached over ssh) or "
+              "launcher.no_ssh=true with launcher.node_rank and launcher.master_addr on every node")
+        if lau.no_ssh:
+            _need(lau.node_rank is not None and 0 <= lau.node_rank < lau.nodes, "launcher.node_rank",
+                  f"launcher.no_ssh=true needs this node's index in [0, launcher.nodes={lau.nodes}), got {lau.node_rank}")
+            _need(bool(lau.master_addr), "launcher.master_addr",
+                  "launcher.no_ssh=true needs the address of node 0 (launcher.master_addr=HOST), the same on every node")
+
+
 def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
                layer_params: Optional[list[int]] = None) -> Plan:
     """Check every rule and return the resolved :class:`Plan`; raise :class:`PlanError` on the first violation."""
@@ -133,8 +150,12 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(lau.master_port is None or 1024 <= lau.master_port <= 65535, "launcher.master_port",
           f"must be in [1024, 65535] or null (pick a free port), got {lau.master_port}")
 
-    # World size against the devices.
-    per_node = lau.gpus_per_node if lau.gpus_per_node is not None else (machine.gpus_per_node or None)
+    _check_cluster_launcher(lau)
+
+    # World size against the devices. A cluster launcher's nodes are not this machine: only
+    # launcher.gpus_per_node counts there.
+    here = (machine.gpus_per_node or None) if lau.name == "local" else None
+    per_node = lau.gpus_per_node if lau.gpus_per_node is not None else here
     model_ranks = par.tp * par.pp
     if per_node is None:  # CPU processes: no device limit; dp defaults to one replica per node
         dp = par.dp or lau.nodes
@@ -153,6 +174,12 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
               f"(launcher.nodes={lau.nodes} x launcher.gpus_per_node={per_node}); use dp <= {total // model_ranks}"
               + ("" if par.dp is not None else f" and tp x pp dividing {total}"))
     world = dp * model_ranks
+    if lau.name != "local" and per_node is not None:  # srun / the runner start one rank per device
+        _need(world == per_node * lau.nodes, "launcher.gpus_per_node",
+              f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} ranks but launcher.nodes={lau.nodes} x "
+              f"launcher.gpus_per_node={per_node} = {per_node * lau.nodes} devices; {lau.name} starts one rank per "
+              f"device: use launcher.gpus_per_node={world // lau.nodes if world % lau.nodes == 0 else '?'} or "
+              f"parallel.dp={per_node * lau.nodes // model_ranks}")
 
     # Batch arithmetic: global = micro x accumulation x dp.
     unit = par.micro_batch_size * dp

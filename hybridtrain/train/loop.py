@@ -13,6 +13,7 @@ from hybridtrain.observe.clock import StepClock
 from hybridtrain.plan.validate import Plan
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
+from hybridtrain.train.preempt import StopRequest
 
 
 class MetricsWriter:
@@ -60,11 +61,14 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
 
 
 def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path, is_rank0: bool,
-          start_step: int = 0, save: Callable[[int], None] | None = None) -> list[float]:
+          start_step: int = 0, save: Callable[[int], None] | None = None,
+          stop: StopRequest | None = None) -> list[float]:
     """Run optimizer steps ``start_step`` .. ``trainer.max_steps - 1``; return their losses.
 
     ``save(step)`` is called (on every rank) after every ``trainer.save_every`` steps and after the
-    last one when ``trainer.save_final``.
+    last one when ``trainer.save_final``. With ``stop``, the ranks agree after every step whether a
+    stop signal arrived; if so they save (if this step did not already) and leave the loop early,
+    recording the step in ``stop.stopped_at`` (:mod:`hybridtrain.train.preempt`).
     """
     layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
     engine = built.engine
@@ -111,8 +115,14 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
             writer.write(evaluator.run(built, done))
         every = cfg.trainer.save_every
         final = done == cfg.trainer.max_steps and cfg.trainer.save_final
-        if save is not None and ((every and done % every == 0) or final):
+        due = save is not None and bool((every and done % every == 0) or final)
+        if due:
             save(done)
+        if stop is not None and done < cfg.trainer.max_steps and stop.agreed(engine.device):
+            stop.stopped_at = done
+            if save is not None and not due:
+                save(done)
+            break
     if bar is not None:
         bar.close()
     writer.close()

@@ -1,0 +1,86 @@
+"""The multi-node launcher without SLURM: DeepSpeed's runner over several machines.
+
+Two ways (docs/slurm.md#without-slurm):
+
+- ``launcher.hostfile``: one command on the first machine; the runner reaches every host of the
+  DeepSpeed hostfile (``host slots=N``) over ssh with pdsh and starts its ranks there.
+- ``launcher.no_ssh=true``: the same command on every machine, each with its ``launcher.node_rank``
+  and the same ``launcher.master_addr``; each runner starts only its own node's ranks
+  (DeepSpeed's ``--no_ssh --node_rank``).
+
+Either way ranks are numbered node by node in hostfile order, so each node holds consecutive
+ranks (see :mod:`hybridtrain.launch.placement`). The run directory must be the same path on
+every machine (a shared filesystem): checkpoints are written there by every rank.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.launch.local import forwarder, report_stop, threads_per_rank
+from hybridtrain.plan.validate import Machine, Plan, PlanError
+
+DEFAULT_PORT = 29500  # DeepSpeed's; every node must use the same port, so none is picked at random
+
+
+def hosts(launcher: LauncherConfig, plan: Plan) -> list[tuple[str, int]]:
+    """``(host, slots)`` of every node in rank order; raise :class:`PlanError` when the hostfile does not
+    match ``launcher.nodes`` and the plan's ranks per node."""
+    per_node = plan.world_size // plan.nodes
+    if launcher.hostfile is None:  # no_ssh: the names only label the nodes
+        return [(f"node{i}", per_node) for i in range(plan.nodes)]
+    from deepspeed.launcher.runner import fetch_hostfile  # DeepSpeed's own parser of its format
+
+    path = Path(launcher.hostfile).expanduser()
+    pool = fetch_hostfile(str(path)) if path.is_file() else None
+    if not pool:
+        raise PlanError("launcher.hostfile", f"{launcher.hostfile!r} is missing or has no 'host slots=N' line")
+    found = list(pool.items())
+    if len(found) != plan.nodes or any(slots != per_node for _, slots in found):
+        raise PlanError("launcher.hostfile", f"{path} lists {[f'{h} slots={s}' for h, s in found]} but the plan needs "
+                        f"launcher.nodes={plan.nodes} hosts with slots={per_node} (dp x tp x pp = {plan.world_size} "
+                        "ranks); fix the hostfile or launcher.nodes / launcher.gpus_per_node")
+    return found
+
+
+def command(run_dir: Path, launcher: LauncherConfig, hostfile: Path) -> list[str]:
+    """The deepspeed runner command line for this node (``no_ssh``) or for every host (ssh)."""
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+           "--master_port", str(launcher.master_port or DEFAULT_PORT)]
+    if launcher.master_addr:
+        cmd += ["--master_addr", launcher.master_addr]
+    if launcher.no_ssh:
+        cmd += ["--no_ssh", "--node_rank", str(launcher.node_rank)]
+    return cmd + ["--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
+
+
+def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
+    """Start the runner for this node (or all hosts); return its exit code."""
+    found = hosts(launcher, plan)
+    hostfile = Path(launcher.hostfile).expanduser().resolve() if launcher.hostfile else run_dir / "hostfile"
+    if launcher.hostfile is None:
+        hostfile.write_text("".join(f"{h} slots={s}\n" for h, s in found))
+    threads = threads_per_rank(launcher, plan, machine)
+    extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found)}
+    # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file
+    env_file = run_dir / ".deepspeed_env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in extra.items()))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ENV_FILE=str(env_file), **extra)
+    cmd = command(run_dir, launcher, hostfile)
+    where = f"node {launcher.node_rank} of {plan.nodes}" if launcher.no_ssh else f"{plan.nodes} hosts over ssh"
+    print(f"[hybridtrain] launching {plan.world_size} rank(s) on {where}, {threads} thread(s) each: "
+          f"{' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    import signal
+
+    old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return report_stop(run_dir, code)

@@ -1,0 +1,59 @@
+"""Where each rank sits: its node and its (dp, tp, pp) coordinates, and which groups cross nodes.
+
+DeepSpeed's ``PipeModelDataParallelTopology`` orders ranks with the tensor-parallel axis fastest,
+then data, then pipeline: ``rank = pp_rank * dp * tp + dp_rank * tp + tp_rank`` (checked against
+DeepSpeed in tests/test_slurm_unit.py). Launchers put ``k = world / nodes`` consecutive ranks on each
+node, so a TP group (``tp`` consecutive ranks) stays inside a node when ``tp`` divides ``k``, and a
+data-parallel group (stride ``tp``, ``dp`` members) when ``dp x tp`` divides ``k``; the pipeline axis,
+outermost, is what crosses nodes first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from hybridtrain.plan.validate import Plan
+
+
+@dataclass(frozen=True)
+class Place:
+    """One rank's node and coordinates."""
+
+    rank: int
+    node: int
+    dp: int
+    tp: int
+    pp: int
+
+
+def places(plan: Plan) -> list[Place]:
+    """Every rank's :class:`Place` under block placement (``world / nodes`` consecutive ranks per node)."""
+    per_node = plan.world_size // plan.nodes
+    return [Place(rank=r, node=r // per_node, dp=(r // plan.tp) % plan.dp, tp=r % plan.tp,
+                  pp=r // (plan.dp * plan.tp)) for r in range(plan.world_size)]
+
+
+def crossing(plan: Plan) -> list[str]:
+    """The parallel axes whose groups span more than one node (``tp``, ``dp``, ``pp``)."""
+    by_rank = places(plan)
+    groups = {"tp": lambda p: (p.dp, p.pp), "dp": lambda p: (p.tp, p.pp), "pp": lambda p: (p.dp, p.tp)}
+    out = []
+    for axis, key in groups.items():
+        nodes: dict = {}
+        for p in by_rank:
+            nodes.setdefault(key(p), set()).add(p.node)
+        if any(len(s) > 1 for s in nodes.values()):
+            out.append(axis)
+    return out
+
+
+def describe(plan: Plan, node_names: Optional[Sequence[str]] = None) -> str:
+    """The rank map printed at start-up: one line per rank, then which groups cross nodes."""
+    names = list(node_names or [f"node{i}" for i in range(plan.nodes)])
+    lines = [f"[hybridtrain] rank map ({plan.nodes} node(s) x {plan.world_size // plan.nodes} rank(s)):"]
+    lines += [f"[hybridtrain]   rank {p.rank:>4}  node {names[p.node]:<12} dp {p.dp}  tp {p.tp}  pp {p.pp}"
+              for p in places(plan)]
+    cross = crossing(plan)
+    lines.append("[hybridtrain]   groups crossing nodes: " + (", ".join(cross) if cross else "none")
+                 + ("  (tensor-parallel traffic leaves the node: use tp <= ranks per node)" if "tp" in cross else ""))
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""The SLURM launcher: render ``slurm/job.sbatch`` for a plan, write it into the run directory, submit it.
+
+The controller (``python -m hybridtrain``) has already validated the plan against
+``launcher.nodes x launcher.gpus_per_node``, prepared the data and written ``config.yaml``,
+``plan.json`` and ``data.json``; the job only needs the run directory (on a filesystem the nodes
+share). Inside the job, ``srun`` starts ``python -m hybridtrain.worker RUN_DIR`` once per rank and
+each rank derives its ``env://`` variables from SLURM's (:mod:`hybridtrain.launch.env`).
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from string import Template
+
+from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.launch.placement import crossing
+from hybridtrain.plan.validate import Plan
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "job.sbatch"
+NEED_CLIENT = ("launcher=slurm needs SLURM's client tools (sbatch, srun, scontrol) on PATH: run this on the "
+               "cluster's login node, or install them (Debian/Ubuntu: apt-get install slurm-client); "
+               "launcher.submit=false only writes the job script")
+
+
+class _Template(Template):
+    """``@{name}`` placeholders: ``$`` and ``%`` belong to bash and sbatch in the template."""
+
+    delimiter = "@"
+
+
+def cluster_has_gpus(partition: str | None) -> bool:
+    """Whether ``sinfo`` lists GPU GRES in ``partition`` (the default one: all); False without ``sinfo``."""
+    if shutil.which("sinfo") is None:
+        return False
+    cmd = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return out.returncode == 0 and "gpu" in out.stdout
+
+
+def render(run_dir: Path, plan: Plan, launcher: LauncherConfig, gpus: bool, python: str, workdir: Path) -> str:
+    """The job script for ``plan`` (pure: no file, no SLURM call)."""
+    per_node = plan.world_size // plan.nodes
+    resources = ""
+    if gpus:
+        resources += f"#SBATCH --gpus-per-node={per_node}\n"
+    if launcher.threads_per_rank:
+        resources += f"#SBATCH --cpus-per-task={launcher.threads_per_rank}\n"
+    for key in ("partition", "account", "qos", "time", "constraint"):
+        value = getattr(launcher, key)
+        if value:
+            resources += f"#SBATCH --{key}={value}\n"
+    preempt = ""
+    if launcher.signal_seconds:
+        preempt += f"#SBATCH --signal=USR1@{launcher.signal_seconds}\n"
+    if launcher.requeue:
+        preempt += "#SBATCH --requeue\n"
+    options = "".join(f"#SBATCH {line.strip().removeprefix('#SBATCH').strip()}\n" for line in launcher.sbatch)
+    exports = ""
+    if launcher.threads_per_rank:
+        exports += f" HYBRIDTRAIN_THREADS={launcher.threads_per_rank}"
+    if launcher.master_port:
+        exports += f" HYBRIDTRAIN_MASTER_PORT={launcher.master_port}"
+    on_stop = ('    echo "[hybridtrain] requeueing job $SLURM_JOB_ID; it resumes from that checkpoint"\n'
+               '    scontrol requeue "$SLURM_JOB_ID"\n' if launcher.requeue else "")
+    summary = (f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp} = {plan.world_size} ranks on {plan.nodes} node(s) x "
+               f"{per_node} {'GPU(s)' if gpus else 'CPU process(es)'}")
+    return _Template(TEMPLATE.read_text()).substitute(
+        summary=summary, run_dir=str(run_dir), run_dir_q=shlex.quote(str(run_dir)),
+        script=shlex.quote(str(run_dir / "job.sbatch")), job_name=f"hybridtrain-{run_dir.name}",
+        nodes=plan.nodes, tasks_per_node=per_node, resources=resources, workdir=str(workdir),
+        preempt=preempt, options=options, python=shlex.quote(python),
+        setup="".join(line + "\n" for line in launcher.setup), exports=exports, on_stop=on_stop)
+
+
+def write(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> Path:
+    """Render the job script into ``RUN_DIR/job.sbatch`` and return its path."""
+    gpus = launcher.gpus if launcher.gpus is not None else cluster_has_gpus(launcher.partition)
+    text = render(run_dir, plan, launcher, gpus, launcher.python or sys.executable, Path.cwd())
+    path = run_dir / "job.sbatch"
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def submit(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> int:
+    """Write the job script, then (``launcher.submit``) ``sbatch`` it and (``launcher.wait``) wait for it.
+
+    Returns the exit code for the command line: 0 once submitted (or written), the job's exit code
+    when waiting, 1 when ``sbatch`` is missing or SLURM rejects the job.
+    """
+    path = write(run_dir, plan, launcher)
+    cross = crossing(plan)
+    print(f"[hybridtrain] placement {plan.nodes} node(s) x {plan.world_size // plan.nodes} rank(s); groups crossing "
+          f"nodes: {', '.join(cross) if cross else 'none'}", flush=True)
+    print(f"[hybridtrain] job script {path}", flush=True)
+    if not launcher.submit:
+        print(path.read_text(), flush=True)
+        print(f"[hybridtrain] not submitted (launcher.submit=false); the job prepares the data when it starts; "
+              f"submit with: sbatch {shlex.quote(str(path))}", flush=True)
+        return 0
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print(f"[hybridtrain] error: sbatch not found. {NEED_CLIENT}", file=sys.stderr)
+        return 1
+    cmd = [sbatch, "--parsable"] + (["--wait"] if launcher.wait else []) + [str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = proc.stdout.readline().strip().split(";")[0]  # --parsable: "ID" or "ID;cluster", before waiting
+    if not job_id:
+        _, err = proc.communicate()
+        print(f"[hybridtrain] error: SLURM rejected the job (sbatch exit code {proc.returncode}): {err.strip()}\n"
+              f"[hybridtrain] job script {path}; fix the launcher keys it came from (launcher.partition, "
+              "launcher.account, launcher.qos, launcher.time, launcher.constraint, launcher.sbatch)", file=sys.stderr)
+        return 1
+    log = run_dir / f"slurm-{job_id}.out"
+    print(f"[hybridtrain] submitted job {job_id}; log {log}; metrics {run_dir / 'metrics.jsonl'}", flush=True)
+    if not launcher.wait:
+        proc.wait()
+        return 0
+    try:
+        _, err = proc.communicate()
+    except KeyboardInterrupt:
+        print(f"\n[hybridtrain] stopped waiting; job {job_id} keeps running (scancel {job_id} ends it)", file=sys.stderr)
+        return 130
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else "(no log)"
+        print(f"[hybridtrain] job {job_id} failed with exit code {proc.returncode}{': ' + err.strip() if err.strip() else ''}"
+              f"\n[hybridtrain] log {log}; its end:\n{tail}", file=sys.stderr)
+        return proc.returncode
+    print(f"[hybridtrain] job {job_id} completed; log {log}", flush=True)
+    return 0

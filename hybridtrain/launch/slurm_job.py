@@ -1,0 +1,85 @@
+"""What the SLURM job script runs on its first node before ``srun`` starts the ranks.
+
+``python -m hybridtrain.launch.slurm_job start RUN_DIR``:
+
+- :func:`prepare_data`: when ``RUN_DIR/data.json`` is missing (the script was written with
+  ``launcher.submit=false``), tokenize and check the data as the controller would have;
+- :func:`resume`: on a requeued (or restarted) job, point ``trainer.resume`` in ``config.yaml``
+  at the newest complete checkpoint of the run, as ``trainer.resume=auto`` would, so the ranks
+  continue where the stopped job saved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Mapping, Optional
+
+
+def resume(run_dir: Path, environ: Mapping[str, str]) -> Optional[Path]:
+    """On a restart (``SLURM_RESTART_COUNT`` > 0) with a checkpoint in ``run_dir``: set ``trainer.resume``
+    to it in ``config.yaml`` and return it; otherwise change nothing and return ``None``."""
+    if int(environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0:
+        return None
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.config import load_config, save_config
+    from hybridtrain.plan import model_config
+    from hybridtrain.plan.validate import Plan
+
+    cfg = load_config(run_dir / "config.yaml")
+    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
+    cfg.trainer.resume = "auto"
+    found = resolve_resume(cfg, plan, model_config(cfg), run_dir)
+    if found is None:
+        return None
+    cfg.trainer.resume = str(found)
+    save_config(cfg, run_dir / "config.yaml")
+    return found
+
+
+def prepare_data(run_dir: Path) -> bool:
+    """Write ``RUN_DIR/data.json`` (and the step count ``trainer.epochs`` derives) if it is missing;
+    return whether it did. Raises ``PlanError`` for data that cannot train this plan."""
+    if (run_dir / "data.json").is_file():
+        return False
+    from hybridtrain.config import load_config, save_config
+    from hybridtrain.data.prepare import prepare
+    from hybridtrain.plan.data import check_data_counts
+    from hybridtrain.plan.validate import Plan
+
+    cfg = load_config(run_dir / "config.yaml")
+    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
+    prepared = prepare(cfg.data, cfg.trainer.seed)
+    cfg.trainer.max_steps = check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val"))
+    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "data.json").write_text(prepared.to_json())
+    return True
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "start":
+        print("usage: python -m hybridtrain.launch.slurm_job start RUN_DIR  (run by the job script)", file=sys.stderr)
+        return 2
+    from hybridtrain.plan.validate import PlanError
+
+    run_dir = Path(argv[1])
+    try:
+        if prepare_data(run_dir):
+            print(f"[hybridtrain] data prepared: {run_dir / 'data.json'}", flush=True)
+    except PlanError as err:
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        found = resume(run_dir, os.environ)
+    except PlanError as err:
+        print(f"[hybridtrain] cannot resume the requeued job: {err}", file=sys.stderr)
+        return 1
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if found is not None:
+        print(f"[hybridtrain] restart {restarts}: resuming from {found}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

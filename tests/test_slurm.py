@@ -1,0 +1,204 @@
+"""Many machines for real: jobs on a SLURM cluster brought up on this machine (scripts/slurm_up.sh:
+Debian's slurmctld, two slurmd nodes, munge), the deepspeed runner's ``--no_ssh`` launch of two
+nodes, and the stop-on-signal checkpoint of the local launcher. Every run is ``gpt_tiny`` at
+dp=2 x pp=2 over 2 nodes x 2 ranks, compared step by step with the same plan run locally."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import REPO, losses, metrics, run_cli
+
+pytestmark = pytest.mark.dist
+
+STEPS = 16
+PLAN = ["+recipe=gpt_tiny", "parallel.dp=2", "parallel.pp=2", f"trainer.max_steps={STEPS}",
+        "launcher.threads_per_rank=1", "trainer.save_final=false"]
+TWO_NODES = ["launcher.nodes=2", "launcher.gpus_per_node=2"]
+SLURM = ["launcher=slurm", *TWO_NODES, "launcher.wait=true", "launcher.gpus=false", "launcher.time=00:10:00"]
+
+
+def close(got: list[float], want: list[float], rel: float = 1e-5) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= rel * abs(b), f"step {step}: {a} vs {b}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """The losses of the plan run by the local launcher on one machine."""
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    run_cli(run_dir, *PLAN, timeout=400)
+    return losses(run_dir)
+
+
+def _daemons_running() -> bool:
+    pid = Path("/var/lib/slurm-ci/run/slurmctld.pid")
+    try:
+        return Path(f"/proc/{int(pid.read_text())}/comm").read_text().strip() == "slurmctld"
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """A real two-node SLURM cluster on this machine for the tests of this module, stopped afterwards
+    unless it was already running before them."""
+    if os.geteuid() != 0:
+        pytest.skip("bringing up SLURM (scripts/slurm_up.sh) needs root: it installs packages and starts daemons")
+    installed = shutil.which("slurmctld") or Path("/usr/sbin/slurmctld").exists()
+    if not installed and shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and apt-get is missing: scripts/slurm_up.sh installs Debian's packages")
+    was_up = _daemons_running()
+    up = subprocess.run(["bash", str(REPO / "scripts" / "slurm_up.sh")], capture_output=True, text=True, timeout=900)
+    if up.returncode != 0:
+        pytest.fail(f"scripts/slurm_up.sh failed (exit {up.returncode}):\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}")
+    yield
+    if not was_up:
+        subprocess.run(["bash", str(REPO / "scripts" / "slurm_down.sh")], capture_output=True, timeout=120)
+
+
+class Background:
+    """``python -m hybridtrain ...`` in the background, its output collected line by line."""
+
+    def __init__(self, run_dir: Path, *overrides: str, env: dict | None = None):
+        cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, what, timeout: float) -> None:
+        """Poll ``what()`` until true; fail (and stop the process) on timeout or an early exit."""
+        end = time.monotonic() + timeout
+        while not what():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.proc.kill()
+                raise AssertionError(f"gave up waiting (exit {self.proc.poll()}):\n{self.output[-5000:]}")
+            time.sleep(0.1)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.output[-5000:]}")
+        self._reader.join(10)
+        return code
+
+
+def _logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _slurm_log(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
+
+
+def test_two_node_slurm_job_matches_the_local_run(slurm_cluster, reference, tmp_path):
+    proc = run_cli(tmp_path, *PLAN, *SLURM, timeout=400)
+    assert re.search(r"submitted job \d+; log .*slurm-\d+\.out", proc.stdout) and "completed" in proc.stdout
+    close(losses(tmp_path), reference)
+    log = _slurm_log(tmp_path)
+    # rank 0 prints the rank map: consecutive ranks per node, only the pipeline crosses nodes
+    for line in ["rank    0  node node1        dp 0  tp 0  pp 0", "rank    1  node node1        dp 1  tp 0  pp 0",
+                 "rank    2  node node2        dp 0  tp 0  pp 1", "rank    3  node node2        dp 1  tp 0  pp 1",
+                 "groups crossing nodes: pp"]:
+        assert line in log, log[-3000:]
+    assert (tmp_path / "job.sbatch").is_file() and (tmp_path / "config.yaml").is_file()
+
+
+SITECUSTOMIZE = """
+import os
+if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HT_TEST_FAIL_RANK"):
+    os._exit(3)  # rank 1 dies while starting: its srun task exits 3
+"""
+
+
+def test_slurm_job_whose_rank_fails_reports_status_and_log(slurm_cluster, tmp_path):
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *PLAN, *SLURM, check=False, timeout=300,
+                   env={"PYTHONPATH": f"{inject}:{REPO}", "HT_TEST_FAIL_RANK": "1"})
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = run_dir / f"slurm-{job}.out"
+    assert f"job {job} failed with exit code {proc.returncode}" in proc.stderr, proc.stderr[-3000:]
+    assert f"log {log}" in proc.stderr and log.is_file()
+    assert "task 1: Exited with exit code 3" in log.read_text()
+
+
+def test_rejected_submission_shows_slurms_message(slurm_cluster, tmp_path):
+    proc = run_cli(tmp_path, *PLAN, *SLURM, "launcher.partition=nosuchpartition", check=False, timeout=200)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "SLURM rejected the job" in proc.stderr and "invalid partition" in proc.stderr.lower(), proc.stderr
+    assert "launcher.partition" in proc.stderr
+
+
+def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_cluster, reference, tmp_path):
+    run = Background(tmp_path, *PLAN, *SLURM)
+    run.wait_for(lambda: re.search(r"submitted job (\d+)", run.output), timeout=200)
+    job = re.search(r"submitted job (\d+)", run.output).group(1)
+    run.wait_for(lambda: _logged_steps(tmp_path) >= 2, timeout=300)
+    # what SLURM sends signal_seconds before the time limit (--signal=USR1@N), sent now
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+    assert run.finish(timeout=400) == 0, run.output[-5000:]
+    log = _slurm_log(tmp_path)
+    stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", log).group(1))
+    assert 2 <= stopped < STEPS
+    assert f"requeueing job {job}" in log and f"restart 1: resuming from {tmp_path}/checkpoints/step_{stopped}" in log
+    assert f"resumed from {tmp_path}/checkpoints/step_{stopped} at step {stopped} (same plan)" in log
+    assert (tmp_path / "checkpoints" / f"step_{stopped}" / "meta.json").is_file()
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, STEPS + 1))
+    close(losses(tmp_path), reference)
+
+
+def test_two_node_no_ssh_launch_matches_the_local_run(reference, tmp_path):
+    from hybridtrain.launch.local import free_port
+
+    port = free_port()
+    common = [*PLAN, "launcher=multinode", *TWO_NODES, "launcher.no_ssh=true", "launcher.master_addr=127.0.0.1",
+              f"launcher.master_port={port}"]
+    nodes = [Background(tmp_path, *common, f"launcher.node_rank={k}") for k in (0, 1)]
+    codes = [n.finish(timeout=400) for n in nodes]
+    assert codes == [0, 0], "\n".join(n.output[-3000:] for n in nodes)
+    assert "--no_ssh --node_rank 1" in nodes[1].output
+    assert "rank    2  node node1" in nodes[0].output  # the generated hostfile names node0, node1
+    close(losses(tmp_path), reference)
+
+
+def test_local_sigterm_saves_a_checkpoint_and_exits_cleanly(reference, tmp_path):
+    run = Background(tmp_path, *PLAN)
+    run.wait_for(lambda: _logged_steps(tmp_path) >= 2, timeout=300)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=200) == 0, run.output[-5000:]
+    stopped = int(re.search(r"stopped early after step (\d+)", run.output).group(1))
+    assert 2 <= stopped < STEPS and "Traceback" not in run.output
+    assert (tmp_path / "checkpoints" / f"step_{stopped}" / "meta.json").is_file()
+    assert not (tmp_path / "stopped.json").exists()
+    left = subprocess.run(["pgrep", "-f", f"hybridtrain.worker {tmp_path}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "worker processes left behind"
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, stopped + 1))
+    close(losses(tmp_path), reference[:stopped])
+    # resuming from it is what the requeue test above checks, through the same worker code

@@ -1,0 +1,193 @@
+"""The SLURM and multi-node launchers without a cluster: the rank environment, the rank map against
+DeepSpeed's topology, the rendered job script, and the bad inputs caught before anything is submitted."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers_unit import compose_config
+from launch_helpers import run_cli
+from hybridtrain.launch import env, placement
+from hybridtrain.launch.slurm import render
+from hybridtrain.plan import Machine, PlanError, resolve
+
+SLURM_TASK = {  # what srun gives task 3 of `--nodes=2 --ntasks-per-node=2` (docs/slurm-on-one-machine)
+    "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1234", "SLURM_CPUS_ON_NODE": "4",
+}
+
+
+def fake_expand(nodelist):
+    assert nodelist == "node[1-2]"
+    return ["node1", "node2"]
+
+
+def plan_of(*overrides: str, gpus: int = 0):
+    cfg = compose_config("+recipe=gpt_tiny", *overrides)
+    return resolve(cfg, Machine(gpus_per_node=gpus, cpu_cores=2))[0], cfg
+
+
+def test_rank_env_from_slurm_variables():
+    out = env.rank_env(SLURM_TASK, expand=fake_expand)
+    assert out == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "node1", "MASTER_PORT": str(20000 + 1234), "HYBRIDTRAIN_NODES": "node1,node2"}
+    assert env.rank_env(SLURM_TASK, expand=fake_expand, master_port=29999)["MASTER_PORT"] == "29999"
+    assert env.threads(SLURM_TASK) == 2  # 4 CPUs on the node / 2 tasks
+    assert env.threads(dict(SLURM_TASK, SLURM_CPUS_PER_TASK="3")) == 3
+    assert env.threads(dict(SLURM_TASK, HYBRIDTRAIN_THREADS="1", SLURM_CPUS_PER_TASK="3")) == 1
+
+
+def test_rank_env_refuses_a_rank_off_its_block():
+    # cyclic distribution would put rank 3 on node 0: TP peers would straddle nodes
+    with pytest.raises(RuntimeError, match="--distribution=block"):
+        env.rank_env(dict(SLURM_TASK, SLURM_NODEID="0"), expand=fake_expand)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol (slurm-client) is not installed here")
+def test_hostnames_uses_scontrol():
+    assert env.hostnames("node[1-3],gpu07") == ["node1", "node2", "node3", "gpu07"]
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (1, 2, 2), (2, 1, 2), (4, 2, 1), (1, 1, 4)])
+def test_rank_map_matches_deepspeed_topology(dp, tp, pp):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    plan, _ = plan_of(f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", "launcher.nodes=2",
+                      "trainer.global_batch_size=16", "parallel.partition=uniform")
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    for p in placement.places(plan):
+        c = topo.get_coord(p.rank)
+        assert (p.pp, p.dp, p.tp) == (c.pipe, c.data, c.model)
+        assert p.node == p.rank // (plan.world_size // 2)
+
+
+def test_which_groups_cross_nodes():
+    # 2 nodes x 4 ranks, dp=tp=pp=2: TP and DP groups stay inside a node, only the pipeline crosses
+    plan, _ = plan_of("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "launcher.nodes=2")
+    assert placement.crossing(plan) == ["pp"]
+    text = placement.describe(plan, ["a", "b"])
+    assert "rank    5  node b            dp 0  tp 1  pp 1" in text and "crossing nodes: pp" in text
+    plan, _ = plan_of("parallel.dp=1", "parallel.tp=2", "parallel.pp=1", "launcher.nodes=2")
+    assert placement.crossing(plan) == ["tp"]  # one TP group over two nodes
+    assert "tensor-parallel traffic leaves the node" in placement.describe(plan)
+
+
+def test_render_job_script(tmp_path):
+    plan, cfg = plan_of("launcher=slurm", "launcher.nodes=4", "launcher.gpus_per_node=8", "parallel.tp=2",
+                        "parallel.pp=4", "trainer.global_batch_size=16", "launcher.partition=gpu",
+                        "launcher.account=proj1", "launcher.qos=high", "launcher.time=02:00:00",
+                        "launcher.constraint=a100", "launcher.sbatch=[--exclusive,'#SBATCH --mem=0']",
+                        "launcher.setup=['module load cuda','source ~/venv/bin/activate']", "launcher.master_port=29600")
+    text = render(tmp_path, plan, cfg.launcher, gpus=True, python="python", workdir=Path("/work"))
+    lines = text.splitlines()
+    for want in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj1", "#SBATCH --qos=high",
+                 "#SBATCH --time=02:00:00", "#SBATCH --constraint=a100", "#SBATCH --exclusive", "#SBATCH --mem=0",
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", f"#SBATCH --output={tmp_path}/slurm-%j.out",
+                 "#SBATCH --chdir=/work", "module load cuda", "source ~/venv/bin/activate", "PY=python",
+                 'scontrol requeue "$SLURM_JOB_ID"']:
+        assert want in [ln.strip() for ln in lines], want
+    assert "HYBRIDTRAIN_MASTER_PORT=29600" in text and "--cpus-per-task" not in text
+    # every #SBATCH line comes before the first command, or sbatch ignores it
+    first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
+    assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+    cpu = render(tmp_path, plan, compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.requeue=false",
+                                                  "launcher.signal_seconds=0", "launcher.threads_per_rank=3").launcher,
+                 gpus=False, python="/usr/bin/python3", workdir=Path("/w"))
+    assert "--gpus-per-node" not in cpu and "--signal" not in cpu and "requeue" not in cpu.replace("#SBATCH", "")
+    assert "#SBATCH --cpus-per-task=3" in cpu and "HYBRIDTRAIN_THREADS=3" in cpu
+    bash = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert bash.returncode == 0, bash.stderr
+
+
+def test_slurm_plan_must_fill_nodes_x_gpus_per_node():
+    # an explicit dp that leaves devices idle is fine locally, not on SLURM: srun starts one rank per device
+    cfg = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4",
+                          "parallel.dp=1", "parallel.pp=2")
+    with pytest.raises(PlanError) as err:
+        resolve(cfg, Machine(cpu_cores=2))
+    msg = str(err.value)
+    assert msg.startswith("launcher.gpus_per_node:") and "1 x 1 x 2 = 2 ranks" in msg and "2 x" in msg
+    assert "launcher.gpus_per_node=1" in msg and "parallel.dp=4" in msg
+
+
+def test_multinode_rules():
+    for overrides, key in [(["launcher=multinode"], "launcher.hostfile"),
+                           (["launcher=multinode", "launcher.no_ssh=true", "launcher.master_addr=h"], "launcher.node_rank"),
+                           (["launcher=multinode", "launcher.no_ssh=true", "launcher.node_rank=2",
+                             "launcher.master_addr=h"], "launcher.node_rank"),
+                           (["launcher=multinode", "launcher.no_ssh=true", "launcher.node_rank=1"], "launcher.master_addr")]:
+        with pytest.raises(PlanError) as err:
+            resolve(compose_config("+recipe=gpt_tiny", *overrides), Machine(cpu_cores=2))
+        assert err.value.key == key, overrides
+
+
+def test_multinode_hostfile_and_command(tmp_path):
+    from hybridtrain.launch.multinode import command, hosts
+
+    plan, cfg = plan_of("launcher=multinode", "launcher.nodes=2", "parallel.pp=2", f"launcher.hostfile={tmp_path / 'h'}")
+    (tmp_path / "h").write_text("# two hosts\nhostA slots=2\nhostB slots=2\n")
+    assert hosts(cfg.launcher, plan) == [("hostA", 2), ("hostB", 2)]  # dp defaults to one replica per node
+    (tmp_path / "h").write_text("hostA slots=4\n")
+    with pytest.raises(PlanError, match="launcher.nodes=2 hosts with slots=2"):
+        hosts(cfg.launcher, plan)
+    cmd = command(tmp_path, cfg.launcher, tmp_path / "h")
+    assert cmd[3:] == ["deepspeed.launcher.runner", "--hostfile", str(tmp_path / "h"), "--master_port", "29500",
+                       "--no_local_rank", "--module", "hybridtrain.worker", str(tmp_path)]
+    _, cfg = plan_of("launcher=multinode", "launcher.nodes=2", "parallel.pp=2", "launcher.no_ssh=true",
+                     "launcher.node_rank=1", "launcher.master_addr=10.0.0.1")
+    cmd = command(tmp_path, cfg.launcher, tmp_path / "h")
+    assert ["--master_addr", "10.0.0.1", "--no_ssh", "--node_rank", "1"] == cmd[8:13]
+
+
+def test_requeue_resume_is_a_no_op_on_a_first_start(tmp_path):
+    from hybridtrain.launch.slurm_job import resume
+
+    assert resume(tmp_path, {}) is None and resume(tmp_path, {"SLURM_RESTART_COUNT": "0"}) is None
+
+
+def test_cli_refuses_nodes_x_gpus_mismatch_before_submitting(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=3",
+                   "parallel.dp=2", "parallel.pp=2", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config error: launcher.gpus_per_node:" in proc.stderr and "4 ranks" in proc.stderr
+    assert not (tmp_path / "job.sbatch").exists() and "Traceback" not in proc.stderr
+
+
+def test_cli_without_sbatch_says_slurm_client_tools_are_needed(tmp_path):
+    # PATH holds only this Python's folder: no sbatch (the machine may well have SLURM installed)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    proc = run_cli(tmp_path / "run", "+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "parallel.pp=2",
+                   check=False, timeout=180, env={"PATH": str(bindir)})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "sbatch not found" in proc.stderr and "SLURM's client tools" in proc.stderr
+    assert (tmp_path / "run" / "job.sbatch").is_file()  # written, so it can be submitted elsewhere
+
+
+def test_cli_submit_false_writes_and_prints_the_script(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "parallel.pp=2",
+                   "launcher.submit=false", "launcher.gpus=false", "launcher.time=00:10:00", timeout=180)
+    script = (tmp_path / "job.sbatch").read_text()
+    assert script in proc.stdout and "#SBATCH --time=00:10:00" in script and "not submitted" in proc.stdout
+    assert (tmp_path / "config.yaml").is_file() and not (tmp_path / "data.json").exists()
+    # the job's first step prepares the data the controller skipped, once
+    from hybridtrain.launch.slurm_job import prepare_data
+
+    assert prepare_data(tmp_path) and (tmp_path / "data.json").is_file()
+    assert not prepare_data(tmp_path)
+
+
+def test_cli_llama_7b_slurm_script_anywhere(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=llama_7b", "launcher=slurm", "launcher.submit=false", "launcher.partition=gpu",
+                   "launcher.gpus=true", timeout=180)
+    script = (tmp_path / "job.sbatch").read_text()
+    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"]:
+        assert line in script.splitlines()
+    assert "groups crossing nodes: pp" in proc.stdout  # tp=8 fills a node: only the pipeline crosses nodes
