@@ -49,6 +49,12 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
                PYTHONUNBUFFERED="1")
     cmd = command(run_dir, plan, port)
     print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
+    return run_runner(cmd, env, run_dir)
+
+
+def run_runner(cmd: list[str], env: dict, run_dir: Path) -> int:
+    """Run the deepspeed runner ``cmd`` in its own session, forwarding Ctrl-C and SIGTERM
+    (:func:`forwarder`); return its exit code as :func:`report_stop` reads it."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

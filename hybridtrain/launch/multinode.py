@@ -15,12 +15,11 @@ every machine (a shared filesystem): checkpoints are written there by every rank
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
-from hybridtrain.launch.local import forwarder, report_stop, threads_per_rank
+from hybridtrain.launch.local import run_runner, threads_per_rank
 from hybridtrain.plan.validate import Machine, Plan, PlanError
 
 DEFAULT_PORT = 29500  # DeepSpeed's; every node must use the same port, so none is picked at random
@@ -74,13 +73,4 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     where = f"node {launcher.node_rank} of {plan.nodes}" if launcher.no_ssh else f"{plan.nodes} hosts over ssh"
     print(f"[hybridtrain] launching {plan.world_size} rank(s) on {where}, {threads} thread(s) each: "
           f"{' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    import signal
-
-    old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = proc.wait()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return report_stop(run_dir, code)
+    return run_runner(cmd, env, run_dir)
