@@ -10,11 +10,12 @@ from hybridtrain.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    PlanConfig,
     TrainerConfig,
 )
 
 __all__ = [
-    "Config", "DataConfig", "LauncherConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "Config", "DataConfig", "LauncherConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PlanConfig",
     "TrainerConfig", "CONF_DIR", "register_schema", "to_config", "save_config", "load_config",
 ]
 
