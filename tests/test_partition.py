@@ -180,8 +180,9 @@ def test_partition_never_returns_an_empty_stage(method):
 
 
 def test_partition_balanced_uses_the_costs():
-    costs = [1.0, 1.0, 1.0, 1.0, 1.0, 5.0]  # a heavy head: it gets a stage of its own
-    assert partition("balanced", 1, 3, 2, 2, None, costs) == [0, 5, 6]
+    costs = [1.0, 1.0, 1.0, 1.0, 1.0, 5.0]  # a heavy head: only the final norm stays with it
+    assert partition("balanced", 1, 3, 2, 2, None, costs) == [0, 4, 6]  # never the head alone
+    assert partition("balanced", 2, 4, 2, 3, None, [1.0] * 8) == [0, 3, 6, 8]  # never embeddings alone
     assert partition("balanced", 1, 3, 2, 1, None, None) == [0, 6]  # one stage needs no costs
     with pytest.raises(ValueError, match="one cost per pipeline layer"):
         partition("balanced", 1, 3, 2, 2, None, costs[:-1])

@@ -21,7 +21,7 @@ from hybridtrain.plan import Machine, PlanError, resolve
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import layer_time_costs, model_facts
 from hybridtrain.plan.memory import GiB, model_state
-from hybridtrain.plan.partition import balanced, partition
+from hybridtrain.plan.partition import balanced, partition, stage_problem
 from hybridtrain.plan.report import build_report, format_report
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
@@ -54,11 +54,34 @@ def test_balanced_is_the_default_and_minimises_the_slowest_stage():
     facts = model_facts("gpt2", hf, plan.seq_len, plan.tp)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
     n = len(costs)
-    best = min(max(stage_costs(costs, [0, *cuts, n])) for cuts in itertools.combinations(range(1, n), 2))
+    valid = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), 2)
+             if all(stage_problem(plan.layer_names[a:b]) is None for a, b in zip([0, *cuts], [*cuts, n]))]
+    best = min(max(stage_costs(costs, bounds)) for bounds in valid)
+    assert plan.stage_bounds in valid
     assert max(stage_costs(costs, plan.stage_bounds)) == pytest.approx(best, rel=1e-9)
     # the 8000 x 96 head outweighs the 96-wide blocks: uniform splitting is worse here
     uniform = partition("uniform", 2, 4, 2, 3)
     assert max(stage_costs(costs, uniform)) > 1.1 * best
+
+
+@pytest.mark.parametrize("names, ok", [
+    (["embed", "pos_embed"], False), (["head"], False), (["final_norm"], False), (["embed", "block.0"], True),
+    (["final_norm", "head"], True), (["block.3", "final_norm", "head"], True),
+])
+def test_stage_problem_every_stage_needs_both_parameter_groups(names, ok):
+    assert (stage_problem(names) is None) == ok
+
+
+def test_a_stage_deepspeed_would_hang_on_is_a_plan_error():
+    # DeepSpeed's norm collectives pair one per parameter group: a head-only stage has one group
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=2", "parallel.stage_layers=[7,1]")
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.stage_layers" and "stage 1: a stage of only head" in str(info.value)
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=4", "parallel.partition=uniform")  # [embed, pos_embed] alone
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.partition" and "hang" in str(info.value)
 
 
 def test_tied_head_counted_once_and_costs_cover_head_and_loss():

@@ -125,10 +125,33 @@ def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int
             return [0, n]
         if layer_costs is None or len(layer_costs) != n:
             raise ValueError("partition 'balanced' needs one cost per pipeline layer")
+        # Cut only between units that each hold a block, or the final norm with the head (see
+        # :func:`stage_problem`): the embeddings ride with block 0, the norm with the head.
+        starts = [0] + list(range(num_pre + 1, num_pre + num_blocks)) + [n - num_post]
+        ends = starts[1:] + [n]
+        costs = [float(sum(layer_costs[a:b])) for a, b in zip(starts, ends)]
+        unit_fits = None if fits is None else (lambda st, a, b: fits(st, starts[a], ends[b - 1]))
         try:
-            return balanced(list(layer_costs), pp, fits)
+            merged = balanced(costs, pp, unit_fits)
         except ValueError:
             if fits is None:
                 raise
-            return balanced(list(layer_costs), pp)  # over memory anyway: the plan warns
+            merged = balanced(costs, pp)  # over memory anyway: the plan warns
+        return [starts[i] for i in merged[:-1]] + [n]
     raise ValueError(f"parallel.partition={method!r} is not a method; use one of {list(METHODS)}")
+
+
+def stage_problem(names: Sequence[str]) -> Optional[str]:
+    """Why a stage of these pipeline layers cannot train under DeepSpeed, or ``None``.
+
+    DeepSpeed's ZeRO optimizer computes the gradient norm with one model-parallel all-reduce per
+    parameter group; hybridtrain has two groups (matrices with weight decay, biases and norms
+    without), and an empty group is dropped. A stage whose layers lack one kind has one group
+    fewer, so its collectives pair with the wrong ones and the job hangs. A decoder block has
+    both kinds; embeddings and the head have only matrices, the final norm only vectors.
+    """
+    if any(n.startswith("block.") for n in names) or ("final_norm" in names and "head" in names):
+        return None
+    return (f"a stage of only {', '.join(names)} has parameters of one kind (matrices or norms) and would "
+            "hang DeepSpeed's gradient-norm collectives; every stage needs a decoder block, or the final "
+            "norm together with the head")

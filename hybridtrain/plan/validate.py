@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.models.families import FAMILIES, Family, get_family, mlp_width_of, padded_vocab
-from hybridtrain.plan.partition import METHODS, manual, partition
+from hybridtrain.plan.partition import METHODS, manual, partition, stage_problem
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -234,6 +234,12 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
             costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, grad_accum, padded, machine)
         bounds = partition(par.partition, n_pre, num_layers, 2, par.pp, layer_params, costs, fits)
+    for s in range(par.pp):
+        why = stage_problem(names[bounds[s]:bounds[s + 1]])
+        key = "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition"
+        _need(why is None, key, f"stage {s}: {why}; " + (
+            "change parallel.stage_layers" if par.stage_layers is not None
+            else f"use parallel.partition=balanced or blocks instead of {par.partition!r}"))
     return Plan(
         dp=dp, tp=par.tp, pp=par.pp, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,
