@@ -105,7 +105,8 @@ def overrides(cfg, twin: dict, layout: dict) -> list[str]:
     """Hydra overrides reproducing ``cfg`` with the twin model and ``layout`` (every leaf spelled out)."""
     from dataclasses import asdict
 
-    out = [f"model={cfg.model.model_type}", f"model.config={_value(twin['model'])}"]
+    # one ``++`` per HF key: the config dict is open (struct) only to keys that exist, ``++`` adds them
+    out = [f"model={cfg.model.model_type}"] + [f"++model.config.{k}={_value(v)}" for k, v in twin["model"].items()]
     tree = asdict(cfg)
     tree.pop("run_dir", None)
     tree["model"].pop("config")
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     twin = shrink(cfg, plan, hf_config, steps)
     layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
-    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": 0,
+    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": 1,
             "stage_layers": None, "activation_checkpointing": False}
     if cfg.parallel.stage_layers is not None:  # the twin has other layers: let the partition method cut
         layout["stage_layers"] = None

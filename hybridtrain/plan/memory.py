@@ -5,15 +5,20 @@ Model state follows what DeepSpeed 0.19 really allocates (measured by
 with ``P`` the parameters of the rank (after TP and pipeline split), ``d`` = dp, ``w`` = bytes of
 a parameter (4 fp32, 2 bf16/fp16), AdamW moments and master weights in fp32:
 
-====== ============================== ======================================= ============================
-ZeRO   parameters                     gradients (at the optimizer step)       optimizer state
-====== ============================== ======================================= ============================
-0 fp32 ``4P``                         ``4P``                                  ``8P`` (moments)
-0 16b  ``2P``                         ``2P + 4P`` (bf16 + fp32 flat)          ``4P/d + 8P/d`` (BF16 optimizer shards)
-1      ``wP``                         ``max(wP, (w+4)P/d)`` (see below)       ``4P/d + 8P/d`` (master + moments)
-2      ``wP``                         ``wP/d + 4P/d``                         ``4P/d + 8P/d``
-3      ``wP/d`` + persistent params   ``wP/d + 4P/d``                         ``4P/d + 8P/d``
-====== ============================== ======================================= ============================
+======= ============================== ================================== =====================================
+ZeRO    parameters                     gradients (peak)                   optimizer state
+======= ============================== ================================== =====================================
+0 fp32  ``4P``                         ``4P``                             ``8P`` (moments)
+0 16b   ``2P``                         ``2P``                             ``16P/d`` (BF16 optimizer: fp32 master,
+                                                                          moments, fp32 gradient shards)
+1       ``wP``                         ``max(wP, (w+4)P/d)``              ``12P/d`` (fp32 master + moments)
+2       ``wP``                         ``bucket + 4P/d``                  ``12P/d``
+3       ``w min(P, P/d + small + 1e9)`` ``bucket + 4P/d``                 ``16P/d``
+======= ============================== ================================== =====================================
+
+``bucket`` is DeepSpeed's gradient reduction bucket, ``w x 5e8`` bytes (2 GB in fp32) allocated
+whole by ZeRO-2/3 at the first backward; ``small`` are ZeRO-3's persistent parameters (under 1e5
+elements), and up to 1e9 gathered parameters stay live.
 
 ZeRO-1 gradients peak either after the backward (every parameter's full gradient, ``wP``) or
 inside the step (this rank's averaged partition and its fp32 copy, ``(w+4)P/d``).
@@ -35,6 +40,11 @@ from hybridtrain.plan.costs import ModelFacts, UnitFacts
 PERSISTENCE_THRESHOLD = 100_000
 """ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
 ``stage3_param_persistence_threshold`` default)."""
+REDUCE_BUCKET_SIZE = 500_000_000
+"""Elements of the gradient reduction bucket ZeRO-2/3 allocate at the first backward (DeepSpeed's
+``reduce_bucket_size`` default; hybridtrain does not set it)."""
+MAX_LIVE_PARAMETERS = 1_000_000_000
+"""ZeRO-3 keeps gathered parameters until this many are live (``stage3_max_live_parameters``)."""
 GiB = 2**30
 
 
@@ -64,13 +74,15 @@ def model_state(sizes: list[int], zero: int, dp: int, precision: str) -> tuple[i
     if zero == 0:
         if precision == "fp32":
             return 4 * n, 4 * n, 8 * n
-        return 2 * n, 6 * n, 12 * part
+        return 2 * n, 2 * n, 16 * part  # BF16 optimizer: fp32 master, moments, fp32 gradient shards
     if zero == 1:
         return w * n, max(w * n, (w + 4) * part), 12 * part
+    bucket = w * REDUCE_BUCKET_SIZE  # allocated whole, whatever the model's size
     if zero == 2:
-        return w * n, w * part + 4 * part, 12 * part
+        return w * n, bucket + 4 * part, 12 * part
     persistent = sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
-    return w * (part + persistent), w * part + 4 * part, 12 * part
+    live = min(n, part + persistent + MAX_LIVE_PARAMETERS)  # gathered parameters stay until the limit
+    return w * live, bucket + 4 * part, 16 * part
 
 
 def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
