@@ -285,3 +285,16 @@ def test_verify_compare():
     assert not verdict.ok and "<-- differs" in verdict.lines[1]
     assert not compare(want[:1], want, "fp32").ok
     assert compare(off, want, "bf16").ok  # 1.2% within bf16's tolerance
+
+
+def test_auto_on_the_issues_command_line(monkeypatch):
+    """``+recipe=llama_7b parallel=auto plan.device_memory_gb=80 plan.world_size=64``: 64 ranks are
+    8 nodes of the recipe's 8 GPUs; the chosen plan fits 80 GiB and validates."""
+    import hybridtrain.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "rates", lambda *a, **k: RATES)
+    cfg = cfg_of("+recipe=llama_7b", "parallel=auto", "plan.device_memory_gb=80", "plan.world_size=64")
+    plan, hf = resolve(cfg, CPU)
+    assert plan.world_size == 64 and cfg.launcher.nodes == 8
+    report = build_report(cfg, plan, hf, 80 * GiB)
+    assert max(st.memory.total for st in report.stages) <= 80 * GiB

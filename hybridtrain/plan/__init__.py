@@ -123,18 +123,24 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
 
     With ``parallel.auto`` the layout is searched first (:mod:`hybridtrain.plan.auto`) and written
     into ``cfg.parallel``; ``announce`` (e.g. ``print``) receives the explanation.
-    ``plan.world_size`` stands for the devices when ``launcher.gpus_per_node`` is unset.
+    ``plan.world_size`` stands for the devices: it sets ``launcher.gpus_per_node`` when that is
+    unset, else ``launcher.nodes``.
     """
     from hybridtrain.data.tokenizer import vocab_size
 
     machine = machine or machine_facts()
     hf_config = model_config(cfg)
-    world = cfg.plan.world_size
-    if world is not None and cfg.launcher.gpus_per_node is None:
-        if world < 1 or world % cfg.launcher.nodes:
+    world, lau = cfg.plan.world_size, cfg.launcher
+    if world is not None and lau.gpus_per_node is None:
+        if world < 1 or world % lau.nodes:
             raise PlanError("plan.world_size", f"{world} ranks do not spread evenly over launcher.nodes="
-                            f"{cfg.launcher.nodes}; use a positive multiple of {cfg.launcher.nodes}")
-        cfg.launcher.gpus_per_node = world // cfg.launcher.nodes
+                            f"{lau.nodes}; use a positive multiple of {lau.nodes}")
+        lau.gpus_per_node = world // lau.nodes
+    elif world is not None and world != lau.nodes * lau.gpus_per_node:  # plan for more or fewer nodes
+        if world < 1 or world % lau.gpus_per_node:
+            raise PlanError("plan.world_size", f"{world} ranks are not whole nodes of launcher.gpus_per_node="
+                            f"{lau.gpus_per_node}; use a multiple of {lau.gpus_per_node}")
+        lau.nodes = world // lau.gpus_per_node
     if cfg.parallel.auto:
         from hybridtrain.plan.auto import apply, search
 
