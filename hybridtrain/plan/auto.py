@@ -150,7 +150,8 @@ class Choice:
         lines = [f"auto      {self.considered} layouts considered, {self.over_memory} over "
                  f"{self.device_memory / gib:.2f} GiB per rank; cost model at {self.rates.flops / 1e9:.1f} "
                  f"GFLOP/s per rank, all-reduce {self.rates.latency * 1e6:.0f} us + "
-                 f"{self.rates.bandwidth / 1e9:.2f} GB/s ({'measured' if self.rates.measured_link else 'defaults'})",
+                 f"{self.rates.bandwidth / 1e9:.2f} GB/s ({'measured' if self.rates.measured_link else 'built-in'} "
+                 f"{self.rates.device} rates)",
                  f"auto      chose {b.label()}: {b.step_time * 1e3:.1f} ms/step, {b.memory / gib:.3f} GiB on the "
                  f"fullest rank; " + ", ".join(f"{k} {v * 1e3:.1f} ms" if k != "micro-batches" else f"{k} {v}"
                                                 for k, v in b.parts.items())]
@@ -179,6 +180,10 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
     per_node = max(1, world // cfg.launcher.nodes)
     threads = cfg.launcher.threads_per_rank or max(1, machine.cpu_cores // per_node)
     hidden = int(getattr(hf_config, get_family(cfg.model.model_type).hidden))
+    if rates is None and not machine.gpus_per_node and cfg.launcher.nodes > 1:
+        from hybridtrain.plan.calibrate import builtin  # a cluster plan made here: this CPU says nothing
+
+        rates = builtin("cuda")
     rates = rates or probe(threads if not machine.gpus_per_node else 1, cfg.plan.calibrate,
                            (cfg.data.seq_len, hidden))
     family = get_family(cfg.model.model_type)

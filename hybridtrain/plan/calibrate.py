@@ -139,6 +139,17 @@ def allreduce_link(device: str) -> tuple[float, float, bool]:
     return latency, bandwidth, True
 
 
+def builtin(device: str, threads: int = 1) -> Rates:
+    """Rates without probing: a recent data-center GPU (bf16 matmuls at about 300 TFLOP/s achieved,
+    NVLink-class all-reduce), or a CPU core; what ``plan.calibrate=false`` and cluster plans use."""
+    lat, bw = DEFAULT_LINK[device]
+    if device == "cuda":
+        return Rates(flops=3e14, latency=lat, bandwidth=bw, device=device, threads=1, measured_link=False,
+                     layer_overhead=2e-5)
+    return Rates(flops=2e10 * threads, latency=lat, bandwidth=bw, device=device, threads=threads,
+                 measured_link=False, layer_overhead=1e-3)
+
+
 def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 512)) -> Rates:
     """This machine's :class:`Rates` for ranks of ``threads`` threads and matmuls of ``shape``
     (tokens per micro-batch, hidden), from the cache or the probes."""
@@ -146,10 +157,7 @@ def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 5
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not calibrate:
-        lat, bw = DEFAULT_LINK[device]
-        return Rates(flops=1e14 if device == "cuda" else 2e10 * threads, latency=lat, bandwidth=bw,
-                     device=device, threads=threads, measured_link=False,
-                     layer_overhead=2e-5 if device == "cuda" else 1e-3)
+        return builtin(device, threads)
     path = cache_dir() / f"{socket.gethostname()}-{device}-{threads}t-{shape[0]}x{shape[1]}.json"
     if path.is_file():
         try:
