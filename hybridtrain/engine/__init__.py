@@ -85,20 +85,21 @@ class Built:
     tp: Any
     """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
     at_step: dict = field(default_factory=dict)
-    """Largest model-state bytes seen inside optimizer steps so far (filled by a step hook)."""
+    """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
 
     @property
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the engine: ``params``, ``grads``, ``optim``
-        (master copies, AdamW moments) and ``total``. After a step: as held inside the optimizer
-        step, when gradients and optimizer state coexist (the peak); before: what is held now."""
+        (master copies, AdamW moments) and ``total``. After a step: the peaks measured during the
+        steps so far; before the first: what is held now (no gradients yet)."""
         from hybridtrain.engine.memory import model_state_bytes
 
         return dict(self.at_step) or model_state_bytes(self.engine.module, self.engine.optimizer)
 
     def watch_model_state(self) -> None:
-        """Measure the model state each time the optimizer steps (on entry to DeepSpeed's step and
-        to the wrapped torch optimizer's), keeping the largest value of each part."""
+        """Measure the model state at its two peaks of every step, on entry to the gradient
+        reduction (all gradients present) and to the wrapped torch optimizer's step (partitions,
+        moments), keeping the largest value of each part."""
         from hybridtrain.engine.memory import model_state_bytes, torch_optimizer
 
         def measure(*_):  # ZeRO steps each parameter group separately: keep the largest of each part
