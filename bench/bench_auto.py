@@ -89,7 +89,7 @@ def predict(layout) -> tuple[float, dict]:
         cfg = to_config(compose("config", overrides=MODEL + [f"plan.world_size={WORLD}"]))
     hf = model_config(cfg)
     machine = machine_facts()
-    r = rates(1, True, (cfg.data.seq_len, int(hf.n_embd)))
+    r = rates(1, True, (cfg.data.seq_len, int(hf.n_embd)), WORLD)
     dp, tp, pp = layout
     facts = model_facts("gpt2", hf, cfg.data.seq_len, tp)
     c = estimate(Candidate(dp, tp, pp, 1, 1, False), facts, cfg, r, world_size(cfg, machine), machine.cpu_cores,

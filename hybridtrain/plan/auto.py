@@ -8,11 +8,14 @@ time from a cost model on :class:`~hybridtrain.plan.calibrate.Rates` measured on
   plus one more forward of the blocks under activation checkpointing) at the probed matmul rate
   (a matmul of the model's width), plus the probed fixed overhead per layer call, both slowed by
   ``ranks x threads / cores`` when a node's ranks oversubscribe its CPU cores;
-* tensor parallelism: 2 all-reduces of ``[b, s, h]`` per block forward and 2 backward;
+* tensor parallelism: 2 all-reduces of ``[b, s, h]`` per block forward and 2 backward, 1 for the
+  vocabulary-parallel embedding and 4 for the head and loss, at the probed latency and bandwidth
+  (probed with as many processes as the node's ranks);
 * pipeline: a send of ``[b, s, h]`` forward and one backward per micro-batch and boundary;
   1F1B takes ``(m + pp - 1)`` slots of the slowest stage (the bubble);
-* data parallelism: the ring all-reduce (ZeRO 0-2) or reduce-scatter + all-gather (ZeRO-3, 1.5x)
-  of the stage's gradients once per step, and the AdamW update of the rank's share.
+* data parallelism: the ring all-reduce of the stage's gradients once per step, plus the
+  all-gather of the updated partitions (ZeRO-1/2: 1.5x) and of the parameters in forward and
+  backward (ZeRO-3: 2.5x), and the AdamW update of the rank's share.
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from hybridtrain.plan.memory import device_memory_bytes, rank_memory, stage_para
 from hybridtrain.plan.partition import balanced
 from hybridtrain.plan.validate import Machine, PlanError
 
+DP_VOLUME = {0: 1.0, 1: 1.5, 2: 1.5, 3: 2.5}
+"""Data-parallel traffic per step in all-reduces of the gradients: ZeRO-1/2 add the all-gather of
+the updated parameter partitions (half an all-reduce), ZeRO-3 also gathers the parameters in the
+forward and the backward."""
 OPTIMIZER_COST = 4.0
 """Element-wise passes of an AdamW update per parameter (moments, master, weight), times
 :data:`~hybridtrain.plan.costs.ELEMENTWISE_COST`."""
@@ -84,7 +91,10 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
         compute = sum(costs[bounds[st]:bounds[st + 1]]) / rate + len(units) * rates.layer_overhead * slow
         blocks = sum(u.name.startswith("block.") for u in units)
         comm = 4 * blocks * _allreduce(act, c.tp, rates)
-        comm += (2 if any(u.name in ("embed", "head") for u in units) else 0) * _allreduce(act, c.tp, rates)
+        # vocabulary parallel: the embedding's output, the head's input gradient, the loss's max,
+        # sum of exponentials and target logit
+        comm += (any(u.name == "embed" for u in units) + 4 * any(u.name == "head" for u in units)) * (
+            _allreduce(act, c.tp, rates))
         send = 2 * (rates.latency + act / rates.bandwidth) if c.pp > 1 else 0.0
         per_stage.append(compute + comm + send)
         tp_comm = max(tp_comm, comm)
@@ -94,7 +104,7 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
     for st in range(c.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
         params = sum(stage_param_sizes(units, c.tp))
-        dp_comm = max(dp_comm, (1.5 if c.zero_stage == 3 else 1.0) * _allreduce(params * w, c.dp, rates))
+        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, c.dp, rates))
         share = params if c.zero_stage == 0 else params / c.dp
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
         mem = rank_memory(facts, bounds, st, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero_stage,
@@ -185,7 +195,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
 
         rates = builtin("cuda")
     rates = rates or probe(threads if not machine.gpus_per_node else 1, cfg.plan.calibrate,
-                           (cfg.data.seq_len, hidden))
+                           (cfg.data.seq_len, hidden), per_node)
     family = get_family(cfg.model.model_type)
     shape = [getattr(hf_config, family.heads), mlp_width_of(family, hf_config)]
     if family.kv_heads and getattr(hf_config, family.kv_heads, None):

@@ -1,9 +1,10 @@
 """Machine rates for the cost model: a matmul probe and an all-reduce probe, cached on disk.
 
-The probes run once per (host, device kind, threads) and are cached as JSON under
-``$HYBRIDTRAIN_CACHE`` (or ``~/.cache/hybridtrain``) ``/calibration/``. The all-reduce probe
-spawns two processes on this machine (gloo on CPU, NCCL across two GPUs when there are two);
-with fewer devices the built-in link numbers are used and the file says so.
+The probes run once per (host, device kind, ranks x threads, matmul shape) and are cached as JSON
+under ``$HYBRIDTRAIN_CACHE`` (or ``~/.cache/hybridtrain``) ``/calibration/``. The all-reduce probe
+spawns as many processes as the node will run ranks (at most 8; gloo on CPU, NCCL over that
+many GPUs), so that a CPU node's oversubscription shows in the latency; with fewer than two GPUs
+the built-in link numbers are used and the file says so.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+MAX_PROBE_RANKS = 8
+"""The all-reduce probe starts at most this many processes."""
 DEFAULT_LINK = {"cpu": (2e-4, 1e9), "cuda": (2e-5, 1e11)}
 """(latency s, bandwidth B/s) used when no all-reduce probe can run."""
 
@@ -116,26 +119,30 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, out: str) 
     dist.destroy_process_group()
 
 
-def allreduce_link(device: str) -> tuple[float, float, bool]:
-    """(latency, bandwidth, measured) from timing 4-byte and 4-MiB all-reduces between two processes."""
+def allreduce_link(device: str, nprocs: int = 2) -> tuple[float, float, bool]:
+    """(latency, bandwidth, measured) from timing 4-byte and 4-MiB all-reduces among ``nprocs``
+    processes: as many as a node's ranks, so that CPU oversubscription is in the numbers."""
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
 
-    if device == "cuda" and torch.cuda.device_count() < 2:
-        return (*DEFAULT_LINK[device], False)
+    if device == "cuda":
+        nprocs = min(nprocs, torch.cuda.device_count())
+        if nprocs < 2:
+            return (*DEFAULT_LINK[device], False)
+    nprocs = max(2, nprocs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
-        mp.start_processes(_allreduce_worker, args=(2, port, "nccl" if device == "cuda" else "gloo", out),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_allreduce_worker, args=(nprocs, port, "nccl" if device == "cuda" else "gloo", out),
+                           nprocs=nprocs, join=True, start_method="spawn")
         res = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
     latency = res[1]
     big = 4 * (1 << 20)
-    bandwidth = big / max(1e-9, res[1 << 20] - latency)  # 2-rank ring moves 2 (n-1)/n x bytes = bytes
+    bandwidth = 2 * (nprocs - 1) / nprocs * big / max(1e-9, res[1 << 20] - latency)  # ring: 2 (n-1)/n x bytes
     return latency, bandwidth, True
 
 
@@ -150,15 +157,16 @@ def builtin(device: str, threads: int = 1) -> Rates:
                  measured_link=False, layer_overhead=1e-3)
 
 
-def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 512)) -> Rates:
-    """This machine's :class:`Rates` for ranks of ``threads`` threads and matmuls of ``shape``
-    (tokens per micro-batch, hidden), from the cache or the probes."""
+def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 512), ranks: int = 2) -> Rates:
+    """This machine's :class:`Rates` for ``ranks`` ranks of ``threads`` threads on this node and
+    matmuls of ``shape`` (tokens per micro-batch, hidden), from the cache or the probes."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not calibrate:
         return builtin(device, threads)
-    path = cache_dir() / f"{socket.gethostname()}-{device}-{threads}t-{shape[0]}x{shape[1]}.json"
+    ranks = max(2, min(ranks, MAX_PROBE_RANKS))
+    path = cache_dir() / f"{socket.gethostname()}-{device}-{ranks}x{threads}t-{shape[0]}x{shape[1]}.json"
     if path.is_file():
         try:
             return Rates(**json.loads(path.read_text()))
@@ -166,7 +174,7 @@ def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 5
             pass  # an old or damaged cache file: measure again
     flops = matmul_flops(threads, device, shape)
     overhead = layer_overhead(threads, device)
-    lat, bw, measured = allreduce_link(device)
+    lat, bw, measured = allreduce_link(device, ranks)
     found = Rates(flops=flops, latency=lat, bandwidth=bw, device=device, threads=threads, measured_link=measured,
                   layer_overhead=overhead)
     path.parent.mkdir(parents=True, exist_ok=True)
