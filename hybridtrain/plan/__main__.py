@@ -50,6 +50,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     # no run directory: the plan command writes nothing
-    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-                 "hydra.run.dir=."]
+    given = {a.split("=", 1)[0].lstrip("+") for a in sys.argv[1:]}
+    sys.argv += [a for a in ("hydra.output_subdir=null", "hydra/job_logging=disabled",
+                             "hydra/hydra_logging=disabled", "hydra.run.dir=.") if a.split("=", 1)[0] not in given]
     _hydra_main()
