@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> int:
     typed.run_dir = str(run_dir)
     machine = machine_facts()
     try:
-        plan, hf_config = resolve(typed, machine)
+        plan, hf_config = resolve(typed, machine, announce=print)  # parallel=auto says what it chose
         check_observe(typed)  # profile steps, peak, logger package: before any worker starts
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)

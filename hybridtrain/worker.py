@@ -71,9 +71,11 @@ def run(run_dir: Path) -> int:
         names = os.environ.get("HYBRIDTRAIN_NODES")  # set by the slurm / multinode launchers
         print(describe(plan, names.split(",") if names else None), flush=True)
     if rank == 0:
+        held = built.model_state_bytes  # gradients appear with the first backward (see metrics.jsonl)
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
-              f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}, "
-              f"{built.model_state_bytes / 2**20:.1f} MiB of parameters)", flush=True)
+              f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}); model state "
+              f"{held['total'] / 2**20:.1f} MiB = params {held['params'] / 2**20:.1f} + grads "
+              f"{held['grads'] / 2**20:.1f} + optimizer {held['optim'] / 2**20:.1f}", flush=True)
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
                    stop=stop)

@@ -126,7 +126,7 @@ def test_balanced_rejects_more_stages_than_layers():
 # --- partition -----------------------------------------------------------------------------------
 
 def test_methods():
-    assert METHODS == ("blocks", "uniform", "parameters")
+    assert METHODS == ("balanced", "blocks", "uniform", "parameters")
 
 
 def test_partition_blocks():
@@ -156,14 +156,14 @@ def test_partition_unknown_method():
     with pytest.raises(ValueError) as info:
         partition("random", 1, 4, 2, 2)
     assert "parallel.partition='random'" in str(info.value)
-    assert "['blocks', 'uniform', 'parameters']" in str(info.value)
+    assert "['balanced', 'blocks', 'uniform', 'parameters']" in str(info.value)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_partition_rejects_more_stages_than_layers(method):
     # 1 + 2 + 2 = 5 pipeline layers cannot fill 6 non-empty stages
     with pytest.raises(ValueError):
-        partition(method, 1, 2, 2, 6, [1] * 5)
+        partition(method, 1, 2, 2, 6, [1] * 5, [1.0] * 5)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -173,7 +173,16 @@ def test_partition_never_returns_an_empty_stage(method):
     n = pre + blocks + post
     for pp in range(1, n + 1):
         try:
-            bounds = partition(method, pre, blocks, post, pp, [1] * n)
+            bounds = partition(method, pre, blocks, post, pp, [1] * n, [1.0] * n)
         except ValueError:
             continue
         assert_valid_bounds(bounds, n, pp)
+
+
+def test_partition_balanced_uses_the_costs():
+    costs = [1.0, 1.0, 1.0, 1.0, 1.0, 5.0]  # a heavy head: only the final norm stays with it
+    assert partition("balanced", 1, 3, 2, 2, None, costs) == [0, 4, 6]  # never the head alone
+    assert partition("balanced", 2, 4, 2, 3, None, [1.0] * 8) == [0, 3, 6, 8]  # never embeddings alone
+    assert partition("balanced", 1, 3, 2, 1, None, None) == [0, 6]  # one stage needs no costs
+    with pytest.raises(ValueError, match="one cost per pipeline layer"):
+        partition("balanced", 1, 3, 2, 2, None, costs[:-1])

@@ -317,7 +317,7 @@ def test_fp16_needs_support():
 def test_partition_method_known():
     cfg = tiny()
     cfg.parallel.partition = "random"
-    plan_error(cfg, "parallel.partition", "'random'", "['blocks', 'uniform', 'parameters']")
+    plan_error(cfg, "parallel.partition", "'random'", "['balanced', 'blocks', 'uniform', 'parameters']")
 
 
 # --- loop and optimizer --------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def test_vocab_pad_multiple_scales_with_tp():
 
 def test_stage_bounds_gpt_tiny_pp2():
     cfg = tiny()
-    cfg.parallel.pp = 2
+    cfg.parallel.pp, cfg.parallel.partition = 2, "blocks"
     plan, _ = resolve(cfg, CPU)
     assert plan.layer_names == ["embed", "pos_embed", "block.0", "block.1", "block.2", "block.3", "final_norm", "head"]
     assert plan.stage_bounds == [0, 4, 8]
@@ -433,7 +433,7 @@ def test_stage_bounds_gpt_tiny_pp2():
 
 def test_llama_has_no_position_layer():
     cfg = llama()
-    cfg.parallel.pp = 3
+    cfg.parallel.pp, cfg.parallel.partition = 3, "blocks"
     plan, _ = resolve(cfg, CPU)
     assert plan.layer_names[:2] == ["embed", "block.0"]
     assert plan.stage_bounds == [0, 2, 3, 7]  # 4 blocks over 3 stages: the extra block goes last

@@ -41,7 +41,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
     if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not (path / "optim").is_dir()):
         raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; changing the plan on "
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
-                        " ".join(f"parallel.{k}={v}" for k, v in saved.items()))
+                        " ".join(_override(k, v) for k, v in saved.items()))
     ckpt_config = json.loads((path / "hf" / "config.json").read_text())
     for key in SHAPE_KEYS:
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
@@ -56,3 +56,10 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         raise PlanError("trainer.max_steps", f"{cfg.trainer.max_steps} but {path} is at step {meta['step']} "
                         "already; raise trainer.max_steps to train on")
     return path
+
+
+def _override(key: str, value) -> str:
+    """The command-line override that restores one entry of a saved layout."""
+    if key == "stage_bounds":  # saved as boundaries, configured as layers per stage
+        return "parallel.stage_layers=[" + ",".join(str(b - a) for a, b in zip(value, value[1:])) + "]"
+    return f"parallel.{key}={value}"

@@ -11,11 +11,13 @@ from hybridtrain.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    PlanConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "Config", "DataConfig", "LauncherConfig", "LoggerConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "PlanConfig",
     "TrainerConfig", "CONF_DIR", "register_schema", "to_config", "save_config", "load_config",
 ]
 

@@ -48,10 +48,19 @@ class ParallelConfig:
     """Samples per micro-batch on each data-parallel replica."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage over the data-parallel replicas: 0-3 with pp=1, 0-1 with pp>1."""
-    partition: str = "blocks"
-    """Pipeline stage boundaries: ``blocks`` (decoder blocks spread evenly, embedding on the first
-    stage, norm and head on the last), ``uniform`` (every pipeline layer counts 1) or
-    ``parameters`` (balance parameter counts)."""
+    partition: str = "balanced"
+    """Pipeline stage boundaries: ``balanced`` (minimise the slowest stage's estimated forward +
+    backward time from per-layer FLOPs, within ``plan.device_memory_gb``), ``blocks`` (decoder
+    blocks spread evenly, embedding on the first stage, norm and head on the last), ``uniform``
+    (every pipeline layer counts 1) or ``parameters`` (balance parameter counts). Ignored with
+    ``parallel.stage_layers``."""
+    stage_layers: Optional[List[int]] = None
+    """Manual stage boundaries: pipeline layers per stage (``pp`` numbers summing to the model's
+    pipeline layers: embedding, [positions], blocks, final norm, head), e.g. ``[5, 4]``;
+    ``python -m hybridtrain.plan`` lists the layers. ``null``: use ``parallel.partition``."""
+    auto: bool = False
+    """Choose dp, tp, pp, micro-batch size, ZeRO stage and activation checkpointing by the cost
+    model (``parallel=auto``) for ``plan.world_size`` ranks; the keys above are then ignored."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them."""
 
@@ -273,6 +282,24 @@ class LoggerConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Planning options: what ``python -m hybridtrain.plan`` and ``parallel=auto`` plan for."""
+
+    device_memory_gb: Optional[float] = None
+    """Memory of one device in GiB; the plan warns above it, the balanced partition and
+    ``parallel=auto`` keep under it. ``null``: the GPU's memory, or on CPU the machine's RAM
+    divided by the ranks of a node."""
+    world_size: Optional[int] = None
+    """Ranks to plan for with ``parallel=auto``. ``null``: ``launcher.nodes x launcher.gpus_per_node``
+    (on a machine without GPUs and no ``gpus_per_node``: 1)."""
+    calibrate: bool = True
+    """Calibrate the cost model on this machine (a matmul and an all-reduce probe, cached under
+    ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``); false: the built-in defaults."""
+    top: int = 5
+    """Runners-up ``parallel=auto`` prints after the chosen plan."""
+
+
+@dataclass
 class Config:
     """A whole run: what Hydra composes and what is saved as ``config.yaml``."""
 
@@ -283,5 +310,6 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     run_dir: Optional[str] = None
     """Output folder; filled from ``hydra.run.dir`` at launch."""

@@ -9,7 +9,7 @@ rank layout (``rank = pipe * dp * tp + data * tp + model``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
@@ -84,8 +84,41 @@ class Built:
     stage: int
     tp: Any
     """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
-    model_state_bytes: int
-    """Bytes of this rank's parameters (the model-state part that does not depend on ZeRO)."""
+    at_step: dict = field(default_factory=dict)
+    """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
+
+    @property
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, measured from the engine: ``params``, ``grads``, ``optim``
+        (master copies, AdamW moments) and ``total``. After a step: the peaks measured during the
+        steps so far; before the first: what is held now (no gradients yet)."""
+        from hybridtrain.engine.memory import model_state_bytes
+
+        return dict(self.at_step) or model_state_bytes(self.engine.module, self.engine.optimizer)
+
+    def watch_model_state(self) -> None:
+        """Measure the model state at its two peaks of every step, on entry to the gradient
+        reduction (all gradients present) and to the wrapped torch optimizer's step (partitions,
+        moments), keeping the largest value of each part."""
+        from hybridtrain.engine.memory import model_state_bytes, torch_optimizer
+
+        def measure(*_):  # ZeRO steps each parameter group separately: keep the largest of each part
+            now = model_state_bytes(self.engine.module, self.engine.optimizer)
+            for key in ("params", "grads", "optim"):
+                self.at_step[key] = max(self.at_step.get(key, 0), now[key])
+            self.at_step["total"] = sum(self.at_step[k] for k in ("params", "grads", "optim"))
+
+        inner = torch_optimizer(self.engine.optimizer)
+        inner.register_step_pre_hook(measure)  # master partitions with their gradients, moments
+        # DeepSpeed has no hook API for the other peak: after the backward, before the gradient
+        # reduction (which frees the gradients ZeRO does not keep); wrap that method on this engine.
+        reduce = self.engine.allreduce_gradients
+
+        def reduce_measured(*args, **kwargs):
+            measure()
+            return reduce(*args, **kwargs)
+
+        self.engine.allreduce_gradients = reduce_measured
 
 
 def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) -> Built:
@@ -126,6 +159,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
             model, mpu = sequential_model(builder, loss_fn), grid
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
-    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
-                 stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp, model_state_bytes=state_bytes)
+    built = Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
+                  stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp)
+    built.watch_model_state()
+    return built

@@ -135,7 +135,7 @@ class Observer:
         util = self.nvml.take() if self.nvml is not None else None
         mine = [built.stage, *(self.clock.totals[c] for c in CATEGORIES), data_wait_s, step_time_s,
                 resources.rss_bytes(), -1 if gpu_peak is None else gpu_peak, -1 if util is None else util,
-                built.model_state_bytes]
+                built.model_state_bytes["total"]]
         ranks = gather.all_ranks(mine, self.device)
         if not self.is_rank0:
             return {}

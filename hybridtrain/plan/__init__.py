@@ -25,7 +25,15 @@ def machine_facts() -> Machine:
         fp16 = True
     else:  # DeepSpeed's CPU accelerator allows fp16 only with mkldnn fp16 kernels
         fp16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
-    return Machine(gpus_per_node=gpus, fp16_supported=fp16, cpu_cores=os.cpu_count() or 1)
+    if gpus:
+        memory = int(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            memory = 0
+    return Machine(gpus_per_node=gpus, fp16_supported=fp16, cpu_cores=os.cpu_count() or 1,
+                   device_memory_bytes=int(memory))
 
 
 def layer_params(cfg: Config, hf_config) -> list[int]:
@@ -110,11 +118,36 @@ def model_config(cfg: Config):
     return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
 
 
-def resolve(cfg: Config, machine: Machine | None = None) -> tuple[Plan, object]:
-    """Validate ``cfg`` on this machine; return the :class:`Plan` and the HF model config."""
+def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple[Plan, object]:
+    """Validate ``cfg`` on this machine; return the :class:`Plan` and the HF model config.
+
+    With ``parallel.auto`` the layout is searched first (:mod:`hybridtrain.plan.auto`) and written
+    into ``cfg.parallel``; ``announce`` (e.g. ``print``) receives the explanation.
+    ``plan.world_size`` stands for the devices: it sets ``launcher.gpus_per_node`` when that is
+    unset, else ``launcher.nodes``.
+    """
     from hybridtrain.data.tokenizer import vocab_size
 
+    machine = machine or machine_facts()
     hf_config = model_config(cfg)
+    world, lau = cfg.plan.world_size, cfg.launcher
+    if world is not None and lau.gpus_per_node is None:
+        if world < 1 or world % lau.nodes:
+            raise PlanError("plan.world_size", f"{world} ranks do not spread evenly over launcher.nodes="
+                            f"{lau.nodes}; use a positive multiple of {lau.nodes}")
+        lau.gpus_per_node = world // lau.nodes
+    elif world is not None and world != lau.nodes * lau.gpus_per_node:  # plan for more or fewer nodes
+        if world < 1 or world % lau.gpus_per_node:
+            raise PlanError("plan.world_size", f"{world} ranks are not whole nodes of launcher.gpus_per_node="
+                            f"{lau.gpus_per_node}; use a multiple of {lau.gpus_per_node}")
+        lau.nodes = world // lau.gpus_per_node
+    if cfg.parallel.auto:
+        from hybridtrain.plan.auto import apply, search
+
+        choice = search(cfg, hf_config, machine)
+        apply(cfg, choice.best)
+        if announce is not None:
+            announce(choice.explain(cfg.plan.top))
     params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
-    plan = build_plan(cfg, hf_config, machine or machine_facts(), vocab_size(cfg.data), params)
+    plan = build_plan(cfg, hf_config, machine, vocab_size(cfg.data), params)
     return plan, hf_config

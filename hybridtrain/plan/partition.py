@@ -5,9 +5,9 @@ Boundaries use DeepSpeed's convention: ``parts[s]:parts[s+1]`` are the pipeline 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
-METHODS = ("blocks", "uniform", "parameters")
+METHODS = ("balanced", "blocks", "uniform", "parameters")
 """Values of ``parallel.partition``."""
 
 
@@ -39,26 +39,37 @@ def by_blocks(num_pre: int, num_blocks: int, num_post: int, pp: int) -> list[int
     return bounds_from_counts(counts)
 
 
-def balanced(costs: Sequence[float], pp: int) -> list[int]:
+def balanced(costs: Sequence[float], pp: int,
+             fits: Optional[Callable[[int, int, int], bool]] = None) -> list[int]:
     """Contiguous split of ``costs`` into ``pp`` non-empty stages minimising the largest stage cost.
 
     Binary search on the bottleneck with a greedy feasibility check; ties go to the earliest cut.
+    ``fits(stage, start, stop)`` is an extra constraint on each stage (memory): it must hold for
+    single layers and get no harder for later stages or shorter ranges; if no split satisfies
+    it, :class:`ValueError` is raised.
     """
     n = len(costs)
     if pp > n:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
+    ok = fits or (lambda _s, _a, _b: True)
 
     def cuts_for(limit: float) -> list[int] | None:  # greedy: fill each stage up to ``limit``
         bounds, acc = [0], 0.0
         for i, c in enumerate(costs):
-            if acc + c > limit and i > bounds[-1]:
+            if i > bounds[-1] and (acc + c > limit or not ok(len(bounds) - 1, bounds[-1], i + 1)):
                 bounds.append(i)
                 acc = 0.0
+            if i == bounds[-1] and not ok(len(bounds) - 1, i, i + 1):
+                return None  # a layer that fits on no stage of its own
             acc += c
         bounds.append(n)
         return bounds if len(bounds) - 1 <= pp else None
 
     lo, hi = max(costs), float(sum(costs))
+    if cuts_for(hi) is None:
+        hi = float(sum(costs)) * (n + 1)  # memory forces more cuts than the cost alone would make
+        if cuts_for(hi) is None:
+            raise ValueError(f"no split of {n} layers into {pp} stages satisfies the memory limit")
     for _ in range(60):
         mid = (lo + hi) / 2
         if cuts_for(mid) is None:
@@ -74,9 +85,27 @@ def balanced(costs: Sequence[float], pp: int) -> list[int]:
     return bounds
 
 
+def manual(stage_layers: Sequence[int], n: int, pp: int) -> list[int]:
+    """Stage boundaries from ``parallel.stage_layers`` (pipeline layers per stage); raises
+    ``ValueError`` with the reason when they do not describe ``pp`` non-empty stages of ``n`` layers."""
+    counts = list(stage_layers)
+    if len(counts) != pp:
+        raise ValueError(f"has {len(counts)} entries but parallel.pp={pp}; give one count per stage")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"{counts} has an empty stage; every stage needs at least one layer")
+    if sum(counts) != n:
+        raise ValueError(f"{counts} sums to {sum(counts)} but the model has {n} pipeline layers")
+    return bounds_from_counts(counts)
+
+
 def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int,
-              layer_params: Sequence[int] | None = None) -> list[int]:
-    """Stage boundaries for ``parallel.partition=method`` over ``num_pre + num_blocks + num_post`` layers."""
+              layer_params: Sequence[int] | None = None, layer_costs: Sequence[float] | None = None,
+              fits: Optional[Callable[[int, int, int], bool]] = None) -> list[int]:
+    """Stage boundaries for ``parallel.partition=method`` over ``num_pre + num_blocks + num_post`` layers.
+
+    ``balanced`` needs ``layer_costs`` (time per layer, :func:`hybridtrain.plan.costs.layer_time_costs`)
+    and takes the memory constraint ``fits`` (see :func:`balanced`), dropped when nothing satisfies it.
+    """
     n = num_pre + num_blocks + num_post
     if method in ("blocks", "uniform"):
         items = num_blocks if method == "blocks" else n
@@ -91,4 +120,38 @@ def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int
         if layer_params is None or len(layer_params) != n:
             raise ValueError("partition 'parameters' needs one parameter count per pipeline layer")
         return balanced([float(p) for p in layer_params], pp)
+    if method == "balanced":
+        if pp == 1:
+            return [0, n]
+        if layer_costs is None or len(layer_costs) != n:
+            raise ValueError("partition 'balanced' needs one cost per pipeline layer")
+        # Cut only between units that each hold a block, or the final norm with the head (see
+        # :func:`stage_problem`): the embeddings ride with block 0, the norm with the head.
+        starts = [0] + list(range(num_pre + 1, num_pre + num_blocks)) + [n - num_post]
+        ends = starts[1:] + [n]
+        costs = [float(sum(layer_costs[a:b])) for a, b in zip(starts, ends)]
+        unit_fits = None if fits is None else (lambda st, a, b: fits(st, starts[a], ends[b - 1]))
+        try:
+            merged = balanced(costs, pp, unit_fits)
+        except ValueError:
+            if fits is None:
+                raise
+            merged = balanced(costs, pp)  # over memory anyway: the plan warns
+        return [starts[i] for i in merged[:-1]] + [n]
     raise ValueError(f"parallel.partition={method!r} is not a method; use one of {list(METHODS)}")
+
+
+def stage_problem(names: Sequence[str]) -> Optional[str]:
+    """Why a stage of these pipeline layers cannot train under DeepSpeed, or ``None``.
+
+    DeepSpeed's ZeRO optimizer computes the gradient norm with one model-parallel all-reduce per
+    parameter group; hybridtrain has two groups (matrices with weight decay, biases and norms
+    without), and an empty group is dropped. A stage whose layers lack one kind has one group
+    fewer, so its collectives pair with the wrong ones and the job hangs. A decoder block has
+    both kinds; embeddings and the head have only matrices, the final norm only vectors.
+    """
+    if any(n.startswith("block.") for n in names) or ("final_norm" in names and "head" in names):
+        return None
+    return (f"a stage of only {', '.join(names)} has parameters of one kind (matrices or norms) and would "
+            "hang DeepSpeed's gradient-norm collectives; every stage needs a decoder block, or the final "
+            "norm together with the head")

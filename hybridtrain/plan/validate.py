@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.models.families import FAMILIES, Family, get_family, mlp_width_of, padded_vocab
-from hybridtrain.plan.partition import METHODS, partition
+from hybridtrain.plan.partition import METHODS, manual, partition, stage_problem
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -40,6 +40,8 @@ class Machine:
     fp16_supported: bool = True
     """Whether the device can train in fp16 (DeepSpeed refuses fp16 on most CPUs)."""
     cpu_cores: int = 1
+    device_memory_bytes: int = 0
+    """Memory of one device (GPU 0), or on CPU the machine's RAM; 0: unknown."""
 
 
 @dataclass
@@ -70,9 +72,15 @@ class Plan:
         """Pipeline layer names of ``stage``."""
         return self.layer_names[self.stage_bounds[stage]:self.stage_bounds[stage + 1]]
 
-    def layout(self) -> dict[str, int]:
-        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``)."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``).
+
+        With pp > 1 the stage boundaries too: each stage's ZeRO flat buffers hold its own layers.
+        """
+        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
+        if self.pp > 1:
+            out["stage_bounds"] = list(self.stage_bounds)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,11 +247,30 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
     names = layer_names(family, num_layers)
     n_pre = 2 if family.position_embed else 1
-    bounds = partition(par.partition, n_pre, num_layers, 2, par.pp, layer_params)
+    padded = padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple)
+    if par.stage_layers is not None:
+        try:
+            bounds = manual(par.stage_layers, len(names), par.pp)
+        except ValueError as err:
+            raise PlanError("parallel.stage_layers", f"{list(par.stage_layers)} {err}; the layers are "
+                            f"{names[0]}, ..., {names[-1]} ({len(names)} in all)") from None
+    else:
+        costs = fits = None
+        if par.partition == "balanced" and par.pp > 1:
+            from hybridtrain.plan.memory import balanced_inputs  # builds a one-block meta model
+
+            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, grad_accum, padded, machine)
+        bounds = partition(par.partition, n_pre, num_layers, 2, par.pp, layer_params, costs, fits)
+    for s in range(par.pp):
+        why = stage_problem(names[bounds[s]:bounds[s + 1]])
+        key = "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition"
+        _need(why is None, key, f"stage {s}: {why}; " + (
+            "change parallel.stage_layers" if par.stage_layers is not None
+            else f"use parallel.partition=balanced or blocks instead of {par.partition!r}"))
     return Plan(
         dp=dp, tp=par.tp, pp=par.pp, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,
         global_batch_size=tr.global_batch_size, zero_stage=par.zero_stage, precision=tr.precision,
         seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,
-        vocab_size=model_vocab, padded_vocab_size=padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple),
+        vocab_size=model_vocab, padded_vocab_size=padded,
         num_layers=num_layers, layer_names=names, stage_bounds=bounds)

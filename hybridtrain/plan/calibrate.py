@@ -1,0 +1,182 @@
+"""Machine rates for the cost model: a matmul probe and an all-reduce probe, cached on disk.
+
+The probes run once per (host, device kind, ranks x threads, matmul shape) and are cached as JSON
+under ``$HYBRIDTRAIN_CACHE`` (or ``~/.cache/hybridtrain``) ``/calibration/``. The all-reduce probe
+spawns as many processes as the node will run ranks (at most 8; gloo on CPU, NCCL over that
+many GPUs), so that a CPU node's oversubscription shows in the latency; with fewer than two GPUs
+the built-in link numbers are used and the file says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MAX_PROBE_RANKS = 8
+"""The all-reduce probe starts at most this many processes."""
+DEFAULT_LINK = {"cpu": (2e-4, 1e9), "cuda": (2e-5, 1e11)}
+"""(latency s, bandwidth B/s) used when no all-reduce probe can run."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank achieves on this machine."""
+
+    flops: float
+    """Sustained matmul FLOP/s of one rank (with its threads, fp32 on CPU / bf16 on GPU)."""
+    latency: float
+    """Seconds of one small collective (the alpha of alpha-beta)."""
+    bandwidth: float
+    """Bytes/s of a large all-reduce's bus bandwidth (ring: ``2 (n-1)/n x bytes / bandwidth``)."""
+    device: str
+    threads: int
+    measured_link: bool = True
+    layer_overhead: float = 0.0
+    """Seconds of framework overhead per pipeline layer per micro-batch (forward + backward of a
+    tiny block: op dispatch, autograd), which dominates small models on CPU."""
+
+
+def cache_dir() -> Path:
+    """``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``, ``/calibration``."""
+    root = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain")
+    return Path(root) / "calibration"
+
+
+def matmul_flops(threads: int, device: str = "cpu", shape: tuple[int, int] = (512, 512),
+                 seconds: float = 0.5) -> float:
+    """FLOP/s of ``[tokens, hidden] x [hidden, 4 hidden]`` matmuls (``shape = (tokens, hidden)``, the
+    model's MLP) with ``threads`` torch threads, median of a short loop."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        m, k = (max(s, 1) for s in shape)
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, 4 * k, device=device, dtype=dtype)
+        times, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end or len(times) < 3:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            (a @ b).sum().item()
+            times.append(time.perf_counter() - t0)
+        return 2 * m * k * 4 * k / sorted(times)[len(times) // 2]
+    finally:
+        torch.set_num_threads(old)
+
+
+def layer_overhead(threads: int, device: str = "cpu", seconds: float = 0.5) -> float:
+    """Seconds of one forward + backward of a tiny transformer block (1 token, width 16): the fixed
+    cost per layer call that no FLOP count sees."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        block = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+                                                 batch_first=True).to(device)
+        x = torch.randn(1, 1, 16, device=device, requires_grad=True)
+        times, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end or len(times) < 5:
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    finally:
+        torch.set_num_threads(old)
+
+
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    results = {}
+    for numel in (1, 1 << 20):
+        x = torch.ones(numel, device=device)
+        for _ in range(2):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        results[numel] = sorted(times)[len(times) // 2]
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def allreduce_link(device: str, nprocs: int = 2) -> tuple[float, float, bool]:
+    """(latency, bandwidth, measured) from timing 4-byte and 4-MiB all-reduces among ``nprocs``
+    processes: as many as a node's ranks, so that CPU oversubscription is in the numbers."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if device == "cuda":
+        nprocs = min(nprocs, torch.cuda.device_count())
+        if nprocs < 2:
+            return (*DEFAULT_LINK[device], False)
+    nprocs = max(2, nprocs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.json")
+        mp.start_processes(_allreduce_worker, args=(nprocs, port, "nccl" if device == "cuda" else "gloo", out),
+                           nprocs=nprocs, join=True, start_method="spawn")
+        res = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    latency = res[1]
+    big = 4 * (1 << 20)
+    bandwidth = 2 * (nprocs - 1) / nprocs * big / max(1e-9, res[1 << 20] - latency)  # ring: 2 (n-1)/n x bytes
+    return latency, bandwidth, True
+
+
+def builtin(device: str, threads: int = 1) -> Rates:
+    """Rates without probing: a recent data-center GPU (bf16 matmuls at about 300 TFLOP/s achieved,
+    NVLink-class all-reduce), or a CPU core; what ``plan.calibrate=false`` and cluster plans use."""
+    lat, bw = DEFAULT_LINK[device]
+    if device == "cuda":
+        return Rates(flops=3e14, latency=lat, bandwidth=bw, device=device, threads=1, measured_link=False,
+                     layer_overhead=2e-5)
+    return Rates(flops=2e10 * threads, latency=lat, bandwidth=bw, device=device, threads=threads,
+                 measured_link=False, layer_overhead=1e-3)
+
+
+def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 512), ranks: int = 2) -> Rates:
+    """This machine's :class:`Rates` for ``ranks`` ranks of ``threads`` threads on this node and
+    matmuls of ``shape`` (tokens per micro-batch, hidden), from the cache or the probes."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not calibrate:
+        return builtin(device, threads)
+    ranks = max(2, min(ranks, MAX_PROBE_RANKS))
+    path = cache_dir() / f"{socket.gethostname()}-{device}-{ranks}x{threads}t-{shape[0]}x{shape[1]}.json"
+    if path.is_file():
+        try:
+            return Rates(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            pass  # an old or damaged cache file: measure again
+    flops = matmul_flops(threads, device, shape)
+    overhead = layer_overhead(threads, device)
+    lat, bw, measured = allreduce_link(device, ranks)
+    found = Rates(flops=flops, latency=lat, bandwidth=bw, device=device, threads=threads, measured_link=measured,
+                  layer_overhead=overhead)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(found), indent=1))
+    return found

@@ -1,0 +1,162 @@
+"""Memory per rank: parameters, gradients, optimizer state (as DeepSpeed allocates them) and activations.
+
+Model state follows what DeepSpeed 0.19 really allocates (measured by
+:func:`hybridtrain.engine.memory.model_state_bytes` and checked in ``tests/test_planning_dist.py``),
+with ``P`` the parameters of the rank (after TP and pipeline split), ``d`` = dp, ``w`` = bytes of
+a parameter (4 fp32, 2 bf16/fp16), AdamW moments and master weights in fp32:
+
+======= ============================== ================================== =====================================
+ZeRO    parameters                     gradients (peak)                   optimizer state
+======= ============================== ================================== =====================================
+0 fp32  ``4P``                         ``4P``                             ``8P`` (moments)
+0 16b   ``2P``                         ``2P``                             ``16P/d`` (BF16 optimizer: fp32 master,
+                                                                          moments, fp32 gradient shards)
+1       ``wP``                         ``max(wP, (w+4)P/d)``              ``12P/d`` (fp32 master + moments)
+2       ``wP``                         ``bucket + 4P/d``                  ``12P/d``
+3       ``w min(P, P/d + small + 1e9)`` ``bucket + 4P/d``                 ``16P/d``
+======= ============================== ================================== =====================================
+
+``bucket`` is DeepSpeed's gradient reduction bucket, ``w x 5e8`` bytes (2 GB in fp32) allocated
+whole by ZeRO-2/3 at the first backward; ``small`` are ZeRO-3's persistent parameters (under 1e5
+elements), and up to 1e9 gathered parameters stay live.
+
+ZeRO-1 gradients peak either after the backward (every parameter's full gradient, ``wP``) or
+inside the step (this rank's averaged partition and its fp32 copy, ``(w+4)P/d``).
+
+Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
+sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
+``s b h (10 + 24/t) x w/2`` plus ``5 a s^2 b / t x w/2`` for the attention matrix with the eager
+kernel (sdpa does not keep it). With activation checkpointing a block keeps only its input
+``s b h w`` and one block is recomputed at a time. The last stage adds the logits and their
+softmax in fp32 ``2 x 4 s b V/t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hybridtrain.plan.costs import ModelFacts, UnitFacts
+
+PERSISTENCE_THRESHOLD = 100_000
+"""ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
+``stage3_param_persistence_threshold`` default)."""
+REDUCE_BUCKET_SIZE = 500_000_000
+"""Elements of the gradient reduction bucket ZeRO-2/3 allocate at the first backward (DeepSpeed's
+``reduce_bucket_size`` default; hybridtrain does not set it)."""
+MAX_LIVE_PARAMETERS = 1_000_000_000
+"""ZeRO-3 keeps gathered parameters until this many are live (``stage3_max_live_parameters``)."""
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Estimated bytes one rank holds."""
+
+    params: int
+    grads: int
+    optim: int
+    activations: int
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations
+
+
+def model_state(sizes: list[int], zero: int, dp: int, precision: str) -> tuple[int, int, int]:
+    """(params, grads, optim) bytes for parameters of element counts ``sizes`` on one rank."""
+    n = sum(sizes)
+    w = 4 if precision == "fp32" else 2
+    part = -(-n // dp)  # ZeRO pads the flat buffer to a multiple of dp
+    if zero == 0:
+        if precision == "fp32":
+            return 4 * n, 4 * n, 8 * n
+        return 2 * n, 2 * n, 16 * part  # BF16 optimizer: fp32 master, moments, fp32 gradient shards
+    if zero == 1:
+        return w * n, max(w * n, (w + 4) * part), 12 * part
+    bucket = w * REDUCE_BUCKET_SIZE  # allocated whole, whatever the model's size
+    if zero == 2:
+        return w * n, bucket + 4 * part, 12 * part
+    persistent = sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
+    live = min(n, part + persistent + MAX_LIVE_PARAMETERS)  # gathered parameters stay until the limit
+    return w * live, bucket + 4 * part, 16 * part
+
+
+def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
+    """Element counts of the parameter tensors one TP rank of a stage holds (a tied head on the
+    embedding's stage is the same tensor)."""
+    has_embed = any(u.name == "embed" for u in units)
+    out: list[int] = []
+    for u in units:
+        if not (u.tied and has_embed):
+            out += u.param_sizes(tp)
+    return out
+
+
+def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
+                     checkpointing: bool, eager: bool) -> int:
+    """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward)."""
+    s, b, h, a = facts.seq_len, micro_batch, facts.hidden, facts.heads
+    w = 4 if precision == "fp32" else 2
+    full = s * b * h * (10 + 24 / tp) * w / 2 + (5 * a * s * s * b / tp * w / 2 if eager else 0)
+    blocks = sum(u.name.startswith("block.") for u in units)
+    if checkpointing and blocks:
+        total = blocks * s * b * h * w + full  # inputs kept + one block recomputed
+    else:
+        total = blocks * full
+    if any(u.name == "head" for u in units):
+        total += 2 * 4 * s * b * facts.padded_vocab / tp
+    if any(u.name == "embed" for u in units):
+        total += s * b * h * w
+    return int(total)
+
+
+def in_flight(stage: int, pp: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once in 1F1B."""
+    return max(1, min(pp - stage, micro_batches))
+
+
+def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, *, tp: int, pp: int, dp: int, zero: int,
+                precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
+                eager: bool = False) -> RankMemory:
+    """Estimated memory of a rank of pipeline stage ``stage``."""
+    units = facts.units[bounds[stage]:bounds[stage + 1]]
+    params, grads, optim = model_state(stage_param_sizes(units, tp), zero, dp, precision)
+    act = activation_bytes(units, facts, micro_batch, tp, precision, checkpointing, eager)
+    return RankMemory(params, grads, optim, act * in_flight(stage, pp, micro_batches))
+
+
+def device_memory_bytes(plan_cfg, machine, ranks_per_node: int) -> int:
+    """The memory budget of one rank: ``plan.device_memory_gb``, a GPU's memory, or RAM / local ranks."""
+    if plan_cfg.device_memory_gb is not None:
+        return int(plan_cfg.device_memory_gb * GiB)
+    if machine.gpus_per_node:
+        return machine.device_memory_bytes
+    return machine.device_memory_bytes // max(1, ranks_per_node)
+
+
+def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, micro_batches: int, padded_vocab: int,
+                    machine) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
+    """Per-layer time costs and the memory constraint for ``parallel.partition=balanced``."""
+    from hybridtrain.plan.costs import layer_time_costs, model_facts
+
+    par = cfg.parallel
+    facts = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
+    assert facts.padded_vocab == padded_vocab
+    costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
+    per_node = max(1, dp * tp * pp // max(1, cfg.launcher.nodes))
+    limit = device_memory_bytes(cfg.plan, machine, per_node)
+    if not limit:
+        return costs, None
+
+    def fits(stage: int, start: int, stop: int) -> bool:
+        mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=par.zero_stage,
+                          precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
+                          micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
+                          eager=cfg.model.attn_implementation == "eager")
+        return mem.total <= limit
+
+    return costs, fits

@@ -1,0 +1,300 @@
+"""Planning without processes: the plan command's numbers, the cost-balanced partition, manual
+stage boundaries, the memory model's formulas, ``parallel=auto``'s search and ``verify``'s twin.
+
+The memory estimate against real allocations, the balanced partition's measured effect and the
+search against measured tokens/s are checked with real runs (``tests/test_planning_dist.py``,
+``bench/bench_partition.py``, ``bench/bench_auto.py``)."""
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers_unit import ROOT, compose_config
+from hybridtrain.config import Config
+from hybridtrain.plan import Machine, PlanError, resolve
+from hybridtrain.plan.calibrate import Rates
+from hybridtrain.plan.costs import layer_time_costs, model_facts
+from hybridtrain.plan.memory import GiB, model_state
+from hybridtrain.plan.partition import balanced, partition, stage_problem
+from hybridtrain.plan.report import build_report, format_report
+
+CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
+RATES = Rates(flops=1e10, latency=1e-4, bandwidth=1e9, device="cpu", threads=1, layer_overhead=5e-4)
+"""Fixed machine rates: the search is a pure function of them (no probe in unit tests)."""
+LLAMA_70B = ["+recipe=llama_7b", "model.config.num_hidden_layers=80", "model.config.hidden_size=8192",
+             "model.config.intermediate_size=28672", "model.config.num_attention_heads=64",
+             "model.config.num_key_value_heads=8"]
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(*overrides: str) -> Config:
+    return compose_config(*overrides)
+
+
+def cfg_of(*overrides: str) -> Config:
+    return copy.deepcopy(_composed(*overrides))
+
+
+def stage_costs(costs, bounds):
+    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+# --- balanced partition --------------------------------------------------------------------------
+
+def test_balanced_is_the_default_and_minimises_the_slowest_stage():
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=3")
+    assert cfg.parallel.partition == "balanced"
+    plan, hf = resolve(cfg, CPU)
+    facts = model_facts("gpt2", hf, plan.seq_len, plan.tp)
+    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
+    n = len(costs)
+    valid = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), 2)
+             if all(stage_problem(plan.layer_names[a:b]) is None for a, b in zip([0, *cuts], [*cuts, n]))]
+    best = min(max(stage_costs(costs, bounds)) for bounds in valid)
+    assert plan.stage_bounds in valid
+    assert max(stage_costs(costs, plan.stage_bounds)) == pytest.approx(best, rel=1e-9)
+    # the 8000 x 96 head outweighs the 96-wide blocks: uniform splitting is worse here
+    uniform = partition("uniform", 2, 4, 2, 3)
+    assert max(stage_costs(costs, uniform)) > 1.1 * best
+
+
+@pytest.mark.parametrize("names, ok", [
+    (["embed", "pos_embed"], False), (["head"], False), (["final_norm"], False), (["embed", "block.0"], True),
+    (["final_norm", "head"], True), (["block.3", "final_norm", "head"], True),
+])
+def test_stage_problem_every_stage_needs_both_parameter_groups(names, ok):
+    assert (stage_problem(names) is None) == ok
+
+
+def test_a_stage_deepspeed_would_hang_on_is_a_plan_error():
+    # DeepSpeed's norm collectives pair one per parameter group: a head-only stage has one group
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=2", "parallel.stage_layers=[7,1]")
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.stage_layers" and "stage 1: a stage of only head" in str(info.value)
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=4", "parallel.partition=uniform")  # [embed, pos_embed] alone
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.partition" and "hang" in str(info.value)
+
+
+def test_tied_head_counted_once_and_costs_cover_head_and_loss():
+    cfg = cfg_of("+recipe=llama_tiny")  # tied embeddings
+    _, hf = resolve(cfg, CPU)
+    facts = model_facts("llama", hf, 32, 1)
+    head = facts.units[-1]
+    assert head.tied and head.flops > 0 and head.elementwise >= 4 * facts.padded_vocab
+    embed_params = facts.units[0].params(1)
+    assert facts.total_params() == sum(u.params(1) for u in facts.units) - embed_params
+
+
+def test_balanced_respects_the_memory_constraint():
+    costs = [1.0, 1.0, 1.0, 10.0]
+    memory = [5.0, 5.0, 5.0, 1.0]
+    unconstrained = balanced(costs, 2)
+    assert unconstrained == [0, 3, 4]  # 15 bytes on stage 0
+
+    def fits(stage, a, b):
+        return sum(memory[a:b]) <= 10.0
+
+    assert balanced(costs, 2, fits) == [0, 2, 4]  # memory forces one layer over
+    with pytest.raises(ValueError, match="memory"):
+        balanced(costs, 2, lambda s, a, b: sum(memory[a:b]) <= 4.0)
+
+
+def test_manual_stage_layers():
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=2", "parallel.stage_layers=[5,3]")
+    plan, _ = resolve(cfg, CPU)
+    assert plan.stage_bounds == [0, 5, 8]
+    assert plan.stage_layers(1) == ["block.3", "final_norm", "head"]
+
+
+@pytest.mark.parametrize("layers, fragment", [
+    ("[8]", "has 1 entries but parallel.pp=2"),
+    ("[8,0]", "empty stage"),
+    ("[4,3]", "sums to 7 but the model has 8 pipeline layers"),
+])
+def test_manual_stage_layers_errors(layers, fragment):
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=2", f"parallel.stage_layers={layers}")
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.stage_layers" and fragment in str(info.value)
+    assert "embed, ..., head (8 in all)" in str(info.value)
+
+
+def test_partition_change_is_a_layout_change_for_checkpoints():
+    a, _ = resolve(cfg_of("+recipe=gpt_tiny", "parallel.pp=2"), CPU)
+    b, _ = resolve(cfg_of("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks"), CPU)
+    assert a.stage_bounds != b.stage_bounds and a.layout() != b.layout()
+    one, _ = resolve(cfg_of("+recipe=gpt_tiny"), CPU)
+    assert "stage_bounds" not in one.layout()  # pp = 1: nothing to match
+
+
+# --- the plan report -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 3), (3, 1, 2), (2, 3, 1)])
+def test_rank_map_is_deepspeeds_topology(dp, tp, pp):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    cfg = cfg_of("+recipe=gpt_tiny", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                 "trainer.global_batch_size=12")
+    plan, hf = resolve(cfg, CPU)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    for row in build_report(cfg, plan, hf, 0).rank_map():
+        coord = topo.get_coord(row["rank"])
+        assert (row["pp"], row["dp"], row["tp"]) == (coord.pipe, coord.data, coord.model)
+
+
+def test_model_state_formulas():
+    sizes = [1000, 10]  # elements; ZeRO pads the flat buffer to a multiple of dp
+    n = 1010
+    assert model_state(sizes, 0, 2, "fp32") == (4 * n, 4 * n, 8 * n)
+    assert model_state(sizes, 1, 1, "fp32") == (4 * n, 8 * n, 12 * n)
+    assert model_state(sizes, 1, 2, "fp32") == (4 * n, 8 * 505, 12 * 505)
+    assert model_state(sizes, 1, 4, "fp32") == (4 * n, 4 * n, 12 * 253)  # full gradients after the backward
+    assert model_state(sizes, 1, 2, "bf16") == (2 * n, 6 * 505, 12 * 505)
+    assert model_state(sizes, 0, 2, "bf16") == (2 * n, 2 * n, 16 * 505)
+    bucket = 4 * 500_000_000  # ZeRO-2/3's reduction bucket, allocated whole
+    assert model_state(sizes, 2, 2, "fp32") == (4 * n, bucket + 4 * 505, 12 * 505)
+    assert model_state(sizes, 3, 2, "fp32") == (4 * n, bucket + 4 * 505, 16 * 505)  # gathered params stay live
+
+
+def test_report_numbers_and_warnings():
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=uniform", "plan.device_memory_gb=0.001")
+    plan, hf = resolve(cfg, CPU)
+    report = build_report(cfg, plan, hf, int(0.001 * GiB))
+    assert report.bubble == pytest.approx((2 - 1) / (12 + 2 - 1))
+    text = format_report(report)
+    assert "tokens per step 384" in text and "(2-1)/(12+2-1) = 7.7%" in text
+    assert any("stage imbalance" in w and "parallel.partition=balanced" in w for w in report.warnings)
+    assert any("exceeds plan.device_memory_gb" in w for w in report.warnings)
+    # the first stage keeps pp - s = 2 micro-batches in flight, the last one
+    assert report.stages[0].memory.activations > 0 and "in-flight" in text
+    assert sum(st.params for st in report.stages) >= report.facts.total_params()
+
+
+def test_plan_command_70b_in_seconds():
+    """A 70B Llama on 8 x 8 GPUs, from the command line: no weights, no processes, seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", *LLAMA_70B, "parallel.dp=2",
+                           "launcher.nodes=8", "launcher.gpus_per_node=8", "plan.device_memory_gb=80"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "68,976.6M parameters, 80 blocks" in out
+    assert "dp=2 x tp=8 x pp=4 = 64 rank(s) on 8 node(s)" in out
+    assert "     63     7    1    7    3" in out  # last rank: node 7, dp 1, tp 7, pp 3
+    assert "memory per rank in GiB of 80.00 GiB" in out and "bubble" in out
+    assert elapsed < 60, f"plan command took {elapsed:.1f}s"  # ~3 s on a quiet 2-core machine
+
+
+def test_plan_command_config_error_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", "+recipe=gpt_tiny", "parallel.tp=4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "config error: parallel.tp" in proc.stderr
+
+
+# --- parallel=auto -------------------------------------------------------------------------------
+
+def _search(*overrides: str):
+    from hybridtrain.plan.auto import search
+
+    cfg = cfg_of(*overrides)
+    _, hf = resolve(cfg_of(*[o for o in overrides if not o.startswith(("parallel=", "plan."))]), CPU)
+    return cfg, search(cfg, hf, CPU, RATES)
+
+
+def test_auto_enumerates_valid_layouts_and_picks_the_fastest_that_fits():
+    cfg, choice = _search("+recipe=gpt_tiny", "parallel=auto", "plan.world_size=4", "model.config.n_head=4")
+    layouts = {(c.dp, c.tp, c.pp) for c in choice.ranked}
+    assert layouts == {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
+    assert all(c.dp * c.tp * c.pp == 4 and 12 % (c.micro_batch_size * c.dp) == 0 for c in choice.ranked)
+    assert all(c.zero_stage <= 1 for c in choice.ranked if c.pp > 1)
+    assert choice.best.step_time == min(c.step_time for c in choice.ranked)
+    text = choice.explain(3)
+    assert "chose" in text and "#2" in text and "#4" in text and "#5" not in text
+
+
+def test_auto_respects_device_memory():
+    _, roomy = _search(*LLAMA_70B, "parallel=auto", "plan.world_size=64", "plan.device_memory_gb=1000")
+    _, tight = _search(*LLAMA_70B, "parallel=auto", "plan.world_size=64", "plan.device_memory_gb=80")
+    assert tight.over_memory > roomy.over_memory
+    assert tight.best.memory <= 80 * GiB
+    with pytest.raises(PlanError) as info:
+        _search(*LLAMA_70B, "parallel=auto", "plan.world_size=8", "plan.device_memory_gb=8")
+    assert info.value.key == "plan.device_memory_gb" and "smallest needs" in str(info.value)
+
+
+def test_auto_plan_is_what_resolve_returns(monkeypatch):
+    import hybridtrain.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "rates", lambda *a, **k: RATES)
+    cfg = cfg_of("+recipe=gpt_tiny", "parallel=auto", "plan.world_size=4", "model.config.n_head=4")
+    lines = []
+    plan, _ = resolve(cfg, CPU, announce=lines.append)
+    assert plan.world_size == 4 and not cfg.parallel.auto
+    assert f"chose dp={plan.dp} tp={plan.tp} pp={plan.pp} micro={plan.micro_batch_size}" in lines[0]
+
+
+def test_calibration_is_cached(tmp_path, monkeypatch):
+    import hybridtrain.plan.calibrate as calibrate
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path))
+    first = calibrate.rates(1, shape=(8, 16))  # probes: matmul, tiny block, a 2-process gloo all-reduce
+    assert first.flops > 0 and first.latency > 0 and first.bandwidth > 0 and first.measured_link
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+    def no_probe(*a, **k):
+        raise AssertionError("probed again despite the cache")
+
+    monkeypatch.setattr(calibrate, "matmul_flops", no_probe)
+    monkeypatch.setattr(calibrate, "allreduce_link", no_probe)
+    assert calibrate.rates(1, shape=(8, 16)) == first
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+def test_verify_twin_keeps_ratios_and_divisibility():
+    from hybridtrain.verify import shrink
+
+    cfg = cfg_of(*LLAMA_70B)
+    plan, hf = resolve(cfg, Machine())
+    twin = shrink(cfg, plan, hf, 3)["model"]
+    assert twin["num_attention_heads"] // twin["num_key_value_heads"] == 64 // 8
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        assert twin[key] % plan.tp == 0, key
+    assert twin["num_hidden_layers"] >= plan.pp and twin["hidden_size"] <= 1024
+    assert twin["intermediate_size"] / twin["hidden_size"] == pytest.approx(28672 / 8192, rel=0.1)
+
+
+def test_verify_compare():
+    from hybridtrain.verify import compare
+
+    want = [{"step": 1, "loss": 9.0, "grad_norm": 2.0}, {"step": 2, "loss": 8.5, "grad_norm": 1.5}]
+    close = [{"step": 1, "loss": 9.0 * (1 + 5e-5), "grad_norm": 2.0}, {"step": 2, "loss": 8.5, "grad_norm": 1.5005}]
+    assert compare(close, want, "fp32").ok
+    off = [{"step": 1, "loss": 9.0, "grad_norm": 2.0}, {"step": 2, "loss": 8.6, "grad_norm": 1.5}]
+    verdict = compare(off, want, "fp32")
+    assert not verdict.ok and "<-- differs" in verdict.lines[1]
+    assert not compare(want[:1], want, "fp32").ok
+    assert compare(off, want, "bf16").ok  # 1.2% within bf16's tolerance
+
+
+def test_auto_on_the_issues_command_line(monkeypatch):
+    """``+recipe=llama_7b parallel=auto plan.device_memory_gb=80 plan.world_size=64``: 64 ranks are
+    8 nodes of the recipe's 8 GPUs; the chosen plan fits 80 GiB and validates."""
+    import hybridtrain.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "rates", lambda *a, **k: RATES)
+    cfg = cfg_of("+recipe=llama_7b", "parallel=auto", "plan.device_memory_gb=80", "plan.world_size=64")
+    plan, hf = resolve(cfg, CPU)
+    assert plan.world_size == 64 and cfg.launcher.nodes == 8
+    report = build_report(cfg, plan, hf, 80 * GiB)
+    assert max(st.memory.total for st in report.stages) <= 80 * GiB
