@@ -12,6 +12,7 @@ from hybridtrain.engine import Built, lr_lambda
 from hybridtrain.plan.validate import Plan
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
+from hybridtrain.train.watchdog import Watchdog
 
 
 class MetricsWriter:
@@ -72,6 +73,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     lr_at = lr_lambda(cfg.optim, cfg.trainer.max_steps)
     losses: list[float] = []
     start = time.perf_counter()
+    watchdog = Watchdog(cfg.trainer.hang_timeout_s).start()  # no step for hang_timeout_s: stacks, exit
     for step in range(start_step, cfg.trainer.max_steps):
         t0, wait0 = time.perf_counter(), timer.seconds
         loss = (_step_pipeline(built, stream) if plan.pp > 1
@@ -98,6 +100,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         final = done == cfg.trainer.max_steps and cfg.trainer.save_final
         if save is not None and ((every and done % every == 0) or final):
             save(done)
+        watchdog.beat()
+    watchdog.stop()
     if bar is not None:
         bar.close()
     writer.close()
