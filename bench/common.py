@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, also for the in-process imports of hybridtrain
 INJECT = Path(__file__).resolve().parent / "inject"
 
 PHASES = [  # (name, first stdout line starting with this marks the end of the phase)

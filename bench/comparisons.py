@@ -12,12 +12,23 @@ from pathlib import Path
 
 from common import ROOT, check, median_of, run_hybridtrain, steady_step_time
 
-# The benchmark model: gpt_tiny widened to 192 so that compute, not per-step bookkeeping, is
-# most of a step (4 layers, 6 heads, MLP 768, vocab 8000, ~2.7M parameters); 8 x 128 tokens a step.
+# The benchmark model. Full: gpt_tiny widened to 192 so that compute, not per-step bookkeeping, is
+# most of a step (4 layers, 6 heads, MLP 768, vocab 8000, 3.4M parameters), 8 sequences a step.
+# Quick: gpt_tiny itself (96 wide, 1.2M parameters), 8 x 32 tokens, so a busy 2-core machine gets
+# through every comparison; its per-step bookkeeping weighs more, which makes ratios harsher.
 MODEL = ["+recipe=gpt_tiny", "model.config.n_embd=192", "data.seq_len=128", "trainer.global_batch_size=8",
          "optim.warmup_steps=2", "trainer.save_final=false"]
-TOKENS = 8 * 128
+QUICK_MODEL = ["+recipe=gpt_tiny", "data.seq_len=32", "trainer.global_batch_size=8", "optim.warmup_steps=2",
+               "trainer.save_final=false"]
 SKIP = 3  # warm-up steps left out of the step time
+
+
+def _model(quick: bool) -> list[str]:
+    return QUICK_MODEL if quick else MODEL
+
+
+def _tokens(quick: bool) -> int:
+    return 8 * (32 if quick else 128)
 
 
 def _steps(quick: bool) -> int:
@@ -29,19 +40,19 @@ def _layout(dp: int, tp: int, pp: int, micro: int = 1, threads: int | None = Non
     return out + ([f"launcher.threads_per_rank={threads}"] if threads else [])
 
 
-def _train(work: Path, name: str, r: int, overrides: list[str], done: dict, key: tuple | None = None,
+def _train(work: Path, name: str, r: int, quick: bool, overrides: list[str], done: dict, key: tuple | None = None,
            env: dict | None = None, inject: bool = False) -> dict:
-    run = check(run_hybridtrain(work / f"{name}_{r}", MODEL + overrides, env=env, inject=inject))
+    run = check(run_hybridtrain(work / f"{name}_{r}", _model(quick) + overrides, env=env, inject=inject))
     records = run.metrics()
     if key is not None:
         done[key] = records[0]["model_state_bytes"]
     step = steady_step_time(records, SKIP)
-    return {"step_s": step, "tokens_per_s": TOKENS / step, "run_dir": str(run.run_dir)}
+    return {"step_s": step, "tokens_per_s": _tokens(quick) / step, "run_dir": str(run.run_dir)}
 
 
-def _row(label: str, results: list[dict], key: str = "step_s") -> list[str]:
+def _row(label: str, results: list[dict], quick: bool, key: str = "step_s") -> list[str]:
     med = median_of(results, key)
-    return [label, f"{med:.4f}", f"{TOKENS / med:,.0f}", ", ".join(f"{x[key]:.4f}" for x in results)]
+    return [label, f"{med:.4f}", f"{_tokens(quick) / med:,.0f}", ", ".join(f"{x[key]:.4f}" for x in results)]
 
 
 HEADER = ["side", "median step s", "tokens/s", "runs (step s)"]
@@ -61,7 +72,7 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
                 "from hybridtrain.reference import reference_run\n"
                 "register_schema()\n"
                 "with initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3'):\n"
-                f"    cfg = to_config(compose('config', overrides={MODEL + overrides!r}))\n"
+                f"    cfg = to_config(compose('config', overrides={_model(quick) + overrides!r}))\n"
                 "print('RECORDS ' + json.dumps(reference_run(cfg)))\n")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -69,21 +80,21 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
             raise RuntimeError(f"plain loop failed:\n{proc.stderr[-4000:]}")
         records = json.loads(proc.stdout.split("RECORDS ", 1)[1])
         step = steady_step_time(records, SKIP)
-        return {"step_s": step, "tokens_per_s": TOKENS / step}
+        return {"step_s": step, "tokens_per_s": _tokens(quick) / step}
 
-    res = alternate({"hybridtrain": lambda r: _train(work, "ht", r, overrides, done, (1, 1, 1)),
+    res = alternate({"hybridtrain": lambda r: _train(work, "ht", r, quick, overrides, done, (1, 1, 1)),
                      "plain": plain}, rounds)
     ratio = median_of(res["plain"], "step_s") / median_of(res["hybridtrain"], "step_s")
     return {
         "title": "Overhead: hybridtrain (1,1,1) vs plain transformers + torch.optim.AdamW",
         "what": (f"One process, {threads} threads each, the same model, initial weights, global batches "
-                 f"(8 x 128 tokens, 8 micro-batches accumulated) and schedule; {steps} steps, the median step time "
+                 f"(8 sequences, 8 micro-batches accumulated) and schedule; {steps} steps, the median step time "
                  f"after {SKIP} warm-up steps (hybridtrain: `step_time_s` of metrics.jsonl; plain: "
                  "`hybridtrain.reference.reference_run`, timed the same way, in a fresh process)."),
-        "table": [HEADER, _row("A: hybridtrain (1,1,1)", res["hybridtrain"]), _row("B: plain loop", res["plain"])],
+        "table": [HEADER, _row("A: hybridtrain (1,1,1)", res["hybridtrain"], quick), _row("B: plain loop", res["plain"], quick)],
         "summary": f"hybridtrain tokens/s / plain tokens/s: **{ratio:.3f}x** (target >= 0.95).",
         "ratio": ratio, "target": 0.95, "raw": res,
-        "plot": {"labels": ["hybridtrain", "plain"], "values": [TOKENS / median_of(res[k], "step_s") for k in res],
+        "plot": {"labels": ["hybridtrain", "plain"], "values": [_tokens(quick) / median_of(res[k], "step_s") for k in res],
                  "ylabel": "tokens/s"},
     }
 
@@ -106,8 +117,8 @@ def _stage_flops(run_dir: str) -> list[float]:
 def pipeline(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     """pp=2 with 8 micro-batches of 1 (1F1B) against pp=2 with one micro-batch of 8 (naive)."""
     steps = [f"trainer.max_steps={_steps(quick)}"]
-    res = alternate({"pipelined": lambda r: _train(work, "pp_m8", r, _layout(1, 1, 2, 1, 1) + steps, done, (1, 1, 2)),
-                     "naive": lambda r: _train(work, "pp_m1", r, _layout(1, 1, 2, 8, 1) + steps, done)}, rounds)
+    res = alternate({"pipelined": lambda r: _train(work, "pp_m8", r, quick, _layout(1, 1, 2, 1, 1) + steps, done, (1, 1, 2)),
+                     "naive": lambda r: _train(work, "pp_m1", r, quick, _layout(1, 1, 2, 8, 1) + steps, done)}, rounds)
     speedup = median_of(res["naive"], "step_s") / median_of(res["pipelined"], "step_s")
     m, pp = 8, 2
     flops = _stage_flops(res["pipelined"][0]["run_dir"])
@@ -115,7 +126,7 @@ def pipeline(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
     theory = m * sum(flops) / ((m + pp - 1) * max(flops))
     return {
         "title": "Pipeline vs naive model parallelism: pp=2, 8 micro-batches vs 1",
-        "what": ("Two processes, one thread each, the same global batch of 8 x 128 tokens. Pipelined: micro-batch 1, "
+        "what": ("Two processes, one thread each, the same global batch of 8 sequences. Pipelined: micro-batch 1, "
                  "8 micro-batches in DeepSpeed's 1F1B schedule. Naive: micro-batch 8, one micro-batch, so the stages "
                  "take turns. Theory: naive time = m x sum of the stages' per-sample time, pipelined = "
                  "(m + pp - 1) x the slowest stage's per-sample time, with the stages' model FLOPs "
@@ -123,30 +134,30 @@ def pipeline(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
                  f"MFLOP/token. Equal stages would give pp x m / (m + pp - 1) = {theory_even:.2f}x. The theory assumes a "
                  "sample costs the same in a micro-batch of 1 as of 8; on a CPU larger matrices run faster per "
                  "sample, which the naive side gains."),
-        "table": [HEADER, _row("A: pp=2, 8 micro-batches (1F1B)", res["pipelined"]),
-                  _row("B: pp=2, 1 micro-batch (naive)", res["naive"])],
+        "table": [HEADER, _row("A: pp=2, 8 micro-batches (1F1B)", res["pipelined"], quick),
+                  _row("B: pp=2, 1 micro-batch (naive)", res["naive"], quick)],
         "summary": f"Speed-up of pipelining: measured **{speedup:.2f}x**, theoretical {theory:.2f}x "
                    f"(stage FLOPs) / {theory_even:.2f}x (equal stages).",
         "ratio": speedup, "theory": theory, "theory_equal_stages": theory_even, "stage_flops": flops, "raw": res,
         "plot": {"labels": ["pipelined m=8", "naive m=1"],
-                 "values": [TOKENS / median_of(res[k], "step_s") for k in ("pipelined", "naive")], "ylabel": "tokens/s"},
+                 "values": [_tokens(quick) / median_of(res[k], "step_s") for k in ("pipelined", "naive")], "ylabel": "tokens/s"},
     }
 
 
 def dp(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     """dp=2 against dp=1, one thread per process, the same global batch."""
     steps = [f"trainer.max_steps={_steps(quick)}"]
-    res = alternate({"dp2": lambda r: _train(work, "dp2", r, _layout(2, 1, 1, 1, 1) + steps, done, (2, 1, 1)),
-                     "dp1": lambda r: _train(work, "dp1", r, _layout(1, 1, 1, 1, 1) + steps, done)}, rounds)
+    res = alternate({"dp2": lambda r: _train(work, "dp2", r, quick, _layout(2, 1, 1, 1, 1) + steps, done, (2, 1, 1)),
+                     "dp1": lambda r: _train(work, "dp1", r, quick, _layout(1, 1, 1, 1, 1) + steps, done)}, rounds)
     speedup = median_of(res["dp1"], "step_s") / median_of(res["dp2"], "step_s")
     return {
         "title": "Data parallel scaling: dp=2 vs dp=1",
-        "what": ("One thread per process, ZeRO-1, the same global batch of 8 x 128 tokens (dp=1: 8 micro-batches "
+        "what": ("One thread per process, ZeRO-1, the same global batch of 8 sequences (dp=1: 8 micro-batches "
                  "accumulated; dp=2: 4 per replica, gradients all-reduced once per step). Ideal: 2x."),
-        "table": [HEADER, _row("A: dp=2 (2 processes)", res["dp2"]), _row("B: dp=1 (1 process)", res["dp1"])],
+        "table": [HEADER, _row("A: dp=2 (2 processes)", res["dp2"], quick), _row("B: dp=1 (1 process)", res["dp1"], quick)],
         "summary": f"Speed-up **{speedup:.2f}x** of the ideal 2x (scaling efficiency {speedup / 2:.0%}).",
         "ratio": speedup, "target": 2.0, "raw": res,
-        "plot": {"labels": ["dp=2", "dp=1"], "values": [TOKENS / median_of(res[k], "step_s") for k in ("dp2", "dp1")],
+        "plot": {"labels": ["dp=2", "dp=1"], "values": [_tokens(quick) / median_of(res[k], "step_s") for k in ("dp2", "dp1")],
                  "ylabel": "tokens/s"},
     }
 
@@ -156,9 +167,9 @@ def tp(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     steps = [f"trainer.max_steps={_steps(quick)}"]
     no_comm = {"HT_BENCH_NO_ALLREDUCE": "1"}
     res = alternate({
-        "tp2": lambda r: _train(work, "tp2", r, _layout(1, 2, 1, 1, 1) + steps, done, (1, 2, 1)),
-        "tp1": lambda r: _train(work, "tp1", r, _layout(1, 1, 1, 1, 1) + steps, done),
-        "tp2_no_allreduce": lambda r: _train(work, "tp2nc", r, _layout(1, 2, 1, 1, 1) + steps, done, env=no_comm,
+        "tp2": lambda r: _train(work, "tp2", r, quick, _layout(1, 2, 1, 1, 1) + steps, done, (1, 2, 1)),
+        "tp1": lambda r: _train(work, "tp1", r, quick, _layout(1, 1, 1, 1, 1) + steps, done),
+        "tp2_no_allreduce": lambda r: _train(work, "tp2nc", r, quick, _layout(1, 2, 1, 1, 1) + steps, done, env=no_comm,
                                              inject=True),
     }, rounds)
     t1, t2, tnc = (median_of(res[k], "step_s") for k in ("tp1", "tp2", "tp2_no_allreduce"))
@@ -171,12 +182,12 @@ def tp(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
                  "gradient-norm reduction all go through it), so C does the same compute on the same shapes without "
                  "the all-reduces; share = 1 - C / B. It includes the time a rank waits for its slower peer. Run "
                  "A B C A B C ..."),
-        "table": [HEADER, _row("A: tp=1 (1 process)", res["tp1"]), _row("B: tp=2 (2 processes)", res["tp2"]),
-                  _row("C: tp=2, all-reduce replaced by a no-op", res["tp2_no_allreduce"])],
+        "table": [HEADER, _row("A: tp=1 (1 process)", res["tp1"], quick), _row("B: tp=2 (2 processes)", res["tp2"], quick),
+                  _row("C: tp=2, all-reduce replaced by a no-op", res["tp2_no_allreduce"], quick)],
         "summary": (f"tp=2 speed-up over tp=1: **{t1 / t2:.2f}x** (ideal 2x); all-reduce share of the tp=2 step: "
                     f"**{share:.0%}** ({t2 - tnc:.4f} s of {t2:.4f} s); without it tp=2 would be {t1 / tnc:.2f}x."),
         "ratio": t1 / t2, "comm_share": share, "raw": res,
-        "plot": {"labels": ["tp=1", "tp=2", "tp=2 no all-reduce"], "values": [TOKENS / t for t in (t1, t2, tnc)],
+        "plot": {"labels": ["tp=1", "tp=2", "tp=2 no all-reduce"], "values": [_tokens(quick) / t for t in (t1, t2, tnc)],
                  "ylabel": "tokens/s"},
     }
 
@@ -208,7 +219,7 @@ def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     for layout in layouts:
         if layout not in done:
             d, t, p = layout
-            _train(work, f"mem_{d}{t}{p}", 0, _layout(d, t, p, 1, 1) + [f"trainer.max_steps={SKIP + 1}"], done, layout)
+            _train(work, f"mem_{d}{t}{p}", 0, quick, _layout(d, t, p, 1, 1) + [f"trainer.max_steps={SKIP + 1}"], done, layout)
     total = done[(1, 1, 1)]
     rows = [["dp x tp x pp", "world", "rank 0 parameter bytes (measured)", "ideal = total / world",
              "measured / ideal", "rank 0 model state, derived (fp32 params + grads + AdamW moments / dp)",
@@ -242,13 +253,13 @@ def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     }
 
 
-def _run_ds_minimal(out: Path, pp: int) -> dict:
+def _run_ds_minimal(out: Path, pp: int, quick: bool) -> dict:
     """bench/startup_deepspeed.py through the deepspeed runner; seconds from launch to its phases."""
     from hybridtrain.launch.local import free_port
 
     out.mkdir(parents=True, exist_ok=True)
-    shape = {"n_layer": 4, "n_embd": 192, "n_head": 6, "n_positions": 256, "vocab": 8000, "seq_len": 128,
-             "global_batch": 8, "micro_batch": 1, "pp": pp}
+    shape = {"n_layer": 4, "n_embd": 96 if quick else 192, "n_head": 6, "n_positions": 256, "vocab": 8000,
+             "seq_len": 32 if quick else 128, "global_batch": 8, "micro_batch": 1, "pp": pp}
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(pp), "--master_port",
            str(free_port()), "--no_local_rank", str(ROOT / "bench" / "startup_deepspeed.py"), str(out), json.dumps(shape)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -274,7 +285,7 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
     import re
 
     def ht(r: int) -> dict:
-        run = check(run_hybridtrain(work / f"ht_{r}", MODEL + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1"]))
+        run = check(run_hybridtrain(work / f"ht_{r}", _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1"]))
         m = run.marks
         ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
         return {"first_step_s": m["first step"], "config_plan_s": m["config + plan"],
@@ -283,7 +294,7 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
                 "runner_to_worker_start_s": m["runner + workers ready"] - ready - m["controller to runner"],
                 "worker_ready_s": ready, "first_step_in_worker_s": m["first step"] - m["runner + workers ready"]}
 
-    res = alternate({"hybridtrain": ht, "deepspeed": lambda r: _run_ds_minimal(work / f"ds_{r}", 2)}, rounds)
+    res = alternate({"hybridtrain": ht, "deepspeed": lambda r: _run_ds_minimal(work / f"ds_{r}", 2, quick)}, rounds)
     a, b = median_of(res["hybridtrain"], "first_step_s"), median_of(res["deepspeed"], "first_step_s")
     med = {k: median_of(res["hybridtrain"], k) for k in res["hybridtrain"][0]}
     ds = {k: median_of(res["deepspeed"], k) for k in res["deepspeed"][0]}
@@ -299,7 +310,7 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
             ["**launch to first step**", f"**{a:.1f}**", f"**{b:.1f}**"]]
     return {
         "title": "Start-up: launch to first step vs a minimal DeepSpeed script",
-        "what": ("The same plan (pp=2, 2 processes, one thread each, the benchmark model, global batch 8 x 128, "
+        "what": ("The same plan (pp=2, 2 processes, one thread each, the benchmark model, global batch 8, "
                  "micro-batch 1). hybridtrain: `python -m hybridtrain ... trainer.max_steps=1` until its metrics.jsonl "
                  "gets the first line, phases from the time-stamped output lines and the worker's own "
                  "`rank 0 ready in` time. Baseline: `bench/startup_deepspeed.py` through the same deepspeed runner "

@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,8 +123,11 @@ def main() -> int:
     os.environ.setdefault("HYBRIDTRAIN_CACHE", str(Path(tempfile.gettempdir()) / "hybridtrain-bench-cache"))
     work = Path(tempfile.mkdtemp(prefix="gpu_mfu_"))
     use_gpu = gpu and not args.cpu_smoke
-    res = alternate({"hybridtrain": lambda r: hybridtrain_side(work, r, shape, seq, micro, batch, steps, use_gpu),
-                     "plain": lambda r: plain_side(shape, seq, micro, batch, steps, use_gpu)}, args.rounds)
+    try:
+        res = alternate({"hybridtrain": lambda r: hybridtrain_side(work, r, shape, seq, micro, batch, steps, use_gpu),
+                         "plain": lambda r: plain_side(shape, seq, micro, batch, steps, use_gpu)}, args.rounds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     tokens = batch * seq
     rows = []
     out = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": info, "shape": shape, "seq_len": seq,

@@ -17,6 +17,7 @@ def write_report(results: dict, out: Path, name: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# hybridtrain benchmark suite, {results['date']}", "",
              f"Machine: {machine_line(results['machine'])}", "",
+             f"Model: `{results.get('model', '')}` (and per comparison the layout below).", "",
              f"Command: `{results['command']}`; {results['rounds']} rounds per comparison, sides run alternately "
              "(A B A B ...); medians. Plots: " + f"`{name}.png`; all numbers: `{name}.json`.", ""]
     for key, sec in results["sections"].items():
