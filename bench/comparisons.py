@@ -343,9 +343,9 @@ def soak(work: Path, steps: int) -> dict:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             step = json.loads(lines[-1])["step"] if lines else 0
             for p in psutil.Process(proc.pid).children(recursive=True):
-                if "hybridtrain.worker" in " ".join(p.cmdline()):
-                    rank = int(p.environ().get("RANK", "-1"))
-                    samples.setdefault(rank, []).append((step, p.memory_info().rss / 2**20))
+                env = p.environ()  # the ranks have RANK; the runner and launcher (also "hybridtrain.worker" in argv) not
+                if "hybridtrain.worker" in " ".join(p.cmdline()) and "RANK" in env:
+                    samples.setdefault(int(env["RANK"]), []).append((step, p.memory_info().rss / 2**20))
         except (psutil.Error, ValueError, json.JSONDecodeError, OSError):
             continue
     if proc.returncode != 0:

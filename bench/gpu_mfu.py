@@ -78,8 +78,9 @@ def plain_side(shape: dict, seq: int, micro: int, batch: int, steps: int, gpu: b
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         for x in ids.split(micro):  # gradient accumulation over micro-batches
+            inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()  # labels already shifted
             with torch.autocast(device_type=device, dtype=torch.bfloat16):
-                loss = model(input_ids=x[:, :-1], labels=x[:, 1:], shift_labels=x[:, 1:]).loss / (batch // micro)
+                loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss / (batch // micro)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

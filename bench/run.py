@@ -52,7 +52,7 @@ def main() -> None:
     info = machine()
     print(f"[bench] {machine_line(info)}", flush=True)
     results: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": info, "rounds": rounds,
-                     "quick": args.quick, "model": " ".join(_model(args.quick)), "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]), "sections": {}}
+                     "quick": args.quick, "model": "+recipe=gpt_tiny parallel.pp=2" if args.soak else " ".join(_model(args.quick)), "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]), "sections": {}}
     report = f"{'soak' if args.soak else 'suite'}_{dt.datetime.now().strftime('%Y-%m-%d_%H%M%S')}"
     md = ""
     done_runs: dict = {}  # layout -> model_state_bytes of every run so far (the memory table reuses them)

@@ -168,8 +168,9 @@ class TrainerConfig:
     export_hf: bool = False
     """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
     hang_timeout_s: Optional[float] = None
-    """Hang watchdog: a rank that finishes no training step (or checkpoint save) for this many
-    seconds prints the Python stack of every thread and exits non-zero, which ends the job
+    """Hang watchdog: a rank that finishes no training step (with its evaluation and checkpoint save,
+    if due) for this many seconds prints the Python stack of every thread and exits non-zero
+    (code 3), which ends the job
     (``hybridtrain/train/watchdog.py``, ``docs/faults.md``). ``null``: off; waits inside
     collectives are still bounded by ``launcher.timeout_minutes``. Set it well above the
     slowest step, e.g. 10x the ``step_time_s`` of ``metrics.jsonl``."""
