@@ -285,7 +285,8 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
     import re
 
     def ht(r: int) -> dict:
-        run = check(run_hybridtrain(work / f"ht_{r}", _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1"]))
+        run = check(run_hybridtrain(work / f"ht_{r}", _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1",
+                                                                                         "optim.warmup_steps=0"]))
         m = run.marks
         ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
         return {"first_step_s": m["first step"], "config_plan_s": m["config + plan"],
