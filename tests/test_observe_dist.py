@@ -55,7 +55,7 @@ def test_metrics_keys_and_values(pipe_run):
         assert m["stage_step_time_s"][0] == pytest.approx(m["step_time_s"])  # stage 0 is rank 0 alone here
         assert len(m["rank_rss_bytes"]) == 2 and min(m["rank_rss_bytes"]) > 100 * 2**20
         assert m["rss_max_bytes"] == max(m["rank_rss_bytes"])
-        assert m["rank_model_state_bytes"][0] == m["model_state_bytes"] and min(m["rank_model_state_bytes"]) > 0
+        assert m["rank_model_state_bytes"][0] == m["model_state_bytes"]["total"] and min(m["rank_model_state_bytes"]) > 0
         assert m["data_wait_max_s"] >= m["data_wait_s"] >= 0
         assert "rank_gpu_peak_bytes" not in m  # CPU run: no GPU fields
 

@@ -39,18 +39,9 @@ def test_verify_3d_plan_trains_like_one_process(verified):
 
 
 def _estimate_and_measurement(run_dir):
-    from hybridtrain.config import load_config
-    from hybridtrain.plan import model_config
-    from hybridtrain.plan.costs import model_facts
-    from hybridtrain.plan.memory import rank_memory
-    from hybridtrain.plan.validate import Plan
+    from hybridtrain.plan.memory import estimate_for_run
 
-    cfg = load_config(run_dir / "config.yaml")
-    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
-    facts = model_facts(cfg.model.model_type, model_config(cfg), plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
-    est = rank_memory(facts, plan.stage_bounds, 0, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
-                      precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
-                      checkpointing=cfg.parallel.activation_checkpointing)
+    est = estimate_for_run(run_dir)
     measured = metrics(run_dir)[-1]["model_state_bytes"]  # rank 0 = stage 0, tp rank 0, dp rank 0
     return est, measured
 

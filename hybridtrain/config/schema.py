@@ -189,6 +189,13 @@ class TrainerConfig:
     ``trainer.precision``, or on a CPU a matmul probe measured once and cached."""
     report: bool = True
     """Write ``report.md`` with plots and findings into the run directory at the end of training."""
+    hang_timeout_s: Optional[float] = None
+    """Hang watchdog: a rank that finishes no training step (with its evaluation and checkpoint save,
+    if due) for this many seconds prints the Python stack of every thread and exits non-zero
+    (code 3), which ends the job
+    (``hybridtrain/train/watchdog.py``, ``docs/faults.md``). ``null``: off; waits inside
+    collectives are still bounded by ``launcher.timeout_minutes``. Set it well above the
+    slowest step, e.g. 10x the ``step_time_s`` of ``metrics.jsonl``."""
 
 
 @dataclass

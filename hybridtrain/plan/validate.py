@@ -155,6 +155,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(lau.threads_per_rank is None or lau.threads_per_rank >= 1, "launcher.threads_per_rank",
           f"must be >= 1 or null (cores / local ranks), got {lau.threads_per_rank}")
     _need(lau.timeout_minutes >= 1, "launcher.timeout_minutes", f"must be >= 1, got {lau.timeout_minutes}")
+    _need(tr.hang_timeout_s is None or tr.hang_timeout_s > 0, "trainer.hang_timeout_s",
+          f"must be > 0 seconds or null (watchdog off), got {tr.hang_timeout_s}")
     _need(lau.master_port is None or 1024 <= lau.master_port <= 65535, "launcher.master_port",
           f"must be in [1024, 65535] or null (pick a free port), got {lau.master_port}")
 

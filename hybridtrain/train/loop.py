@@ -14,6 +14,7 @@ from hybridtrain.plan.validate import Plan
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
 from hybridtrain.train.preempt import StopRequest
+from hybridtrain.train.watchdog import Watchdog
 
 
 class MetricsWriter:
@@ -87,6 +88,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     lr_at = lr_lambda(cfg.optim, cfg.trainer.max_steps)
     losses: list[float] = []
     start = time.perf_counter()
+    watchdog = Watchdog(cfg.trainer.hang_timeout_s).start()  # no step for hang_timeout_s: stacks, exit
     for step in range(start_step, cfg.trainer.max_steps):
         log_now = (step + 1) % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps
         obs.begin_step(step + 1, log_now)
@@ -118,11 +120,13 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         due = save is not None and bool((every and done % every == 0) or final)
         if due:
             save(done)
+        watchdog.beat()
         if stop is not None and done < cfg.trainer.max_steps and stop.agreed(engine.device):
             stop.stopped_at = done
             if save is not None and not due:
                 save(done)
             break
+    watchdog.stop()
     if bar is not None:
         bar.close()
     writer.close()

@@ -1,0 +1,149 @@
+"""Shared pieces of the benchmark suite: the machine line, alternating runs, launching
+``python -m hybridtrain`` with phase timestamps, and reading what a run wrote."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, also for the in-process imports of hybridtrain
+INJECT = Path(__file__).resolve().parent / "inject"
+
+PHASES = [  # (name, first stdout line starting with this marks the end of the phase)
+    ("config + plan", "[hybridtrain] model "),
+    ("data (cached)", "[hybridtrain] data "),
+    ("controller to runner", "[hybridtrain] launching"),
+    ("runner + workers ready", "[hybridtrain] rank 0 ready in"),
+]
+
+
+def machine() -> dict:
+    """Where the benchmark ran: CPU model, cores, GPU, versions, load average."""
+    import deepspeed
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "os": f"{platform.system()} {platform.release()}",
+            "loadavg_start": os.getloadavg()}
+
+
+def machine_line(m: dict) -> str:
+    la = m["loadavg_start"]
+    end = m.get("loadavg_end")
+    load = f"load average {la[0]:.2f} at start" + (f", {end[0]:.2f} at end" if end else "")
+    return (f"{m['cpu']}, {m['cores']} cores, {m['gpu']}; torch {m['torch']}, deepspeed {m['deepspeed']}, "
+            f"transformers {m['transformers']}, Python {m['python']}, {m['os']}; {load}")
+
+
+def alternate(sides: dict[str, Callable[[int], dict]], rounds: int, log=print) -> dict[str, list[dict]]:
+    """Run every side once per round, in order (A B A B ... or A B C A B C ...), so machine
+    load drifts hit all sides alike; return each side's results in run order."""
+    out: dict[str, list[dict]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            result = fn(r)
+            out[name].append(result)
+            log(f"  round {r + 1}/{rounds} {name}: {_brief(result)} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return out
+
+
+def _brief(result: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
+
+
+def median_of(results: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def steady_step_time(records: list[dict], skip: int) -> float:
+    """Median ``step_time_s`` of the training records after the first ``skip`` steps (warm-up)."""
+    times = [r["step_time_s"] for r in records if "step_time_s" in r and r["step"] > skip]
+    if not times:
+        raise RuntimeError(f"no step after the {skip} warm-up steps to measure")
+    return statistics.median(times)
+
+
+@dataclass
+class CliRun:
+    """One ``python -m hybridtrain`` run and what it wrote."""
+
+    run_dir: Path
+    returncode: int
+    wall_s: float
+    output: str
+    marks: dict[str, float] = field(default_factory=dict)
+    """Seconds from the launch to: the end of each of :data:`PHASES`, ``first step`` (the first
+    line of ``metrics.jsonl`` appeared) and ``exit``."""
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None, timeout: float = 1800,
+                    inject: bool = False) -> CliRun:
+    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root; stdout lines
+    and the first ``metrics.jsonl`` line are time-stamped. ``inject`` puts ``bench/inject`` first on
+    the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only when ``HT_BENCH_*`` is set)."""
+    paths = ([str(INJECT)] if inject else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p), **(env or {}))
+    metrics = run_dir / "metrics.jsonl"
+    marks: dict[str, float] = {}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = threading.Event()
+
+    def watch_metrics() -> None:
+        while not done.is_set():
+            if metrics.exists() and metrics.stat().st_size > 0:
+                marks["first step"] = time.perf_counter() - t0
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_metrics, daemon=True)
+    watcher.start()
+    lines = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:  # type: ignore[union-attr]
+        now = time.perf_counter() - t0
+        lines.append(line)
+        for name, prefix in PHASES:
+            if name not in marks and line.startswith(prefix):
+                marks[name] = now
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    code = proc.wait()
+    marks["exit"] = time.perf_counter() - t0
+    done.set()
+    watcher.join()
+    return CliRun(run_dir, code, marks["exit"], "".join(lines), marks)
+
+
+def check(run: CliRun) -> CliRun:
+    """Raise with the end of the output when the run failed."""
+    if run.returncode != 0:
+        raise RuntimeError(f"run in {run.run_dir} exited {run.returncode}:\n{run.output[-4000:]}")
+    return run

@@ -1,0 +1,372 @@
+"""The comparisons of ``bench/run.py``. Each takes (work folder, rounds, quick, runs so far,
+``alternate``) and returns a section: ``title``, ``what`` (how it was measured), ``table`` (header
+row, then rows), ``summary`` (the ratio line), ``plot`` (bar data) and the raw numbers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, check, median_of, run_hybridtrain, steady_step_time
+
+# The benchmark model. Full: gpt_tiny widened to 192 so that compute, not per-step bookkeeping, is
+# most of a step (4 layers, 6 heads, MLP 768, vocab 8000, 3.4M parameters), 8 sequences a step.
+# Quick: gpt_tiny itself (96 wide, 1.2M parameters), 8 x 32 tokens, so a busy 2-core machine gets
+# through every comparison; its per-step bookkeeping weighs more, which makes ratios harsher.
+MODEL = ["+recipe=gpt_tiny", "model.config.n_embd=192", "data.seq_len=128", "trainer.global_batch_size=8",
+         "optim.warmup_steps=2", "trainer.save_final=false"]
+QUICK_MODEL = ["+recipe=gpt_tiny", "data.seq_len=32", "trainer.global_batch_size=8", "optim.warmup_steps=2",
+               "trainer.save_final=false"]
+SKIP = 3  # warm-up steps left out of the step time
+
+
+def _model(quick: bool) -> list[str]:
+    return QUICK_MODEL if quick else MODEL
+
+
+def _tokens(quick: bool) -> int:
+    return 8 * (32 if quick else 128)
+
+
+def _steps(quick: bool) -> int:
+    return 8 if quick else 30
+
+
+def _layout(dp: int, tp: int, pp: int, micro: int = 1, threads: int | None = None) -> list[str]:
+    out = [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.micro_batch_size={micro}"]
+    return out + ([f"launcher.threads_per_rank={threads}"] if threads else [])
+
+
+def _train(work: Path, name: str, r: int, quick: bool, overrides: list[str], done: dict, key: tuple | None = None,
+           env: dict | None = None, inject: bool = False) -> dict:
+    run = check(run_hybridtrain(work / f"{name}_{r}", _model(quick) + overrides, env=env, inject=inject))
+    records = run.metrics()
+    if key is not None:
+        done[key] = {"measured": records[-1]["model_state_bytes"], "run_dir": run.run_dir}  # peaks after the steps
+    step = steady_step_time(records, SKIP)
+    return {"step_s": step, "tokens_per_s": _tokens(quick) / step, "run_dir": str(run.run_dir)}
+
+
+def _row(label: str, results: list[dict], quick: bool, key: str = "step_s") -> list[str]:
+    med = median_of(results, key)
+    return [label, f"{med:.4f}", f"{_tokens(quick) / med:,.0f}", ", ".join(f"{x[key]:.4f}" for x in results)]
+
+
+HEADER = ["side", "median step s", "tokens/s", "runs (step s)"]
+
+
+def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """hybridtrain (1,1,1) against plain transformers + torch.optim.AdamW, one process, same threads."""
+    threads = os.cpu_count() or 1
+    steps = _steps(quick)
+    overrides = _layout(1, 1, 1, threads=threads) + [f"trainer.max_steps={steps}"]
+
+    def plain(r: int) -> dict:
+        code = ("import json, sys, torch\n"
+                f"torch.set_num_threads({threads})\n"
+                "from hydra import compose, initialize_config_dir\n"
+                "from hybridtrain.config import CONF_DIR, register_schema, to_config\n"
+                "from hybridtrain.reference import reference_run\n"
+                "register_schema()\n"
+                "with initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3'):\n"
+                f"    cfg = to_config(compose('config', overrides={_model(quick) + overrides!r}))\n"
+                "print('RECORDS ' + json.dumps(reference_run(cfg)))\n")
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"plain loop failed:\n{proc.stderr[-4000:]}")
+        records = json.loads(proc.stdout.split("RECORDS ", 1)[1])
+        step = steady_step_time(records, SKIP)
+        return {"step_s": step, "tokens_per_s": _tokens(quick) / step}
+
+    res = alternate({"hybridtrain": lambda r: _train(work, "ht", r, quick, overrides, done, (1, 1, 1)),
+                     "plain": plain}, rounds)
+    ratio = median_of(res["plain"], "step_s") / median_of(res["hybridtrain"], "step_s")
+    return {
+        "title": "Overhead: hybridtrain (1,1,1) vs plain transformers + torch.optim.AdamW",
+        "what": (f"One process, {threads} threads each, the same model, initial weights, global batches "
+                 f"(8 sequences, 8 micro-batches accumulated) and schedule; {steps} steps, the median step time "
+                 f"after {SKIP} warm-up steps (hybridtrain: `step_time_s` of metrics.jsonl; plain: "
+                 "`hybridtrain.reference.reference_run`, timed the same way, in a fresh process)."),
+        "table": [HEADER, _row("A: hybridtrain (1,1,1)", res["hybridtrain"], quick), _row("B: plain loop", res["plain"], quick)],
+        "summary": f"hybridtrain tokens/s / plain tokens/s: **{ratio:.3f}x** (target >= 0.95).",
+        "ratio": ratio, "target": 0.95, "raw": res,
+        "plot": {"labels": ["hybridtrain", "plain"], "values": [_tokens(quick) / median_of(res[k], "step_s") for k in res],
+                 "ylabel": "tokens/s"},
+    }
+
+
+def _stage_flops(run_dir: str) -> list[float]:
+    """Forward FLOPs per token of each pipeline stage of a run (plan.json + hybridtrain.plan.flops)."""
+    from hybridtrain.config import load_config
+    from hybridtrain.models.families import get_family
+    from hybridtrain.plan import model_config
+    from hybridtrain.plan.flops import unit_forward_flops
+
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    plan = json.loads((Path(run_dir) / "plan.json").read_text())
+    hf, family = model_config(cfg), get_family(cfg.model.model_type)
+    names, bounds = plan["layer_names"], plan["stage_bounds"]
+    return [sum(unit_forward_flops(n, family, hf, plan["seq_len"], plan["padded_vocab_size"])
+                for n in names[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+
+
+def pipeline(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """pp=2 with 8 micro-batches of 1 (1F1B) against pp=2 with one micro-batch of 8 (naive)."""
+    steps = [f"trainer.max_steps={_steps(quick)}"]
+    res = alternate({"pipelined": lambda r: _train(work, "pp_m8", r, quick, _layout(1, 1, 2, 1, 1) + steps, done, (1, 1, 2)),
+                     "naive": lambda r: _train(work, "pp_m1", r, quick, _layout(1, 1, 2, 8, 1) + steps, done)}, rounds)
+    speedup = median_of(res["naive"], "step_s") / median_of(res["pipelined"], "step_s")
+    m, pp = 8, 2
+    flops = _stage_flops(res["pipelined"][0]["run_dir"])
+    theory_even = pp * m / (m + pp - 1)
+    theory = m * sum(flops) / ((m + pp - 1) * max(flops))
+    return {
+        "title": "Pipeline vs naive model parallelism: pp=2, 8 micro-batches vs 1",
+        "what": ("Two processes, one thread each, the same global batch of 8 sequences. Pipelined: micro-batch 1, "
+                 "8 micro-batches in DeepSpeed's 1F1B schedule. Naive: micro-batch 8, one micro-batch, so the stages "
+                 "take turns. Theory: naive time = m x sum of the stages' per-sample time, pipelined = "
+                 "(m + pp - 1) x the slowest stage's per-sample time, with the stages' model FLOPs "
+                 f"(hybridtrain.plan.flops) standing for their times: {', '.join(f'{f / 1e6:.1f}' for f in flops)} "
+                 f"MFLOP/token. Equal stages would give pp x m / (m + pp - 1) = {theory_even:.2f}x. The theory assumes a "
+                 "sample costs the same in a micro-batch of 1 as of 8; on a CPU larger matrices run faster per "
+                 "sample, which the naive side gains."),
+        "table": [HEADER, _row("A: pp=2, 8 micro-batches (1F1B)", res["pipelined"], quick),
+                  _row("B: pp=2, 1 micro-batch (naive)", res["naive"], quick)],
+        "summary": f"Speed-up of pipelining: measured **{speedup:.2f}x**, theoretical {theory:.2f}x "
+                   f"(stage FLOPs) / {theory_even:.2f}x (equal stages).",
+        "ratio": speedup, "theory": theory, "theory_equal_stages": theory_even, "stage_flops": flops, "raw": res,
+        "plot": {"labels": ["pipelined m=8", "naive m=1"],
+                 "values": [_tokens(quick) / median_of(res[k], "step_s") for k in ("pipelined", "naive")], "ylabel": "tokens/s"},
+    }
+
+
+def dp(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """dp=2 against dp=1, one thread per process, the same global batch."""
+    steps = [f"trainer.max_steps={_steps(quick)}"]
+    res = alternate({"dp2": lambda r: _train(work, "dp2", r, quick, _layout(2, 1, 1, 1, 1) + steps, done, (2, 1, 1)),
+                     "dp1": lambda r: _train(work, "dp1", r, quick, _layout(1, 1, 1, 1, 1) + steps, done)}, rounds)
+    speedup = median_of(res["dp1"], "step_s") / median_of(res["dp2"], "step_s")
+    return {
+        "title": "Data parallel scaling: dp=2 vs dp=1",
+        "what": ("One thread per process, ZeRO-1, the same global batch of 8 sequences (dp=1: 8 micro-batches "
+                 "accumulated; dp=2: 4 per replica, gradients all-reduced once per step). Ideal: 2x."),
+        "table": [HEADER, _row("A: dp=2 (2 processes)", res["dp2"], quick), _row("B: dp=1 (1 process)", res["dp1"], quick)],
+        "summary": f"Speed-up **{speedup:.2f}x** of the ideal 2x (scaling efficiency {speedup / 2:.0%}).",
+        "ratio": speedup, "target": 2.0, "raw": res,
+        "plot": {"labels": ["dp=2", "dp=1"], "values": [_tokens(quick) / median_of(res[k], "step_s") for k in ("dp2", "dp1")],
+                 "ylabel": "tokens/s"},
+    }
+
+
+def tp(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """tp=2 against tp=1; the all-reduce share from a tp=2 run whose all-reduces are no-ops."""
+    steps = [f"trainer.max_steps={_steps(quick)}"]
+    no_comm = {"HT_BENCH_NO_ALLREDUCE": "1"}
+    res = alternate({
+        "tp2": lambda r: _train(work, "tp2", r, quick, _layout(1, 2, 1, 1, 1) + steps, done, (1, 2, 1)),
+        "tp1": lambda r: _train(work, "tp1", r, quick, _layout(1, 1, 1, 1, 1) + steps, done),
+        "tp2_no_allreduce": lambda r: _train(work, "tp2nc", r, quick, _layout(1, 2, 1, 1, 1) + steps, done, env=no_comm,
+                                             inject=True),
+    }, rounds)
+    t1, t2, tnc = (median_of(res[k], "step_s") for k in ("tp1", "tp2", "tp2_no_allreduce"))
+    share = max(0.0, 1 - tnc / t2)
+    return {
+        "title": "Tensor parallel cost: tp=2 vs tp=1, and the share of time in all-reduce",
+        "what": ("One thread per process, the same global batch. The communication share is measured by "
+                 "subtraction: C is the same tp=2 run with `torch.distributed.all_reduce` replaced by a no-op "
+                 "(bench/inject/sitecustomize.py; the Megatron f/g all-reduces, the vocabulary-parallel loss and the "
+                 "gradient-norm reduction all go through it), so C does the same compute on the same shapes without "
+                 "the all-reduces; share = 1 - C / B. It includes the time a rank waits for its slower peer. Run "
+                 "A B C A B C ..."),
+        "table": [HEADER, _row("A: tp=1 (1 process)", res["tp1"], quick), _row("B: tp=2 (2 processes)", res["tp2"], quick),
+                  _row("C: tp=2, all-reduce replaced by a no-op", res["tp2_no_allreduce"], quick)],
+        "summary": (f"tp=2 speed-up over tp=1: **{t1 / t2:.2f}x** (ideal 2x); all-reduce share of the tp=2 step: "
+                    f"**{share:.0%}** ({t2 - tnc:.4f} s of {t2:.4f} s); without it tp=2 would be {t1 / tnc:.2f}x."),
+        "ratio": t1 / t2, "comm_share": share, "raw": res,
+        "plot": {"labels": ["tp=1", "tp=2", "tp=2 no all-reduce"], "values": [_tokens(quick) / t for t in (t1, t2, tnc)],
+                 "ylabel": "tokens/s"},
+    }
+
+
+def _all_layouts() -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) with world <= 8 that the benchmark model allows (tp | 6 heads, pp <= 4 layers,
+    dp | the global batch 8)."""
+    return sorted(((d, t, p) for d in (1, 2, 4, 8) for t in (1, 2, 3, 6) for p in (1, 2, 3, 4) if d * t * p <= 8),
+                  key=lambda x: (x[0] * x[1] * x[2], x))
+
+
+QUICK_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
+def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """Model-state bytes of rank 0 for every layout up to 8 ranks: measured by the worker, estimated
+    by the plan command's memory model, and the ideal split."""
+    from hybridtrain.plan.memory import estimate_for_run
+
+    layouts = QUICK_LAYOUTS if quick else _all_layouts()
+    for layout in layouts:
+        if layout not in done:
+            d, t, p = layout
+            _train(work, f"mem_{d}{t}{p}", 0, quick, _layout(d, t, p, 1, 1) + [f"trainer.max_steps={SKIP + 1}"], done, layout)
+    total = done[(1, 1, 1)]["measured"]["total"]
+    rows = [["dp x tp x pp", "world", "rank 0 model state (measured)", "params / grads / optimizer",
+             "plan estimate", "estimate / measured", "ideal = (1,1,1) / world", "measured / ideal"]]
+    table = []
+    for layout in layouts:
+        d, t, p = layout
+        world = d * t * p
+        got = done[layout]["measured"]
+        measured, ideal = got["total"], total / world
+        est = estimate_for_run(done[layout]["run_dir"]).model_state
+        table.append({"layout": layout, "world": world, "measured": got, "estimate": est, "ideal": ideal})
+        rows.append([f"{d} x {t} x {p}", str(world), f"{measured / 2**20:.2f} MiB",
+                     " / ".join(f"{got[k] / 2**20:.2f}" for k in ("params", "grads", "optim")) + " MiB",
+                     f"{est / 2**20:.2f} MiB", f"{est / measured:.3f}", f"{ideal / 2**20:.2f} MiB",
+                     f"{measured / ideal:.2f}"])
+    worst = max(abs(r["estimate"] / r["measured"]["total"] - 1) for r in table)
+    return {
+        "title": "Memory: model-state bytes per rank, world size up to 8",
+        "what": ("`model_state_bytes` of metrics.jsonl: what rank 0 (pipeline stage 0, tp rank 0, so it holds the "
+                 "embeddings) measured it holds at its peaks during a step: parameters, gradients and optimizer "
+                 "state (fp32 master copies and AdamW moments, sharded over dp by ZeRO-1). Plan estimate: "
+                 "`python -m hybridtrain.plan`'s memory model for the same run (`hybridtrain.plan.memory`). Ideal: "
+                 "the (1,1,1) total divided by the world size; data parallelism replicates parameters and "
+                 "gradients, so only tp x pp approach it."
+                 + ("" if not quick else " Quick mode: a subset of the layouts.")),
+        "table": rows,
+        "summary": f"{len(layouts)} layouts; (1,1,1) total {total / 2**20:.2f} MiB; the estimate is within "
+                   f"{worst:.1%} of the measurement for every layout.",
+        "raw": [{**r, "layout": list(r["layout"])} for r in table],
+        "plot": {"labels": [f"{r['layout'][0]}{r['layout'][1]}{r['layout'][2]}" for r in table],
+                 "values": [r["measured"]["total"] / 2**20 for r in table],
+                 "values2": [r["estimate"] / 2**20 for r in table],
+                 "ylabel": "MiB (rank 0 model state; line: plan estimate)"},
+    }
+
+
+def _run_ds_minimal(out: Path, pp: int, quick: bool) -> dict:
+    """bench/startup_deepspeed.py through the deepspeed runner; seconds from launch to its phases."""
+    from hybridtrain.launch.local import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    shape = {"n_layer": 4, "n_embd": 96 if quick else 192, "n_head": 6, "n_positions": 256, "vocab": 8000,
+             "seq_len": 32 if quick else 128, "global_batch": 8, "micro_batch": 1, "pp": pp}
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(pp), "--master_port",
+           str(free_port()), "--no_local_rank", str(ROOT / "bench" / "startup_deepspeed.py"), str(out), json.dumps(shape)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = None
+    marker = out / "first_step.json"
+    while proc.poll() is None:
+        if first is None and marker.exists() and marker.stat().st_size:
+            first = time.perf_counter() - t0
+        time.sleep(0.02)
+    output = proc.stdout.read()  # type: ignore[union-attr]
+    if proc.returncode != 0 or not marker.exists():
+        raise RuntimeError(f"minimal DeepSpeed script failed:\n{output[-4000:]}")
+    first = first or time.perf_counter() - t0
+    own = json.loads(marker.read_text())
+    return {"first_step_s": first, "worker_own_s": own["first step"], "imports_s": own["imports"],
+            "build_s": own["engine ready"] - own["init_distributed"], "step_s": own["first step"] - own["engine ready"]}
+
+
+def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
+    """Launch to first step: hybridtrain pp=2 against a minimal DeepSpeed script of the same plan."""
+    import re
+
+    def ht(r: int) -> dict:
+        run = check(run_hybridtrain(work / f"ht_{r}", _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1",
+                                                                                         "optim.warmup_steps=0"]))
+        m = run.marks
+        ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
+        return {"first_step_s": m["first step"], "config_plan_s": m["config + plan"],
+                "data_s": m["data (cached)"] - m["config + plan"],
+                "to_runner_s": m["controller to runner"] - m["data (cached)"],
+                "runner_to_worker_start_s": m["runner + workers ready"] - ready - m["controller to runner"],
+                "worker_ready_s": ready, "first_step_in_worker_s": m["first step"] - m["runner + workers ready"]}
+
+    res = alternate({"hybridtrain": ht, "deepspeed": lambda r: _run_ds_minimal(work / f"ds_{r}", 2, quick)}, rounds)
+    a, b = median_of(res["hybridtrain"], "first_step_s"), median_of(res["deepspeed"], "first_step_s")
+    med = {k: median_of(res["hybridtrain"], k) for k in res["hybridtrain"][0]}
+    ds = {k: median_of(res["deepspeed"], k) for k in res["deepspeed"][0]}
+    rows = [["phase (median s)", "hybridtrain", "minimal DeepSpeed"],
+            ["controller: imports, Hydra compose, plan validation", f"{med['config_plan_s']:.1f}", "-"],
+            ["controller: data preparation (cache hit)", f"{med['data_s']:.1f}", "-"],
+            ["controller: writing the run folder, starting the runner", f"{med['to_runner_s']:.1f}", "-"],
+            ["runner + launcher until the worker starts", f"{med['runner_to_worker_start_s']:.1f}",
+             f"{ds['first_step_s'] - ds['worker_own_s']:.1f}"],
+            ["worker: imports, init, build model + engine (rank 0)", f"{med['worker_ready_s']:.1f}",
+             f"{ds['worker_own_s'] - ds['step_s']:.1f}"],
+            ["worker: first step", f"{med['first_step_in_worker_s']:.1f}", f"{ds['step_s']:.1f}"],
+            ["**launch to first step**", f"**{a:.1f}**", f"**{b:.1f}**"]]
+    return {
+        "title": "Start-up: launch to first step vs a minimal DeepSpeed script",
+        "what": ("The same plan (pp=2, 2 processes, one thread each, the benchmark model, global batch 8, "
+                 "micro-batch 1). hybridtrain: `python -m hybridtrain ... trainer.max_steps=1` until its metrics.jsonl "
+                 "gets the first line, phases from the time-stamped output lines and the worker's own "
+                 "`rank 0 ready in` time. Baseline: `bench/startup_deepspeed.py` through the same deepspeed runner "
+                 "(HF GPT2Block layers in a PipelineModule, random tokens) until rank 0 writes its first-step file."),
+        "table": rows,
+        "summary": f"Launch to first step: hybridtrain **{a:.1f} s**, minimal DeepSpeed {b:.1f} s "
+                   f"(difference {a - b:+.1f} s, ratio {a / b:.2f}x).",
+        "ratio": a / b, "raw": res,
+        "plot": {"labels": ["hybridtrain", "minimal DeepSpeed"], "values": [a, b], "ylabel": "s to first step"},
+    }
+
+
+def soak(work: Path, steps: int) -> dict:
+    """``steps`` tiny steps at pp=2; resident memory of each rank sampled against the step."""
+    import psutil
+
+    from common import INJECT  # noqa: F401  (same environment as the other runs)
+
+    run_dir = work / "run"
+    cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", "+recipe=gpt_tiny", "parallel.pp=2",
+           "launcher.threads_per_rank=1", f"trainer.max_steps={steps}", "trainer.log_every=10",
+           "trainer.save_final=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples: dict[int, list[tuple[int, float]]] = {}
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None:
+        time.sleep(2)
+        try:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            step = json.loads(lines[-1])["step"] if lines else 0
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                env = p.environ()  # the ranks have RANK; the runner and launcher (also "hybridtrain.worker" in argv) not
+                if "hybridtrain.worker" in " ".join(p.cmdline()) and "RANK" in env:
+                    samples.setdefault(int(env["RANK"]), []).append((step, p.memory_info().rss / 2**20))
+        except (psutil.Error, ValueError, json.JSONDecodeError, OSError):
+            continue
+    if proc.returncode != 0:
+        raise RuntimeError(f"soak run failed with exit code {proc.returncode} (run folder {run_dir})")
+    rows = [["rank", "samples", "RSS at 10% of the steps (MiB)", "RSS at the end (MiB)", "slope (MiB / 1000 steps)"]]
+    slopes = {}
+    for rank, pts in sorted(samples.items()):
+        pts = [(s, m) for s, m in pts if s >= steps // 10]  # after warm-up
+        if len(pts) < 3:
+            continue
+        n = len(pts)
+        mx, my = sum(s for s, _ in pts) / n, sum(m for _, m in pts) / n
+        slope = sum((s - mx) * (m - my) for s, m in pts) / max(1e-9, sum((s - mx) ** 2 for s, _ in pts)) * 1000
+        slopes[rank] = slope
+        rows.append([str(rank), str(n), f"{pts[0][1]:.1f}", f"{pts[-1][1]:.1f}", f"{slope:+.3f}"])
+    worst = max((abs(s) for s in slopes.values()), default=float("nan"))
+    return {
+        "title": f"Soak: {steps} tiny steps, resident memory per rank",
+        "what": ("`+recipe=gpt_tiny parallel.pp=2`, one thread per rank, metrics every 10 steps, no checkpoint. Every "
+                 "2 s the resident set size (psutil) of each worker process is sampled with the step it has reached; "
+                 "the slope is a least-squares fit over the samples after the first 10% of the steps."),
+        "table": rows, "summary": f"Largest |slope|: **{worst:.3f} MiB per 1000 steps** (target: no growth, ~0).",
+        "slopes": slopes, "samples": {str(k): v for k, v in samples.items()},
+        "plot": {"series": {f"rank {k}": v for k, v in sorted(samples.items())}, "xlabel": "step", "ylabel": "RSS MiB"},
+    }
+
+
+COMPARISONS = {"overhead": overhead, "pipeline": pipeline, "dp": dp, "tp": tp, "memory": memory, "startup": startup}

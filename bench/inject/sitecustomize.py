@@ -1,0 +1,25 @@
+"""Benchmark-only injection (``bench/run.py`` puts this folder first on the workers' PYTHONPATH).
+
+``HT_BENCH_NO_ALLREDUCE=1``: ``torch.distributed.all_reduce`` returns at once without
+communicating. The tensor-parallel layers (DeepSpeed's ``ColumnParallel`` / ``RowParallel``, the
+vocabulary-parallel loss) and the gradient-norm reduction all call it, so a run with it measures
+the same shapes and kernels minus the all-reduces: the tensor-parallel cost comparison uses it
+to split a tp=2 step into compute and communication. The losses of such a run are wrong by design;
+only its step times are used. Other collectives (barriers, broadcasts) still run.
+"""
+import os
+
+if os.environ.get("HT_BENCH_NO_ALLREDUCE") == "1" and os.environ.get("RANK") is not None:
+    import torch.distributed as _dist
+
+    class _Done:
+        def wait(self, *args, **kwargs):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def _no_all_reduce(tensor, op=None, group=None, async_op=False):
+        return _Done() if async_op else None
+
+    _dist.all_reduce = _no_all_reduce

@@ -1,0 +1,53 @@
+"""Fault injection for tests/test_faults.py, loaded by every Python process whose PYTHONPATH
+starts with this folder (``sitecustomize`` is imported at interpreter start-up).
+
+It does nothing unless ``HT_FAULT_RANK`` names this process's ``RANK`` (set by DeepSpeed's launcher
+for each worker). Then, once DeepSpeed's pipeline engine module is imported, it wraps
+``PipelineEngine._exec_backward_pass`` (called once per micro-batch of a step, through the
+class's ``_INSTRUCTION_MAP``) so that:
+
+- ``HT_FAULT=kill``: at backward pass number ``HT_FAULT_AT`` (counted from 1 over the run), the
+  rank writes ``time.time()`` to ``HT_FAULT_STAMP`` and SIGKILLs itself: a death in the middle
+  of a step, between two micro-batches.
+- ``HT_FAULT=stall``: at that backward pass the rank sleeps forever (``_ht_injected_stall``),
+  a hang that is not a crash and not a collective timeout.
+
+The production code has no test hooks; this patches DeepSpeed's class from outside.
+"""
+import os
+
+if os.environ.get("HT_FAULT") and os.environ.get("RANK") == os.environ.get("HT_FAULT_RANK"):
+    import signal
+    import sys
+    import threading
+    import time
+
+    def _ht_injected_stall():
+        while True:
+            time.sleep(3600)
+
+    def _ht_patch():
+        while True:  # wait for DeepSpeed's pipeline engine class to exist, then wrap it
+            mod = sys.modules.get("deepspeed.runtime.pipe.engine")
+            cls = getattr(mod, "PipelineEngine", None) if mod is not None else None
+            if cls is not None and hasattr(cls, "_INSTRUCTION_MAP"):
+                break
+            time.sleep(0.02)
+        original = cls._exec_backward_pass
+        at, calls = int(os.environ["HT_FAULT_AT"]), [0]
+
+        def backward(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == at:
+                if os.environ["HT_FAULT"] == "kill":
+                    with open(os.environ["HT_FAULT_STAMP"], "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _ht_injected_stall()
+            return original(self, *args, **kwargs)
+
+        cls._exec_backward_pass = backward
+        # the engine dispatches through this class-level table of the original functions
+        cls._INSTRUCTION_MAP = {k: (backward if v is original else v) for k, v in cls._INSTRUCTION_MAP.items()}
+
+    threading.Thread(target=_ht_patch, name="ht-fault-inject", daemon=True).start()

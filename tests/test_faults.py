@@ -1,0 +1,135 @@
+"""Faults: a rank killed mid-step, a hung rank, an output directory that cannot be written.
+
+Faults are injected from outside the production code by ``tests/fault_inject/sitecustomize.py``
+(put first on the workers' ``PYTHONPATH``), which wraps DeepSpeed's pipeline engine in the rank
+named by ``HT_FAULT_RANK``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import REPO, compose_config, losses, metrics, run_cli
+
+INJECT = Path(__file__).resolve().parent / "fault_inject"
+MICRO = 12  # gpt_tiny: global batch 12 = micro 1 x 12 micro-batches at dp=1
+
+
+def _fault_env(kind: str, rank: int, at: int, **extra: str) -> dict:
+    path = os.pathsep.join(p for p in (str(INJECT), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "HT_FAULT": kind, "HT_FAULT_RANK": str(rank), "HT_FAULT_AT": str(at), **extra}
+
+
+def _left_behind(run_dir: Path) -> list[str]:
+    """Processes (runner, launcher, workers) whose command line names ``run_dir``."""
+    out = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True)
+    return [ln for ln in out.stdout.splitlines() if "pgrep" not in ln]
+
+
+@pytest.mark.dist
+def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses(tmp_path):
+    """4 ranks (tp=2 x pp=2); rank 1 SIGKILLs itself in step 6 after 6 of its 12 backward passes.
+    Checkpoints step_2 and step_4 are complete; resuming picks step_4 and continues the losses."""
+    run_dir, stamp = tmp_path / "run", tmp_path / "killed_at"
+    common = ["+recipe=gpt_tiny", "parallel.tp=2", "parallel.pp=2", "trainer.max_steps=6", "trainer.save_every=2"]
+    proc = run_cli(run_dir, *common, "launcher.timeout_minutes=5", check=False, timeout=300,
+                   env=_fault_env("kill", rank=1, at=5 * MICRO + MICRO // 2, HT_FAULT_STAMP=str(stamp)))
+    ended = time.time()
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert stamp.exists(), f"the injected kill never ran\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert ended - float(stamp.read_text()) < 60, "the job took over 60 s to end after the kill"
+    assert "training failed" in proc.stderr and str(run_dir) in proc.stderr
+    time.sleep(1)
+    assert _left_behind(run_dir) == [], "processes left behind"
+    before = metrics(run_dir)
+    assert [m["step"] for m in before] == [1, 2, 3, 4, 5], "the kill was not in step 6"
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "step_4" / "meta.json").exists() and not (ckpts / "step_6").exists()
+
+    resumed = run_cli(run_dir, *common, "trainer.resume=auto", timeout=300)
+    assert f"resumed from {ckpts / 'step_4'} at step 4 (same plan)" in resumed.stdout
+    after = metrics(run_dir)[5:]  # metrics.jsonl is appended to on resume
+    assert [m["step"] for m in after] == [5, 6]
+    # Step 5 ran before the kill: the resumed run repeats it exactly (same plan: bit-exact state).
+    assert after[0]["loss"] == pytest.approx(before[4]["loss"], rel=1e-6, abs=0)
+    # The whole killed + resumed history is the uninterrupted run: plain transformers, 6 steps.
+    from hybridtrain.reference import reference_run
+
+    ref = [r["loss"] for r in reference_run(compose_config(["+recipe=gpt_tiny", "trainer.max_steps=6"]))]
+    assert [m["loss"] for m in before[:4] + after] == pytest.approx(ref[:4] + ref[4:], rel=1e-4, abs=0)
+
+
+@pytest.mark.dist
+def test_hang_watchdog_dumps_every_rank_and_ends_the_job(tmp_path):
+    """2 ranks (pp=2); rank 1 sleeps forever in step 3. ``trainer.hang_timeout_s=10``: both ranks
+    print their stacks (rank 1's shows the injected stall) and the job exits non-zero."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=50", "trainer.hang_timeout_s=10",
+                   "trainer.save_final=false", "launcher.timeout_minutes=5", check=False, timeout=240,
+                   env=_fault_env("stall", rank=1, at=2 * MICRO + 3))
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    for rank in (0, 1):
+        assert (f"rank {rank}: no training step finished for" in proc.stderr
+                and "(trainer.hang_timeout_s=10)" in proc.stderr), f"rank {rank} printed no stack\n{out[-4000:]}"
+    assert proc.stderr.count("most recent call first") >= 2, out[-4000:]  # faulthandler's thread headers
+    assert "_ht_injected_stall" in proc.stderr, "the stalled frame is not in the dump"
+    assert "training failed" in proc.stderr
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    assert elapsed < 200, f"{elapsed:.0f}s: the watchdog did not end the job promptly"
+    time.sleep(1)
+    assert _left_behind(run_dir) == [], "processes left behind"
+
+
+def _watchdog_script(timeout: float, body: str) -> subprocess.CompletedProcess:
+    code = ("import time\nfrom hybridtrain.train.watchdog import Watchdog\n"
+            f"w = Watchdog({timeout}, rank=0).start()\n{body}\nw.stop()\nprint('finished')\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_watchdog_fires_on_a_stall_with_the_stack_and_exit_code():
+    from hybridtrain.train.watchdog import HANG_EXIT_CODE
+
+    proc = _watchdog_script(1, "def stalled_here():\n    time.sleep(60)\nstalled_here()")
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    assert "rank 0: no training step finished for" in proc.stderr and "hang_timeout_s=1" in proc.stderr
+    assert "stalled_here" in proc.stderr and "finished" not in proc.stdout
+
+
+def test_watchdog_stays_quiet_while_steps_beat_and_when_off():
+    beating = _watchdog_script(1, "for _ in range(12):\n    time.sleep(0.25)\n    w.beat()")
+    assert beating.returncode == 0 and "finished" in beating.stdout, beating.stderr
+    off = _watchdog_script(None, "time.sleep(1.5)")
+    assert off.returncode == 0 and "finished" in off.stdout, off.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_output_dir_is_a_config_error_before_anything_runs(where, tmp_path):
+    """Tests run as root, so permission bits would not stop a write: a path under a regular file
+    and one under /proc cannot be created by anyone."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    run_dir = blocker / "run" if where == "under_a_file" else Path(f"/proc/hybridtrain-test-{os.getpid()}/run")
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=1", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "[hybridtrain] config error: hydra.run.dir: cannot write the output directory" in proc.stderr
+    assert str(run_dir) in proc.stderr and "Traceback" not in proc.stderr
+    assert "[hybridtrain]" not in proc.stdout  # stopped before the plan summary, data and workers
+
+
+def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "-m", "+recipe=gpt_tiny", "parallel.tp=1,2",
+                           "launcher.dry_run=true", f"hydra.sweep.dir={blocker / 'sweep'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"hydra.sweep.dir: cannot write the output directory {blocker / 'sweep'} ({blocker} is a file" in proc.stderr
