@@ -58,7 +58,7 @@ def test_rank_map_matches_deepspeed_topology(dp, tp, pp):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     plan, _ = plan_of(f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", "launcher.nodes=2",
-                      "trainer.global_batch_size=16", "parallel.partition=uniform")
+                      "trainer.global_batch_size=16")
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     for p in placement.places(plan):
         c = topo.get_coord(p.rank)
