@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -30,19 +28,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's package
 
 
 def machine() -> str:
-    """One line describing where the benchmark ran."""
-    import torch
+    """One line describing where the benchmark ran (bench/common.py, shared by every benchmark)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import machine as facts, machine_line
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}, Python {platform.python_version()}, {platform.system()}"
+    return machine_line(facts())
 
 
 def corpus(path: Path, copies: int) -> int:
