@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     twin = shrink(cfg, plan, hf_config, steps)
     layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
-    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": 1,
+    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": None,
             "stage_layers": None, "activation_checkpointing": False}
     if cfg.parallel.stage_layers is not None:  # the twin has other layers: let the partition method cut
         layout["stage_layers"] = None

@@ -462,6 +462,25 @@ def test_zero3_without_pipeline_accepted():
     assert plan.zero_stage == 3
 
 
+@pytest.mark.parametrize("dp,precision,asked,used", [(1, "fp32", None, 0), (2, "fp32", None, 1), (1, "bf16", None, 1),
+                                                     (1, "fp32", 1, 1), (2, "fp32", 0, 0), (1, "fp32", 2, 2)])
+def test_zero_stage_default_follows_dp_and_precision(dp, precision, asked, used):
+    cfg = tiny()
+    cfg.parallel.dp, cfg.parallel.zero_stage, cfg.trainer.precision = dp, asked, precision
+    plan, _ = resolve(cfg, CPU)
+    assert plan.zero_stage == used  # null: none over a single fp32 replica, else ZeRO-1; asked: as asked
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero_0_in_half_precision_needs_tp_1(precision):
+    cfg = tiny()
+    cfg.parallel.tp, cfg.parallel.zero_stage, cfg.trainer.precision = 2, 0, precision
+    plan_error(cfg, "parallel.zero_stage", "zero_stage=0", f"trainer.precision={precision}", "parallel.tp=2",
+               "use parallel.zero_stage=1", machine=Machine(fp16_supported=True))
+    cfg.parallel.tp = 1
+    assert resolve(cfg, Machine(fp16_supported=True))[0].zero_stage == 0
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_pipeline_with_zero_0_or_1_accepted(stage):
     cfg = tiny()

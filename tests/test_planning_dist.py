@@ -1,8 +1,8 @@
 """Planning against real runs: ``python -m hybridtrain.verify`` on a 3D plan, and the plan's
 model-state estimate against the bytes the ranks really hold (within 10%).
 
-The verify run gives two layouts for free ((2, 2, 2) ZeRO-1 and its (1, 1, 1) reference, ZeRO-1 so that
-DeepSpeed reports its gradient norm);
+The verify run gives two layouts for free ((2, 2, 2) ZeRO-1 and its (1, 1, 1) reference, ZeRO-0, the
+default with one replica);
 one more launch adds (2, 1, 1) ZeRO-1, where the optimizer state is partitioned over dp."""
 from __future__ import annotations
 

@@ -46,8 +46,9 @@ class ParallelConfig:
     micro-batch per step is naive model parallelism."""
     micro_batch_size: int = 1
     """Samples per micro-batch on each data-parallel replica."""
-    zero_stage: int = 1
-    """DeepSpeed ZeRO stage over the data-parallel replicas: 0-3 with pp=1, 0-1 with pp>1."""
+    zero_stage: Optional[int] = None
+    """DeepSpeed ZeRO stage over the data-parallel replicas: 0-3 with pp=1, 0-1 with pp>1.
+    ``null``: 0 in fp32 with dp = 1 (one replica has nothing to partition), else 1."""
     partition: str = "balanced"
     """Pipeline stage boundaries: ``balanced`` (minimise the slowest stage's estimated forward +
     backward time from per-layer FLOPs, within ``plan.device_memory_gb``), ``blocks`` (decoder

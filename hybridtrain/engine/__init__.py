@@ -50,7 +50,8 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": o.grad_clip,
+        # ZeRO-0 in fp32: hybridtrain clips itself (DeepSpeed's norm is wrong there, engine/clip.py)
+        "gradient_clipping": 0.0 if _own_clipping(plan) else o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
             "torch_adam": True}},
@@ -64,6 +65,11 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         # Only the hidden states cross stages; partitioning them over TP is Megatron-specific.
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return conf
+
+
+def _own_clipping(plan: Plan) -> bool:
+    """Whether :mod:`hybridtrain.engine.clip` computes the gradient norm and clips (ZeRO-0, fp32)."""
+    return plan.zero_stage == 0 and plan.precision == "fp32"
 
 
 def _weights(folder: str | None):
@@ -86,20 +92,24 @@ class Built:
     """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
+    _unwatch: list = field(default_factory=list)
 
     @property
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the engine: ``params``, ``grads``, ``optim``
-        (master copies, AdamW moments) and ``total``. After a step: the peaks measured during the
-        steps so far; before the first: what is held now (no gradients yet)."""
+        (master copies, AdamW moments) and ``total``. After the first step: the peaks measured
+        during it; before: what is held now (no gradients yet)."""
         from hybridtrain.engine.memory import model_state_bytes
 
         return dict(self.at_step) or model_state_bytes(self.engine.module, self.engine.optimizer)
 
     def watch_model_state(self) -> None:
-        """Measure the model state at its two peaks of every step, on entry to the gradient
-        reduction (all gradients present) and to the wrapped torch optimizer's step (partitions,
-        moments), keeping the largest value of each part."""
+        """Measure the model state at its peaks of a step, on entry to the gradient reduction (all
+        gradients present) and around the wrapped torch optimizer's step (partitions, moments),
+        keeping the largest value of each part, until :meth:`stop_watching`.
+
+        The loop stops watching after its first step: the model state has the same size every
+        step, and measuring walks every parameter, which costs 4% of a step on a small model."""
         from hybridtrain.engine.memory import model_state_bytes, torch_optimizer
 
         def measure(*_):  # ZeRO steps each parameter group separately: keep the largest of each part
@@ -109,7 +119,9 @@ class Built:
             self.at_step["total"] = sum(self.at_step[k] for k in ("params", "grads", "optim"))
 
         inner = torch_optimizer(self.engine.optimizer)
-        inner.register_step_pre_hook(measure)  # master partitions with their gradients, moments
+        # before its step: gradients and master partitions; after: the AdamW moments as well (torch
+        # creates them in the first step unless ZeRO did at start), gradients not yet freed
+        handles = [inner.register_step_pre_hook(measure), inner.register_step_post_hook(measure)]
         # DeepSpeed has no hook API for the other peak: after the backward, before the gradient
         # reduction (which frees the gradients ZeRO does not keep); wrap that method on this engine.
         reduce = self.engine.allreduce_gradients
@@ -119,6 +131,13 @@ class Built:
             return reduce(*args, **kwargs)
 
         self.engine.allreduce_gradients = reduce_measured
+        self._unwatch[:] = [h.remove for h in handles] + [lambda: delattr(self.engine, "allreduce_gradients")]
+
+    def stop_watching(self) -> None:
+        """Remove the measuring hooks of :meth:`watch_model_state` (keeping what they measured)."""
+        for undo in self._unwatch:
+            undo()
+        self._unwatch.clear()
 
 
 def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) -> Built:
@@ -161,5 +180,9 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     built = Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
                   stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp)
+    if _own_clipping(plan):
+        from hybridtrain.engine.clip import install_fp32_clipping
+
+        install_fp32_clipping(engine, tp.rank, cfg.optim.grad_clip)
     built.watch_model_state()
     return built

@@ -4,7 +4,8 @@ The GPU numbers are NVIDIA's dense (no sparsity) tensor-core figures from the da
 is the plain (non-TF32) rate, because torch leaves TF32 matmuls off by default. fp16 uses the
 bf16 rate on every GPU listed (they are equal). On a CPU there is no data sheet worth trusting
 (clock, SIMD width and threads vary), so :func:`probe_cpu_tflops` times large matmuls with the
-rank's thread count once and caches the result on disk; ``trainer.peak_tflops`` overrides both.
+rank's thread count and caches the result on disk, once it has run on a quiet machine (a probe
+that other processes slowed down is repeated next time); ``trainer.peak_tflops`` overrides both.
 """
 from __future__ import annotations
 
@@ -75,9 +76,22 @@ def probe_key(threads: int, precision: str) -> str:
     return f"{cpu_model()}|threads={threads}|{precision}|torch={torch.__version__}"
 
 
-def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: float = 0.5) -> float:
-    """Best TFLOP/s of ``[n, n] @ [n, n]`` matmuls with ``threads`` torch threads (dtype of
-    ``precision``), over repeated rounds of about ``seconds / 5`` each."""
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has run so far (``/proc/stat``), or ``None``."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: float = 0.5) -> tuple[float, float]:
+    """``(best TFLOP/s, others' share)`` of ``[n, n] @ [n, n]`` matmuls with ``threads`` torch
+    threads (dtype of ``precision``), over repeated rounds of about ``seconds / 5`` each.
+
+    ``others' share``: the CPU time other processes ran during the probe, as a fraction of the
+    probe's cores x seconds (0 when unknown); above :data:`CONTENDED` the rate is too low."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -87,6 +101,7 @@ def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: 
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         for _ in range(3):  # warm-up: thread pool, caches, frequency
             torch.mm(a, b)
+        busy0, own0, wall0 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
         best, deadline = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             reps, t0 = 0, time.perf_counter()
@@ -94,23 +109,44 @@ def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: 
                 torch.mm(a, b)
                 reps += 1
             best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0))
-        return best / 1e12
+        busy1, own1, wall1 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        others = 0.0
+        if busy0 is not None and busy1 is not None:
+            others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (threads * (wall1 - wall0))
+        return best / 1e12, others
     finally:
         torch.set_num_threads(old)
 
 
+CONTENDED = 0.1
+"""A probe during which other processes ran more than this share of its cores x seconds is
+*contended*: kept (the largest rate measured so far counts) but measured again by the next run,
+until one probe runs on a quiet machine."""
+
+
 def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[float, bool]:
     """``(TFLOP/s, from_cache)``: the cached probe of this CPU, thread count and dtype, or a new
-    measurement (:func:`measure_matmul_tflops`) added to ``cache_file``."""
+    measurement (:func:`measure_matmul_tflops`) added to ``cache_file``.
+
+    A cache entry is ``{"tflops", "quiet"}``. A probe taken while other processes competed for
+    the cores (``quiet: false``, or an entry of an older format) is repeated by the next run, and
+    the entry keeps the largest rate measured: a busy machine can only make a probe too slow,
+    which would make MFU too high."""
     key = probe_key(threads, precision)
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
-    if key in cache:
-        return float(cache[key]), True
-    tflops = measure_matmul_tflops(threads, precision)
-    cache[key] = tflops
+    entry = cache.get(key)
+    if not isinstance(entry, dict):  # absent, or a bare number of the first format (load unknown)
+        entry = {"tflops": float(entry), "quiet": False} if isinstance(entry, (int, float)) else None
+    if entry is not None and entry.get("quiet"):
+        return float(entry["tflops"]), True
+    tflops, others = measure_matmul_tflops(threads, precision)
+    quiet = others <= CONTENDED
+    if entry is not None:
+        tflops = max(tflops, float(entry["tflops"]))
+    cache[key] = {"tflops": tflops, "quiet": quiet}
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))

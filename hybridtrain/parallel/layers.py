@@ -132,7 +132,8 @@ def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: in
 
 
 class VocabParallelLoss:
-    """Token cross-entropy over vocabulary-parallel logits (DeepSpeed's implementation).
+    """Token cross-entropy over vocabulary-parallel logits (DeepSpeed's implementation at tp > 1,
+    torch's ``cross_entropy`` at tp = 1).
 
     No rank ever holds full-vocabulary logits: max, sum-exp and the target logit are all-reduced
     over the TP group. Labels equal to ``-100`` are ignored. Called with plain labels it returns the
@@ -150,8 +151,15 @@ class VocabParallelLoss:
         from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
         labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        start, stop = self.tp.shard(self.padded_vocab)
-        loss = vocab_parallel_cross_entropy(
-            logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
-            global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="mean" if weight is None else "sum")
-        return loss if weight is None else loss * weight.to(loss.dtype)
+        if self.tp.size == 1:
+            # Nothing is split: torch's fused cross-entropy does the same sum in fewer passes over
+            # the logits (the sharded version costs 5% of a tp=1 step on a small model).
+            loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+        else:
+            start, stop = self.tp.shard(self.padded_vocab)
+            loss = vocab_parallel_cross_entropy(
+                logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
+                global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="sum")
+        if weight is None:  # the micro-batch's mean (0 when it has no loss token, as DeepSpeed's)
+            return loss / (labels != -100).sum().clamp_min(1).to(loss.dtype)
+        return loss * weight.to(loss.dtype)

@@ -142,8 +142,10 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, micro_batches: in
                     machine) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
     """Per-layer time costs and the memory constraint for ``parallel.partition=balanced``."""
     from hybridtrain.plan.costs import layer_time_costs, model_facts
+    from hybridtrain.plan.validate import zero_stage_for
 
     par = cfg.parallel
+    zero = zero_stage_for(par.zero_stage, dp, cfg.trainer.precision)
     facts = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
     costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
@@ -153,7 +155,7 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, micro_batches: in
         return costs, None
 
     def fits(stage: int, start: int, stop: int) -> bool:
-        mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=par.zero_stage,
+        mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=zero,
                           precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
                           micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
                           eager=cfg.model.attn_implementation == "eager")

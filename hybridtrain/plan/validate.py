@@ -86,6 +86,19 @@ class Plan:
         return asdict(self)
 
 
+def zero_stage_for(asked: int | None, dp: int, precision: str) -> int:
+    """The ZeRO stage a run uses: ``parallel.zero_stage`` when set, else 0 for fp32 with dp = 1
+    and 1 otherwise.
+
+    With one replica ZeRO has nothing to partition, and in fp32 stage 1 only adds DeepSpeed's flat
+    fp32 master copy and gradient buffers (half again the model state, and about 10% of a small
+    model's step time on a CPU). In bf16/fp16 that master copy is needed anyway, and stage 0 would
+    switch to DeepSpeed's separate bf16 optimizer, which fails with tp > 1 (see :func:`resolve`)."""
+    if asked is not None:
+        return asked
+    return 0 if dp == 1 and precision == "fp32" else 1
+
+
 def _need(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise PlanError(key, message)
@@ -221,13 +234,19 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           f"set model.config.vocab_size >= {vocab_size} or leave it unset")
 
     # DeepSpeed limits.
-    _need(0 <= par.zero_stage <= 3, "parallel.zero_stage", f"must be 0, 1, 2 or 3, got {par.zero_stage}")
-    _need(par.pp == 1 or par.zero_stage <= 1, "parallel.zero_stage",
-          f"zero_stage={par.zero_stage} with parallel.pp={par.pp}: DeepSpeed's pipeline engine supports "
+    zero = zero_stage_for(par.zero_stage, dp, tr.precision)
+    _need(0 <= zero <= 3, "parallel.zero_stage", f"must be 0, 1, 2 or 3 (or null), got {zero}")
+    _need(par.pp == 1 or zero <= 1, "parallel.zero_stage",
+          f"zero_stage={zero} with parallel.pp={par.pp}: DeepSpeed's pipeline engine supports "
           "ZeRO 0 and 1 only; use parallel.zero_stage=1, or pp=1 for ZeRO-2/3")
     _need(tr.precision in PRECISIONS, "trainer.precision", f"{tr.precision!r} is not one of {list(PRECISIONS)}")
     _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
           "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
+    # DeepSpeed's BF16_Optimizer (ZeRO-0 in bf16/fp16) stacks an empty list of gradient norms on a
+    # TP rank > 0 whose parameter group holds only replicated tensors (norms, biases) and crashes.
+    _need(zero != 0 or tr.precision == "fp32" or par.tp == 1, "parallel.zero_stage",
+          f"zero_stage=0 with trainer.precision={tr.precision} and parallel.tp={par.tp}: DeepSpeed's bf16 "
+          "optimizer fails on tensor-parallel ranks; use parallel.zero_stage=1 (or leave it null)")
     _need(par.partition in METHODS, "parallel.partition",
           f"{par.partition!r} is not a method; use one of {list(METHODS)}")
 
@@ -272,7 +291,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     return Plan(
         dp=dp, tp=par.tp, pp=par.pp, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,
-        global_batch_size=tr.global_batch_size, zero_stage=par.zero_stage, precision=tr.precision,
+        global_batch_size=tr.global_batch_size, zero_stage=zero, precision=tr.precision,
         seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,
         vocab_size=model_vocab, padded_vocab_size=padded,
         num_layers=num_layers, layer_names=names, stage_bounds=bounds)

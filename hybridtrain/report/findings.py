@@ -170,7 +170,8 @@ def findings(records: list[dict], plan: dict[str, Any], timeline: dict[str, Any]
         if mfu > 1.0:
             out.append(Finding("MFU above 100%", f"median MFU is {mfu:.0%}, above the device's peak.",
                                "the peak is wrong: set trainer.peak_tflops to your device's dense peak (on a CPU, "
-                               "delete the cached probe in peak_tflops.json and rerun on a quiet machine)."))
+                               "the cached matmul probe in peak_tflops.json ran slower than the cores can: "
+                               "delete its entry and rerun on a quiet machine)."))
     if not out:
         out.append(Finding("Nothing stands out", "no stage imbalance, bubble, data wait or memory pressure above "
                            "the report's thresholds.", "raise parallel.micro_batch_size while memory allows, "

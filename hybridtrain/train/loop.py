@@ -96,6 +96,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         loss = (_step_pipeline(built, stream) if plan.pp > 1
                 else _step_sequential(built, samples, step, layout, timer, obs.clock))
         dt = time.perf_counter() - t0
+        if step == start_step:
+            built.stop_watching()  # the model state's peaks are measured; they do not change
         observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt

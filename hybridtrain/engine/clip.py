@@ -1,0 +1,55 @@
+"""Gradient norm and clipping for ZeRO-0 in fp32, where DeepSpeed gets the norm wrong.
+
+With ZeRO 1-3 (and DeepSpeed's bf16 optimizer) DeepSpeed computes the global gradient norm
+itself, counting a parameter replicated over TP on TP rank 0 only and a tied weight on one
+pipeline stage only. With ZeRO-0 in fp32 it falls back to ``deepspeed.runtime.utils.clip_grad_norm_``,
+which counts replicated parameters only on rank 0 of the *pipe x tensor* group (so the layer norms
+and biases of every later stage are left out), counts a tied embedding twice, and does not keep the
+norm (``engine.get_global_grad_norm()`` is ``None``). This module does the norm the ZeRO way,
+clips with torch's coefficient ``max_norm / (norm + 1e-6)`` and records the norm on the engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def global_grad_norm(params: Iterable[Any], tp_rank: int, group: Any) -> Any:
+    """The L2 norm of the gradients of the whole model (all stages, all TP shards) of one replica.
+
+    ``group`` is the model-parallel group (pipe x tensor ranks of this data-parallel replica).
+    """
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params
+             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)  # tied copy: counted once
+             and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]  # replicated over TP: once
+    squares = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
+               else torch.zeros((), dtype=torch.float64))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt().float()
+
+
+def install_fp32_clipping(engine: Any, tp_rank: int, max_norm: float) -> None:
+    """Before each optimizer step: compute the global gradient norm, clip to ``max_norm`` (when
+    > 0) and store the norm where ``engine.get_global_grad_norm()`` reads it.
+
+    The DeepSpeed config of such a run sets ``gradient_clipping`` to 0 so that DeepSpeed does not
+    clip a second time with its own norm (:func:`hybridtrain.engine.ds_config`).
+    """
+    import torch
+
+    from hybridtrain.engine.memory import torch_optimizer
+
+    group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
+
+    def clip(*_):
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = global_grad_norm(params, tp_rank, group)
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in params], coef)
+        engine._global_grad_norm = norm  # what get_global_grad_norm() returns (DeepSpeed leaves it None)
+
+    torch_optimizer(engine.optimizer).register_step_pre_hook(clip)
