@@ -232,7 +232,8 @@ def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
         "title": "Memory: model-state bytes per rank, world size up to 8",
         "what": ("`model_state_bytes` of metrics.jsonl: what rank 0 (pipeline stage 0, tp rank 0, so it holds the "
                  "embeddings) measured it holds at its peaks during a step: parameters, gradients and optimizer "
-                 "state (fp32 master copies and AdamW moments, sharded over dp by ZeRO-1). Plan estimate: "
+                 "state (AdamW moments, plus fp32 master copies with ZeRO-1, which shards them over dp; the default "
+                 "stage: ZeRO-0 at dp=1, ZeRO-1 above). Plan estimate: "
                  "`python -m hybridtrain.plan`'s memory model for the same run (`hybridtrain.plan.memory`). Ideal: "
                  "the (1,1,1) total divided by the world size; data parallelism replicates parameters and "
                  "gradients, so only tp x pp approach it."
@@ -319,8 +320,20 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
     }
 
 
+def _slope(pts: list[tuple[int, float]]) -> float:
+    """Least-squares slope of ``(step, MiB)`` points, in MiB per 1000 steps."""
+    n = len(pts)
+    mx, my = sum(s for s, _ in pts) / n, sum(m for _, m in pts) / n
+    return sum((s - mx) * (m - my) for s, m in pts) / max(1e-9, sum((s - mx) ** 2 for s, _ in pts)) * 1000
+
+
 def soak(work: Path, steps: int) -> dict:
-    """``steps`` tiny steps at pp=2; resident memory of each rank sampled against the step."""
+    """``steps`` tiny steps at pp=2; resident memory of each rank sampled against the step.
+
+    Two series per rank: the whole resident set, and its anonymous part (resident minus shared,
+    i.e. minus file-backed pages). The training data is memory-mapped (Arrow), so every sample read
+    for the first time maps more of the file into the resident set: page cache the kernel can drop,
+    not memory the process allocated. A leak shows in the anonymous series."""
     import psutil
 
     from common import INJECT  # noqa: F401  (same environment as the other runs)
@@ -332,6 +345,7 @@ def soak(work: Path, steps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples: dict[int, list[tuple[int, float]]] = {}
+    anon: dict[int, list[tuple[int, float]]] = {}
     metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None:
         time.sleep(2)
@@ -341,31 +355,41 @@ def soak(work: Path, steps: int) -> dict:
             for p in psutil.Process(proc.pid).children(recursive=True):
                 env = p.environ()  # the ranks have RANK; the runner and launcher (also "hybridtrain.worker" in argv) not
                 if "hybridtrain.worker" in " ".join(p.cmdline()) and "RANK" in env:
-                    samples.setdefault(int(env["RANK"]), []).append((step, p.memory_info().rss / 2**20))
+                    mem = p.memory_info()
+                    samples.setdefault(int(env["RANK"]), []).append((step, mem.rss / 2**20))
+                    anon.setdefault(int(env["RANK"]), []).append((step, (mem.rss - mem.shared) / 2**20))
         except (psutil.Error, ValueError, json.JSONDecodeError, OSError):
             continue
     if proc.returncode != 0:
         raise RuntimeError(f"soak run failed with exit code {proc.returncode} (run folder {run_dir})")
-    rows = [["rank", "samples", "RSS at 10% of the steps (MiB)", "RSS at the end (MiB)", "slope (MiB / 1000 steps)"]]
-    slopes = {}
+    rows = [["rank", "samples", "RSS at 10% of the steps (MiB)", "RSS at the end (MiB)", "RSS slope (MiB / 1000 steps)",
+             "anonymous at 10% / end (MiB)", "anonymous slope (MiB / 1000 steps)"]]
+    slopes, anon_slopes = {}, {}
     for rank, pts in sorted(samples.items()):
         pts = [(s, m) for s, m in pts if s >= steps // 10]  # after warm-up
+        apts = [(s, m) for s, m in anon[rank] if s >= steps // 10]
         if len(pts) < 3:
             continue
-        n = len(pts)
-        mx, my = sum(s for s, _ in pts) / n, sum(m for _, m in pts) / n
-        slope = sum((s - mx) * (m - my) for s, m in pts) / max(1e-9, sum((s - mx) ** 2 for s, _ in pts)) * 1000
-        slopes[rank] = slope
-        rows.append([str(rank), str(n), f"{pts[0][1]:.1f}", f"{pts[-1][1]:.1f}", f"{slope:+.3f}"])
+        slopes[rank], anon_slopes[rank] = _slope(pts), _slope(apts)
+        rows.append([str(rank), str(len(pts)), f"{pts[0][1]:.1f}", f"{pts[-1][1]:.1f}", f"{slopes[rank]:+.3f}",
+                     f"{apts[0][1]:.1f} / {apts[-1][1]:.1f}", f"{anon_slopes[rank]:+.3f}"])
     worst = max((abs(s) for s in slopes.values()), default=float("nan"))
+    worst_anon = max((abs(s) for s in anon_slopes.values()), default=float("nan"))
     return {
         "title": f"Soak: {steps} tiny steps, resident memory per rank",
         "what": ("`+recipe=gpt_tiny parallel.pp=2`, one thread per rank, metrics every 10 steps, no checkpoint. Every "
-                 "2 s the resident set size (psutil) of each worker process is sampled with the step it has reached; "
-                 "the slope is a least-squares fit over the samples after the first 10% of the steps."),
-        "table": rows, "summary": f"Largest |slope|: **{worst:.3f} MiB per 1000 steps** (target: no growth, ~0).",
-        "slopes": slopes, "samples": {str(k): v for k, v in samples.items()},
-        "plot": {"series": {f"rank {k}": v for k, v in sorted(samples.items())}, "xlabel": "step", "ylabel": "RSS MiB"},
+                 "2 s the resident set size (psutil) of each worker process is sampled with the step it has reached, "
+                 "and its anonymous part (resident minus shared: without the file-backed pages of the memory-mapped "
+                 "training data, which grow as samples are read for the first time and which the kernel can drop); "
+                 "the slopes are least-squares fits over the samples after the first 10% of the steps."),
+        "table": rows,
+        "summary": (f"Largest |slope|: anonymous memory **{worst_anon:.3f} MiB per 1000 steps** (a leak would show "
+                    f"here; target ~0), whole resident set {worst:.3f} MiB per 1000 steps."),
+        "slopes": slopes, "anon_slopes": anon_slopes, "samples": {str(k): v for k, v in samples.items()},
+        "anon_samples": {str(k): v for k, v in anon.items()},
+        "plot": {"series": {**{f"rank {k} RSS": v for k, v in sorted(samples.items())},
+                            **{f"rank {k} anonymous": v for k, v in sorted(anon.items())}},
+                 "xlabel": "step", "ylabel": "MiB"},
     }
 
 

@@ -31,6 +31,23 @@ def from_hf(tensor: torch.Tensor, split: Split, tp: TPContext, padded_vocab: int
     return shard_tensor(t, split.dim, split.fused, tp.rank, tp.size)
 
 
+def read_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: int) -> torch.Tensor:
+    """:func:`from_hf` of tensor ``name`` of ``weights`` (a ``SafetensorsWeights``), reading only
+    this rank's slice from the file (safetensors slicing), as float32."""
+    from hybridtrain.models.weights import read_rows, read_shard
+
+    if split.dim is None or tp.size == 1:
+        return from_hf(weights.get(name), split, tp, padded_vocab)
+    if split.vocab is not None:  # this rank's rows of the padded vocabulary; zeros past the real ones
+        assert split.dim == 0 and not split.transpose and split.fused == 1, split
+        lo, hi = tp.shard(padded_vocab)
+        rows, _ = read_rows(weights, name, lo, hi)
+        return torch.cat([rows, rows.new_zeros(hi - lo - rows.shape[0], *rows.shape[1:])])
+    hf_dim = 1 - split.dim if split.transpose else split.dim  # Conv1D: HF [in, out], local [out, in]
+    t = read_shard(weights, name, hf_dim, split.fused, tp.rank, tp.size)
+    return (t.t() if split.transpose else t).contiguous()
+
+
 def _prepare_zero_states(engine, step: int) -> None:
     """Create empty AdamW states (DeepSpeed creates them lazily at the first step) and link
     ZeRO's per-parameter fragments to them, so they can be written before training resumes."""
@@ -68,7 +85,7 @@ def load_moments(built, params: list, folder: Path, step: int, padded_vocab: int
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for name, param, split in params:
         for key in MOMENTS:
-            local = from_hf(moments.get(f"{key}.{name}"), split, built.tp, padded_vocab)
+            local = read_local(moments, f"{key}.{name}", split, built.tp, padded_vocab)  # this rank's slice only
             if zero:
                 safe_set_full_optimizer_state(param, local.to(param.device), key)
             else:  # ZeRO-0: the torch optimizer holds the parameters themselves

@@ -39,8 +39,11 @@ class StopRequest:
             self.signal_name = signal.Signals(signum).name
             # os.write, not print: a handler that prints while the main thread is printing raises
             # "reentrant call" inside the buffered stream
-            os.write(2, f"[hybridtrain] {self.signal_name} received: stopping after this step with a "
-                        "checkpoint\n".encode())
+            # The deepspeed runner also sends SIGTERM to the survivors when a rank has died: they
+            # never reach the step's end, so the message must not promise a checkpoint outright.
+            os.write(2, f"[hybridtrain] {self.signal_name} received: every rank stops after this step "
+                        "and saves a checkpoint (unless the job is being torn down because a rank "
+                        "failed: then see that rank's error above)\n".encode())
 
     def agreed(self, device) -> bool:
         """Whether any rank has been signalled; a collective every rank must call at the same step."""
