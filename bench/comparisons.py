@@ -373,8 +373,9 @@ def soak(work: Path, steps: int) -> dict:
         slopes[rank], anon_slopes[rank] = _slope(pts), _slope(apts)
         rows.append([str(rank), str(len(pts)), f"{pts[0][1]:.1f}", f"{pts[-1][1]:.1f}", f"{slopes[rank]:+.3f}",
                      f"{apts[0][1]:.1f} / {apts[-1][1]:.1f}", f"{anon_slopes[rank]:+.3f}"])
-    worst = max((abs(s) for s in slopes.values()), default=float("nan"))
-    worst_anon = max((abs(s) for s in anon_slopes.values()), default=float("nan"))
+    worst = max(slopes.values(), default=float("nan"))  # growth is what matters: the largest slope, signed
+    worst_anon = max(anon_slopes.values(), default=float("nan"))
+    change = {r: pts[-1][1] - [m for s, m in pts if s >= steps // 10][0] for r, pts in samples.items() if r in slopes}
     return {
         "title": f"Soak: {steps} tiny steps, resident memory per rank",
         "what": ("`+recipe=gpt_tiny parallel.pp=2`, one thread per rank, metrics every 10 steps, no checkpoint. Every "
@@ -383,8 +384,10 @@ def soak(work: Path, steps: int) -> dict:
                  "training data, which grow as samples are read for the first time and which the kernel can drop); "
                  "the slopes are least-squares fits over the samples after the first 10% of the steps."),
         "table": rows,
-        "summary": (f"Largest |slope|: anonymous memory **{worst_anon:.3f} MiB per 1000 steps** (a leak would show "
-                    f"here; target ~0), whole resident set {worst:.3f} MiB per 1000 steps."),
+        "summary": (f"Largest slope: anonymous memory **{worst_anon:+.3f} MiB per 1000 steps** (a leak would show "
+                    f"here; target ~0), whole resident set {worst:+.3f} MiB per 1000 steps; resident set at the end "
+                    "minus at 10% of the steps: " + ", ".join(f"rank {r} {c:+.1f} MiB" for r, c in sorted(change.items()))
+                    + "."),
         "slopes": slopes, "anon_slopes": anon_slopes, "samples": {str(k): v for k, v in samples.items()},
         "anon_samples": {str(k): v for k, v in anon.items()},
         "plot": {"series": {**{f"rank {k} RSS": v for k, v in sorted(samples.items())},
