@@ -6,7 +6,7 @@ pipeline stage only. With ZeRO-0 in fp32 it falls back to ``deepspeed.runtime.ut
 which counts replicated parameters only on rank 0 of the *pipe x tensor* group (so the layer norms
 and biases of every later stage are left out), counts a tied embedding twice, and does not keep the
 norm (``engine.get_global_grad_norm()`` is ``None``). This module does the norm the ZeRO way,
-clips with torch's coefficient ``max_norm / (norm + 1e-6)`` and records the norm on the engine.
+clips with torch's ``clip_grads_with_norm_`` and records the norm on the engine.
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ def global_grad_norm(params: Iterable[Any], tp_rank: int, group: Any) -> Any:
     grads = [p.grad for p in params
              if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)  # tied copy: counted once
              and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]  # replicated over TP: once
-    squares = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
-               else torch.zeros((), dtype=torch.float64))
+    squares = torch.nn.utils.get_total_norm(grads).double().square()  # 0 for an empty list
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)
     return squares.sqrt().float()
@@ -47,9 +46,8 @@ def install_fp32_clipping(engine: Any, tp_rank: int, max_norm: float) -> None:
     def clip(*_):
         params = [p for p in engine.module.parameters() if p.grad is not None]
         norm = global_grad_norm(params, tp_rank, group)
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in params], coef)
+        if max_norm > 0:  # torch's coefficient: max_norm / (norm + 1e-6), at most 1
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         engine._global_grad_norm = norm  # what get_global_grad_norm() returns (DeepSpeed leaves it None)
 
     torch_optimizer(engine.optimizer).register_step_pre_hook(clip)

@@ -148,14 +148,14 @@ class VocabParallelLoss:
         self.__name__ = "vocab_parallel_cross_entropy"
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
-        from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
-
         labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if self.tp.size == 1:
             # Nothing is split: torch's fused cross-entropy does the same sum in fewer passes over
             # the logits (the sharded version costs 5% of a tp=1 step on a small model).
             loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
         else:
+            from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
             start, stop = self.tp.shard(self.padded_vocab)
             loss = vocab_parallel_cross_entropy(
                 logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
