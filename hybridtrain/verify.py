@@ -6,7 +6,7 @@ embeddings and tp divisibility, but gets few layers (at least one per stage) and
 Then two real runs through ``python -m hybridtrain`` on the same batches: the requested layout
 (dp, tp, pp, ZeRO, micro-batch size, partition, precision, activation checkpointing) and
 (1, 1, 1). Losses and gradient norms must agree step by step (fp32: 1e-4 and 1e-3 relative as in
-``tests/test_parity.py``; bf16/fp16: 3e-2); the exit code is 1 when they do not, 2 on a config error.
+``tests/dist/test_parity.py``; bf16/fp16: 3e-2); the exit code is 1 when they do not, 2 on a config error.
 
 Options (before or after the overrides): ``--steps N`` (3), ``--out DIR`` (``runs/verify/<time>``).
 """

@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 """Every shipped recipe; globbed so a new recipe is covered without editing the tests."""
 
+LLAMA_70B = ["+recipe=llama_7b", "model.config.num_hidden_layers=80", "model.config.hidden_size=8192",
+             "model.config.intermediate_size=28672", "model.config.num_attention_heads=64",
+             "model.config.num_key_value_heads=8"]
+"""A Llama-2-70B shape on top of the ``llama_7b`` recipe (80 layers, GQA 64/8 heads)."""
+
 
 def compose_raw(overrides: list[str]):
     """The ``DictConfig`` Hydra composes from ``conf/`` with ``overrides`` (as the CLI would)."""

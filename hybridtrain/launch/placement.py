@@ -2,7 +2,7 @@
 
 DeepSpeed's ``PipeModelDataParallelTopology`` orders ranks with the tensor-parallel axis fastest,
 then data, then pipeline: ``rank = pp_rank * dp * tp + dp_rank * tp + tp_rank`` (checked against
-DeepSpeed in tests/test_slurm_unit.py). Launchers put ``k = world / nodes`` consecutive ranks on each
+DeepSpeed in tests/unit/test_slurm_unit.py). Launchers put ``k = world / nodes`` consecutive ranks on each
 node, so a TP group (``tp`` consecutive ranks) stays inside a node when ``tp`` divides ``k``, and a
 data-parallel group (stride ``tp``, ``dp`` members) when ``dp x tp`` divides ``k``; the pipeline axis,
 outermost, is what crosses nodes first.

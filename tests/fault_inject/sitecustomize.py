@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_faults.py, loaded by every Python process whose PYTHONPATH
+"""Fault injection for tests/dist/test_faults.py, loaded by every Python process whose PYTHONPATH
 starts with this folder (``sitecustomize`` is imported at interpreter start-up).
 
 It does nothing unless ``HT_FAULT_RANK`` names this process's ``RANK`` (set by DeepSpeed's launcher

@@ -16,7 +16,6 @@ import pytest
 
 from launch_helpers import compose_config, losses, metrics, run_cli
 
-pytestmark = pytest.mark.dist
 
 STEPS = 5
 LAYOUTS = [l for l in itertools.product((1, 2), repeat=3) if l != (1, 1, 1)]

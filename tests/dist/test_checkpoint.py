@@ -42,7 +42,6 @@ def saved_runs(tmp_path_factory):
     return runs
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("recipe,layout", LAYOUTS[:2], ids=["gpt_111", "gpt_222"])
 def test_resume_continues_the_uninterrupted_losses(recipe, layout, saved_runs, tmp_path):
     full = saved_runs[(recipe, layout)]
@@ -54,7 +53,6 @@ def test_resume_continues_the_uninterrupted_losses(recipe, layout, saved_runs, t
     assert [m["loss"] for m in resumed] == pytest.approx(losses(full)[3:], rel=1e-6, abs=0)
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("recipe,layout", LAYOUTS, ids=["gpt_111", "gpt_222", "llama_122"])
 def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, saved_runs, tmp_path, capsys):
     from transformers import AutoTokenizer
@@ -179,7 +177,6 @@ RESHARDS = [(("gpt_tiny", (2, 2, 2)), (1, 1, 1)), (("gpt_tiny", (2, 2, 2)), (1, 
             (("llama_tiny", (1, 2, 2)), (2, 1, 1))]
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("source,target", RESHARDS, ids=["gpt_222_to_111", "gpt_222_to_121", "llama_122_to_211"])
 def test_resume_under_another_plan_continues_the_losses(source, target, saved_runs, tmp_path):
     recipe, _ = source

@@ -9,7 +9,6 @@ import pytest
 
 from launch_helpers import compose_config, metrics, run_cli
 
-pytestmark = pytest.mark.dist
 
 STAGE_KEYS = ("stage_forward_s", "stage_backward_s", "stage_comm_s", "stage_optimizer_s")
 

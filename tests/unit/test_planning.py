@@ -2,20 +2,17 @@
 stage boundaries, the memory model's formulas, ``parallel=auto``'s search and ``verify``'s twin.
 
 The memory estimate against real allocations, the balanced partition's measured effect and the
-search against measured tokens/s are checked with real runs (``tests/test_planning_dist.py``,
+search against measured tokens/s are checked with real runs (``tests/dist/test_planning_dist.py``,
 ``bench/bench_partition.py``, ``bench/bench_auto.py``)."""
 from __future__ import annotations
 
 import copy
 import functools
 import itertools
-import subprocess
-import sys
-import time
 
 import pytest
 
-from helpers_unit import ROOT, compose_config
+from helpers_unit import LLAMA_70B, compose_config
 from hybridtrain.config import Config
 from hybridtrain.plan import Machine, PlanError, resolve
 from hybridtrain.plan.calibrate import Rates
@@ -27,9 +24,6 @@ from hybridtrain.plan.report import build_report, format_report
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
 RATES = Rates(flops=1e10, latency=1e-4, bandwidth=1e9, device="cpu", threads=1, layer_overhead=5e-4)
 """Fixed machine rates: the search is a pure function of them (no probe in unit tests)."""
-LLAMA_70B = ["+recipe=llama_7b", "model.config.num_hidden_layers=80", "model.config.hidden_size=8192",
-             "model.config.intermediate_size=28672", "model.config.num_attention_heads=64",
-             "model.config.num_key_value_heads=8"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,26 +173,8 @@ def test_report_numbers_and_warnings():
     assert sum(st.params for st in report.stages) >= report.facts.total_params()
 
 
-def test_plan_command_70b_in_seconds():
-    """A 70B Llama on 8 x 8 GPUs, from the command line: no weights, no processes, seconds."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", *LLAMA_70B, "parallel.dp=2",
-                           "launcher.nodes=8", "launcher.gpus_per_node=8", "plan.device_memory_gb=80"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    elapsed = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert "68,976.6M parameters, 80 blocks" in out
-    assert "dp=2 x tp=8 x pp=4 = 64 rank(s) on 8 node(s)" in out
-    assert "     63     7    1    7    3" in out  # last rank: node 7, dp 1, tp 7, pp 3
-    assert "memory per rank in GiB of 80.00 GiB" in out and "bubble" in out
-    assert elapsed < 60, f"plan command took {elapsed:.1f}s"  # ~3 s on a quiet 2-core machine
 
 
-def test_plan_command_config_error_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", "+recipe=gpt_tiny", "parallel.tp=4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "config error: parallel.tp" in proc.stderr
 
 
 # --- parallel=auto -------------------------------------------------------------------------------

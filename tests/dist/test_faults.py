@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import REPO, compose_config, losses, metrics, run_cli
+from launch_helpers import REPO, compose_config, metrics, run_cli
 
 INJECT = Path(__file__).resolve().parent / "fault_inject"
 MICRO = 12  # gpt_tiny: global batch 12 = micro 1 x 12 micro-batches at dp=1
@@ -31,7 +31,6 @@ def _left_behind(run_dir: Path) -> list[str]:
     return [ln for ln in out.stdout.splitlines() if "pgrep" not in ln]
 
 
-@pytest.mark.dist
 def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses(tmp_path):
     """4 ranks (tp=2 x pp=2); rank 1 SIGKILLs itself in step 6 after 6 of its 12 backward passes.
     Checkpoints step_2 and step_4 are complete; resuming picks step_4 and continues the losses."""
@@ -64,7 +63,6 @@ def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses
     assert [m["loss"] for m in before[:4] + after] == pytest.approx(ref[:4] + ref[4:], rel=1e-4, abs=0)
 
 
-@pytest.mark.dist
 def test_hang_watchdog_dumps_every_rank_and_ends_the_job(tmp_path):
     """2 ranks (pp=2); rank 1 sleeps forever in step 3. ``trainer.hang_timeout_s=10``: both ranks
     print their stacks (rank 1's shows the injected stall) and the job exits non-zero."""

@@ -14,8 +14,6 @@ import pytest
 
 from launch_helpers import REPO, metrics, run_cli
 
-pytestmark = pytest.mark.dist
-
 
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):

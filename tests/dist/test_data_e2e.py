@@ -11,8 +11,6 @@ import pytest
 from data_helpers import chat_records, text_corpus, write_jsonl
 from launch_helpers import metrics, run_cli
 
-pytestmark = pytest.mark.dist
-
 
 def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
     train = [m for m in records if "loss" in m]

@@ -18,7 +18,6 @@ import pytest
 
 from launch_helpers import REPO, losses, metrics, run_cli
 
-pytestmark = pytest.mark.dist
 
 STEPS = 16
 PLAN = ["+recipe=gpt_tiny", "parallel.dp=2", "parallel.pp=2", f"trainer.max_steps={STEPS}",

@@ -1,6 +1,6 @@
 """Launch behaviour: a bad plan starts nothing, sweeps, the console script, the local launcher's limits.
 
-A dead or hung rank: ``tests/test_faults.py``."""
+A dead or hung rank: ``tests/dist/test_faults.py``."""
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +8,6 @@ import subprocess
 import pytest
 
 from launch_helpers import run_cli
-
-pytestmark = pytest.mark.dist
 
 
 def test_bad_plan_launches_nothing(tmp_path):

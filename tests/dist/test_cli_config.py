@@ -1,0 +1,85 @@
+"""The real CLI in dry-run mode: it writes what workers read, validates cluster recipes, exits 2 on a
+bad plan; the plan and config code never import DeepSpeed (checked in a fresh interpreter)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers_unit import CliRun, compose_config
+from hybridtrain.config import load_config
+from hybridtrain.plan import machine_facts, resolve
+
+
+def test_plan_code_does_not_import_deepspeed():
+    code = ("import hybridtrain, hybridtrain.plan, hybridtrain.plan.validate, hybridtrain.config, sys; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+CLI_RUNS = {
+    "gpt_tiny": ["+recipe=gpt_tiny", "launcher.dry_run=true"],
+    "bad_tp": ["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5"],
+    "llama_7b": ["+recipe=llama_7b", "launcher.dry_run=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, CliRun)``."""
+    base = tmp_path_factory.mktemp("cli")
+    runs = {}
+    for name, overrides in CLI_RUNS.items():
+        run_dir = base / name / "run"
+        runs[name] = (run_dir, CliRun([*overrides, f"hydra.run.dir={run_dir}"], base / name, base / "token_cache"))
+    yield runs
+    for _, run in runs.values():
+        run.kill()
+
+
+def test_cli_dry_run_writes_config_and_plan(cli):
+    run_dir, run = cli["gpt_tiny"]
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dry run" in proc.stdout and "launching" not in proc.stdout
+    assert "plan      dp=1 x tp=1 x pp=1 = 1 rank(s)" in proc.stdout
+
+    saved = load_config(run_dir / "config.yaml")
+    expected = compose_config(*CLI_RUNS["gpt_tiny"])
+    expected.run_dir = str(run_dir.resolve())
+    assert saved == expected
+    plan, _ = resolve(expected, machine_facts())
+    assert json.loads((run_dir / "plan.json").read_text()) == plan.to_dict()
+
+
+def test_cli_dry_run_prepares_no_data(cli):
+    # launcher.dry_run: "without preparing data or starting workers"
+    for _, run in cli.values():
+        run.result()
+    run_dir, run = cli["gpt_tiny"]
+    assert run.result().returncode == 0
+    cache = run_dir.parents[1] / "token_cache"  # HYBRIDTRAIN_CACHE of every run
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_cli_bad_plan_exits_2_before_writing_the_plan(cli):
+    run_dir, run = cli["bad_tp"]
+    proc = run.result()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config error: parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "plan.json").exists()
+
+
+def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
+    """The 4-node recipe is validated and planned on any machine; nothing is launched."""
+    run_dir, run = cli["llama_7b"]
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dp=1 x tp=8 x pp=4 = 32 rank(s)" in proc.stdout and "launching" not in proc.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
+    assert load_config(run_dir / "config.yaml").launcher.nodes == 4
