@@ -42,7 +42,7 @@ def run(run_dir: Path) -> int:
     from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
     from hybridtrain.plan import model_config
-    from hybridtrain.plan.validate import Plan
+    from hybridtrain.plan.types import Plan
     from hybridtrain.train.loop import train
 
     cfg = load_config(run_dir / "config.yaml")

@@ -7,7 +7,8 @@ from typing import Optional
 
 from hybridtrain.checkpoint.io import latest_checkpoint, problem, read_meta
 from hybridtrain.config.schema import Config
-from hybridtrain.plan.validate import Plan, PlanError
+from hybridtrain.errors import PlanError
+from hybridtrain.plan.types import Plan
 
 
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 
 ROLES = ("system", "user", "assistant", "tool")
 IGNORE = -100

@@ -21,7 +21,7 @@ from typing import Callable
 from hybridtrain.config.schema import DataConfig
 from hybridtrain.data import formats, sources
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 
 VERSION = 2
 """Bump when the written samples change for the same inputs (invalidates every cache entry)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridtrain.config.schema import DataConfig
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 """File extension -> HF packaged builder of ``load_dataset``."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
-from hybridtrain.plan.validate import Plan
+from hybridtrain.plan.types import Plan
 
 
 def lr_lambda(optim, max_steps: int) -> Callable[[int], float]:

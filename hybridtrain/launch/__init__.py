@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
-from hybridtrain.plan.validate import Machine, Plan
+from hybridtrain.plan.types import Machine, Plan
 
 
 def check(launcher: LauncherConfig, plan: Plan) -> None:

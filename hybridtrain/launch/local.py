@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
-from hybridtrain.plan.validate import Machine, Plan
+from hybridtrain.plan.types import Machine, Plan
 
 
 def free_port() -> int:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.launch.local import run_runner, threads_per_rank
-from hybridtrain.plan.validate import Machine, Plan, PlanError
+from hybridtrain.errors import PlanError
+from hybridtrain.plan.types import Machine, Plan
 
 DEFAULT_PORT = 29500  # DeepSpeed's; every node must use the same port, so none is picked at random
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hybridtrain.plan.validate import Plan
+from hybridtrain.plan.types import Plan
 
 
 @dataclass(frozen=True)

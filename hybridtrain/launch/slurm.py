@@ -17,7 +17,7 @@ from string import Template
 
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.launch.placement import crossing
-from hybridtrain.plan.validate import Plan
+from hybridtrain.plan.types import Plan
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "job.sbatch"
 NEED_CLIENT = ("launcher=slurm needs SLURM's client tools (sbatch, srun, scontrol) on PATH: run this on the "

@@ -25,7 +25,7 @@ def resume(run_dir: Path, environ: Mapping[str, str]) -> Optional[Path]:
     from hybridtrain.checkpoint.resume import resolve_resume
     from hybridtrain.config import load_config, save_config
     from hybridtrain.plan import model_config
-    from hybridtrain.plan.validate import Plan
+    from hybridtrain.plan.types import Plan
 
     cfg = load_config(run_dir / "config.yaml")
     plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
@@ -46,7 +46,7 @@ def prepare_data(run_dir: Path) -> bool:
     from hybridtrain.config import load_config, save_config
     from hybridtrain.data.prepare import prepare
     from hybridtrain.plan.data import check_data_counts
-    from hybridtrain.plan.validate import Plan
+    from hybridtrain.plan.types import Plan
 
     cfg = load_config(run_dir / "config.yaml")
     plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "start":
         print("usage: python -m hybridtrain.launch.slurm_job start RUN_DIR  (run by the job script)", file=sys.stderr)
         return 2
-    from hybridtrain.plan.validate import PlanError
+    from hybridtrain.errors import PlanError
 
     run_dir = Path(argv[1])
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hybridtrain.config.schema import Config
 from hybridtrain.observe.loggers import check_logger
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 
 
 def check_observe(cfg: Config) -> None:

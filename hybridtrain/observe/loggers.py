@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 
 NAMES = ("none", "tensorboard", "wandb")
 """Values of ``logger.name``."""

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from hybridtrain.config.schema import Config
-from hybridtrain.plan.validate import Machine, Plan, PlanError, build_plan, check_hf_overrides, layer_names
+from hybridtrain.errors import PlanError
+from hybridtrain.plan.types import Machine, Plan
+from hybridtrain.plan.validate import build_plan, check_hf_overrides
 
 __all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
            "pretrained_config", "resolve", "layer_params"]

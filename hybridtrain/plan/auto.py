@@ -26,7 +26,8 @@ from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
 from hybridtrain.plan.memory import device_memory_bytes, rank_memory, stage_param_sizes
 from hybridtrain.plan.partition import balanced
-from hybridtrain.plan.validate import Machine, PlanError
+from hybridtrain.errors import PlanError
+from hybridtrain.plan.types import Machine
 
 DP_VOLUME = {0: 1.0, 1: 1.5, 2: 1.5, 3: 2.5}
 """Data-parallel traffic per step in all-reduces of the gradients: ZeRO-1/2 add the all-gather of

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from hybridtrain.config.schema import Config, DataConfig, TrainerConfig
-from hybridtrain.plan.validate import Plan, PlanError
+from hybridtrain.errors import PlanError
+from hybridtrain.plan.types import Plan
 
 SOURCES = ("embedded", "files", "disk", "hf")
 FORMATS = ("text", "chat", "prompt_completion")

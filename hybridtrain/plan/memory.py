@@ -173,7 +173,7 @@ def estimate_for_run(run_dir, stage: int = 0) -> "RankMemory":
     from hybridtrain.config import load_config
     from hybridtrain.plan import model_config
     from hybridtrain.plan.costs import model_facts
-    from hybridtrain.plan.validate import Plan
+    from hybridtrain.plan.types import Plan
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     plan = Plan(**json.loads((Path(run_dir) / "plan.json").read_text()))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hybridtrain.config.schema import Config
 from hybridtrain.plan.costs import ModelFacts, layer_time_costs, model_facts, stage_flops
 from hybridtrain.plan.memory import GiB, RankMemory, rank_memory, stage_param_sizes
-from hybridtrain.plan.validate import Plan
+from hybridtrain.plan.types import Plan
 
 IMBALANCE_WARN = 0.10
 """Warn when the slowest stage's estimated time exceeds the mean by more than this."""

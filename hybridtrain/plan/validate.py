@@ -7,83 +7,17 @@ violation raises :class:`PlanError` naming the key path, the values and a fix.
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from hybridtrain.config.schema import Config
+from hybridtrain.errors import PlanError
 from hybridtrain.models.families import FAMILIES, Family, get_family, mlp_width_of, padded_vocab
 from hybridtrain.plan.partition import METHODS, manual, partition, stage_problem
+from hybridtrain.plan.types import Machine, Plan
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 LAUNCHERS = ("local", "slurm", "multinode")
-
-
-class PlanError(ValueError):
-    """A config that cannot run; the message names the key, the values and a fix."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.detail = message
-        super().__init__(f"{key}: {message}")
-
-    def __reduce__(self):  # picklable, so it crosses process boundaries (datasets.map with num_proc)
-        return (type(self), (self.key, self.detail))
-
-
-@dataclass(frozen=True)
-class Machine:
-    """Facts about where the job runs, gathered at the launch boundary."""
-
-    gpus_per_node: int = 0
-    """CUDA devices visible on this node (0: CPU processes)."""
-    fp16_supported: bool = True
-    """Whether the device can train in fp16 (DeepSpeed refuses fp16 on most CPUs)."""
-    cpu_cores: int = 1
-    device_memory_bytes: int = 0
-    """Memory of one device (GPU 0), or on CPU the machine's RAM; 0: unknown."""
-
-
-@dataclass
-class Plan:
-    """The resolved parallel layout of a run (saved next to ``config.yaml``)."""
-
-    dp: int
-    tp: int
-    pp: int
-    world_size: int
-    nodes: int
-    micro_batch_size: int
-    grad_accum: int
-    global_batch_size: int
-    zero_stage: int
-    precision: str
-    seq_len: int
-    tokens_per_step: int
-    vocab_size: int
-    padded_vocab_size: int
-    num_layers: int
-    layer_names: list[str] = field(default_factory=list)
-    """Pipeline layers in order (``embed``, ``pos_embed``, ``block.0``..., ``final_norm``, ``head``)."""
-    stage_bounds: list[int] = field(default_factory=list)
-    """Stage ``s`` holds ``layer_names[stage_bounds[s]:stage_bounds[s+1]]``."""
-
-    def stage_layers(self, stage: int) -> list[str]:
-        """Pipeline layer names of ``stage``."""
-        return self.layer_names[self.stage_bounds[stage]:self.stage_bounds[stage + 1]]
-
-    def layout(self) -> dict[str, Any]:
-        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``).
-
-        With pp > 1 the stage boundaries too: each stage's ZeRO flat buffers hold its own layers.
-        """
-        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
-        if self.pp > 1:
-            out["stage_bounds"] = list(self.stage_bounds)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def zero_stage_for(asked: int | None, dp: int, precision: str) -> int:

@@ -10,7 +10,7 @@ from hybridtrain.config.schema import Config
 from hybridtrain.data.sampler import BatchLayout, Samples
 from hybridtrain.engine import Built, lr_lambda
 from hybridtrain.observe.clock import StepClock
-from hybridtrain.plan.validate import Plan
+from hybridtrain.plan.types import Plan
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
 from hybridtrain.train.preempt import StopRequest

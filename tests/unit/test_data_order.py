@@ -14,7 +14,7 @@ from data_helpers import save_samples
 from hybridtrain.data.sampler import ArrowColumn, BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
 from hybridtrain.plan import PlanError, resolve
 from hybridtrain.plan.data import check_data_counts
-from hybridtrain.plan.validate import Machine
+from hybridtrain.plan.types import Machine
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]  # (dp, micro_batch_size) for a global batch of 8
 

@@ -12,7 +12,7 @@ from hybridtrain.observe import timeline
 from hybridtrain.observe.checks import check_observe
 from hybridtrain.observe.loggers import check_logger, scalars
 from hybridtrain.observe.peak import gpu_peak_tflops, probe_cpu_tflops, probe_key, resolve_peak
-from hybridtrain.plan.validate import PlanError
+from hybridtrain.errors import PlanError
 from hybridtrain.report import write_report
 from hybridtrain.report.findings import findings
 
