@@ -104,14 +104,15 @@ def _stage_flops(run_dir: str) -> list[float]:
     from hybridtrain.config import load_config
     from hybridtrain.models.families import get_family
     from hybridtrain.plan import model_config
+    from hybridtrain.models.units import model_units
     from hybridtrain.plan.flops import unit_forward_flops
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     plan = json.loads((Path(run_dir) / "plan.json").read_text())
     hf, family = model_config(cfg), get_family(cfg.model.model_type)
-    names, bounds = plan["layer_names"], plan["stage_bounds"]
-    return [sum(unit_forward_flops(n, family, hf, plan["seq_len"], plan["padded_vocab_size"])
-                for n in names[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+    units, bounds = model_units(family, hf), plan["stage_bounds"]
+    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"])
+                for u in units[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
 
 def pipeline(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:

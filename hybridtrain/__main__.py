@@ -20,6 +20,8 @@ register_schema()
 
 def summary(plan, hf_config, params: int) -> str:
     """Derived numbers printed at start-up."""
+    from hybridtrain.models.units import count_blocks
+
     lines = [
         f"model     {hf_config.model_type}: {params / 1e6:.2f}M parameters, {plan.num_layers} layers, "
         f"vocab {plan.vocab_size} (padded to {plan.padded_vocab_size})",
@@ -31,7 +33,7 @@ def summary(plan, hf_config, params: int) -> str:
     ]
     for s in range(plan.pp):
         names = plan.stage_layers(s)
-        blocks = sum(n.startswith("block.") for n in names)
+        blocks = count_blocks(names)
         lines.append(f"stage {s}   {blocks} block(s): {', '.join(names)}")
     if plan.pp > 1:
         bubble = (plan.pp - 1) / (plan.grad_accum + plan.pp - 1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
+from hybridtrain.parallel.dims import ParallelDims, ParallelGroups
 from hybridtrain.plan.types import Plan
 
 
@@ -85,14 +86,29 @@ class Built:
     """An initialised engine and the facts the loop needs about this rank."""
 
     engine: Any
-    dp_rank: int
-    tp_rank: int
-    stage: int
-    tp: Any
-    """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
+    groups: ParallelGroups
+    """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.dims`)."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.coords.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.groups.coords.tp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (``pp`` coordinate)."""
+        return self.groups.coords.pp
+
+    @property
+    def tp(self) -> Any:
+        """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
+        return self.groups.tp
 
     @property
     def model_state_bytes(self) -> dict[str, int]:
@@ -148,7 +164,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     """
     import deepspeed
     import torch
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
     from torch.optim.lr_scheduler import LambdaLR
 
     from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs, sequential_model
@@ -157,7 +173,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.layers import VocabParallelLoss
 
-    topo = PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp, num_dp=plan.dp)
+    dims = ParallelDims.of(plan)
+    topo = dims.topology()
     tp = TPContext()
     builder = ModelBuilder(family=get_family(cfg.model.model_type), hf_config=hf_config,
                            hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
@@ -174,12 +191,11 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
             grid, mpu = model._grid, None  # the pipeline engine takes its grid from the module
         else:
             grid = PipelineParallelGrid(topology=topo)
-            tp.bind_grid(grid)
+            tp.bind_grid(grid)  # before the layers are built: they read the TP group
             model, mpu = sequential_model(builder, loss_fn), grid
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
-    built = Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
-                  stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp)
+    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp))
     if _own_clipping(plan):
         from hybridtrain.engine.clip import install_fp32_clipping
 

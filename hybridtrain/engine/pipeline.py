@@ -5,6 +5,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from hybridtrain.models.build import ModelBuilder
+from hybridtrain.models.units import Kind, model_units
 from hybridtrain.models.stages import (DecoderBlock, FinalNorm, LMHead, PositionEmbedding, SequentialLM,
                                        TokenEmbedding, tied_head)
 from hybridtrain.parallel.context import TPContext
@@ -33,28 +34,37 @@ class HybridPipelineModule(PipelineModule):
 
 
 def layer_specs(builder: ModelBuilder) -> list:
-    """Pipeline layers in the plan's order: embed, [pos_embed], blocks, final_norm, head.
+    """One DeepSpeed layer spec per pipeline unit (:func:`~hybridtrain.models.units.model_units`).
 
     A tied head is a ``TiedLayerSpec`` of the embedding: first and last stage each build it, their
     gradients are summed after every step and the weight is kept identical.
     """
-    embed = (TiedLayerSpec("embed", TokenEmbedding, builder, tied_weight_attr="weight")
-             if builder.tied else LayerSpec(TokenEmbedding, builder))
-    specs = [embed]
-    if builder.family.position_embed:
-        specs.append(LayerSpec(PositionEmbedding, builder))
-    specs += [LayerSpec(DecoderBlock, builder, i) for i in range(builder.hf_config.num_hidden_layers)]
-    specs.append(LayerSpec(FinalNorm, builder))
-    specs.append(TiedLayerSpec("embed", TokenEmbedding, builder, forward_fn=tied_head, tied_weight_attr="weight")
-                 if builder.tied else LayerSpec(LMHead, builder))
+    specs = []
+    for unit in model_units(builder.family, builder.hf_config):
+        if unit.kind is Kind.EMBED and builder.tied:
+            specs.append(TiedLayerSpec("embed", TokenEmbedding, builder, tied_weight_attr="weight"))
+        elif unit.kind is Kind.HEAD and unit.tied:
+            specs.append(TiedLayerSpec("embed", TokenEmbedding, builder, forward_fn=tied_head, tied_weight_attr="weight"))
+        elif unit.kind is Kind.BLOCK:
+            specs.append(LayerSpec(DecoderBlock, builder, unit.index))
+        else:
+            specs.append(LayerSpec(_LAYERS[unit.kind], builder))
     return specs
 
 
 def sequential_model(builder: ModelBuilder, loss_fn) -> nn.Module:
-    """All layers in this process (pp = 1); a tied head reuses the embedding module."""
-    layers: list[nn.Module] = [TokenEmbedding(builder)]
-    if builder.family.position_embed:
-        layers.append(PositionEmbedding(builder))
-    layers += [DecoderBlock(builder, i) for i in range(builder.hf_config.num_hidden_layers)]
-    layers.append(FinalNorm(builder))
-    return SequentialLM(layers, None if builder.tied else LMHead(builder), loss_fn)
+    """All units in this process (pp = 1); a tied head reuses the embedding module."""
+    layers: list[nn.Module] = []
+    head = None
+    for unit in model_units(builder.family, builder.hf_config):
+        if unit.kind is Kind.BLOCK:
+            layers.append(DecoderBlock(builder, unit.index))
+        elif unit.kind is Kind.HEAD:
+            head = None if unit.tied else LMHead(builder)
+        else:
+            layers.append(_LAYERS[unit.kind](builder))
+    return SequentialLM(layers, head, loss_fn)
+
+
+_LAYERS = {Kind.EMBED: TokenEmbedding, Kind.POS_EMBED: PositionEmbedding, Kind.FINAL_NORM: FinalNorm, Kind.HEAD: LMHead}
+"""The layer class of each unit kind but blocks (built with their index)."""

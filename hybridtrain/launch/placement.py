@@ -1,9 +1,8 @@
 """Where each rank sits: its node and its (dp, tp, pp) coordinates, and which groups cross nodes.
 
-DeepSpeed's ``PipeModelDataParallelTopology`` orders ranks with the tensor-parallel axis fastest,
-then data, then pipeline: ``rank = pp_rank * dp * tp + dp_rank * tp + tp_rank`` (checked against
-DeepSpeed in tests/unit/test_slurm_unit.py). Launchers put ``k = world / nodes`` consecutive ranks on each
-node, so a TP group (``tp`` consecutive ranks) stays inside a node when ``tp`` divides ``k``, and a
+The coordinates come from :class:`~hybridtrain.parallel.dims.ParallelDims` (DeepSpeed's topology,
+``tp`` fastest, then ``dp``, then ``pp``; checked against DeepSpeed in tests/unit/test_slurm_unit.py).
+Launchers put ``k = world / nodes`` consecutive ranks on each node, so a TP group (``tp`` consecutive ranks) stays inside a node when ``tp`` divides ``k``, and a
 data-parallel group (stride ``tp``, ``dp`` members) when ``dp x tp`` divides ``k``; the pipeline axis,
 outermost, is what crosses nodes first.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.types import Plan
 
 
@@ -29,8 +29,8 @@ class Place:
 def places(plan: Plan) -> list[Place]:
     """Every rank's :class:`Place` under block placement (``world / nodes`` consecutive ranks per node)."""
     per_node = plan.world_size // plan.nodes
-    return [Place(rank=r, node=r // per_node, dp=(r // plan.tp) % plan.dp, tp=r % plan.tp,
-                  pp=r // (plan.dp * plan.tp)) for r in range(plan.world_size)]
+    return [Place(rank=r, node=r // per_node, dp=c.dp, tp=c.tp, pp=c.pp)
+            for r, c in enumerate(ParallelDims.of(plan).all_coords())]
 
 
 def crossing(plan: Plan) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, TPRule, padded_vocab  # noqa: F401  (re-export)
+from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp
 from hybridtrain.parallel.slicing import shard_tensor
@@ -75,13 +76,9 @@ def reference_model(hf_config, family: Family, seed: int) -> nn.Module:
 
 
 def unit_names(family: Family, hf_config) -> list[str]:
-    """The HF units hybridtrain initialises separately, in pipeline order."""
-    names = [family.embed] + ([family.position_embed] if family.position_embed else [])
-    names += [f"{family.blocks}.{i}" for i in range(getattr(hf_config, family.n_layers))]
-    names.append(family.final_norm)
-    if not hf_config.tie_word_embeddings:
-        names.append(family.head)
-    return names
+    """The HF units hybridtrain initialises separately, in pipeline order (a tied head has no
+    weight of its own)."""
+    return [u.hf_path for u in model_units(family, hf_config) if not (u.kind is Kind.HEAD and u.tied)]
 
 
 @dataclass

@@ -16,11 +16,7 @@ from typing import Any
 from hybridtrain.observe import gather, loggers, resources
 from hybridtrain.observe.clock import CATEGORIES, KINDS, StepClock
 from hybridtrain.observe.peak import Peak, resolve_peak
-
-
-def _coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
-    """``(stage, dp_rank, tp_rank)`` of a global rank (``rank = pipe * dp * tp + data * tp + model``)."""
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+from hybridtrain.parallel.dims import ParallelDims
 
 
 def _opt(v: float) -> float | None:
@@ -171,10 +167,11 @@ class Observer:
 
         plan = self.plan
         events = []
+        dims = ParallelDims.of(plan)
         for rank, rows in enumerate(per_rank):
-            stage, dp_rank, tp_rank = _coords(rank, plan.dp, plan.tp)
+            c = dims.coords(rank)
             for step, k, mb, t0, t1 in rows:
-                events.append({"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank,
+                events.append({"rank": rank, "stage": c.pp, "dp_rank": c.dp, "tp_rank": c.tp,
                                "step": int(step), "kind": KINDS[int(k)] if k >= 0 else "other",
                                "micro_batch": int(mb), "start": t0, "end": t1})
         first = min(self._origins.values())

@@ -4,120 +4,12 @@ from __future__ import annotations
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
-from hybridtrain.plan.validate import build_plan, check_hf_overrides
+from hybridtrain.plan.hf import apply_pretrained_defaults, layer_params, model_config, pretrained_config
+from hybridtrain.plan.machine import machine_facts
+from hybridtrain.plan.validate import build_plan
 
 __all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
            "pretrained_config", "resolve", "layer_params"]
-
-SHAPE_KEYS = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
-              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
-              "n_positions", "tie_word_embeddings")
-"""HF config keys that fix tensor shapes: a ``model.config`` override may not change them for a
-pretrained model."""
-
-
-def machine_facts() -> Machine:
-    """What this node offers: CUDA GPUs, fp16 support, CPU cores."""
-    import os
-
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
-        fp16 = True
-    else:  # DeepSpeed's CPU accelerator allows fp16 only with mkldnn fp16 kernels
-        fp16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
-    if gpus:
-        memory = int(torch.cuda.get_device_properties(0).total_memory)
-    else:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            memory = 0
-    return Machine(gpus_per_node=gpus, fp16_supported=fp16, cpu_cores=os.cpu_count() or 1,
-                   device_memory_bytes=int(memory))
-
-
-def layer_params(cfg: Config, hf_config) -> list[int]:
-    """Parameter count of each pipeline layer (from the meta model; no memory is allocated)."""
-    from hybridtrain.models.build import meta_model
-    from hybridtrain.models.families import get_family
-
-    family = get_family(cfg.model.model_type)
-    model = meta_model(hf_config)
-
-    def count(path: str) -> int:
-        return sum(p.numel() for p in model.get_submodule(path).parameters())
-
-    counts = [count(family.embed)] + ([count(family.position_embed)] if family.position_embed else [])
-    counts += [count(f"{family.blocks}.{i}") for i in range(getattr(hf_config, family.n_layers))]
-    counts += [count(family.final_norm), count(family.embed if hf_config.tie_word_embeddings else family.head)]
-    return counts
-
-
-def pretrained_config(cfg: Config):
-    """The HF config of the ``model.pretrained`` folder, checked: it exists, is an HF model of a
-    supported family matching ``model.model_type``, and needs no remote code unless allowed."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from hybridtrain.models.families import FAMILIES
-
-    folder = Path(cfg.model.pretrained).expanduser()
-    if not folder.is_dir():
-        raise PlanError("model.pretrained", f"{cfg.model.pretrained!r} does not exist or is not a folder; "
-                        "give the folder written by save_pretrained")
-    if not (folder / "config.json").is_file():
-        raise PlanError("model.pretrained", f"{folder} is not a HuggingFace model folder (no config.json); "
-                        "give the folder written by save_pretrained")
-    try:
-        hf = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.model.trust_remote_code)
-    except ValueError as err:  # unknown model_type, or remote code refused
-        raise PlanError("model.pretrained", f"{folder}: {err}".splitlines()[0] +
-                        "; only built-in architectures load unless model.trust_remote_code=true") from None
-    if hf.model_type not in FAMILIES:
-        raise PlanError("model.pretrained", f"{folder} holds a {hf.model_type!r} model; supported architectures: "
-                        f"{sorted(FAMILIES)}")
-    if hf.model_type != cfg.model.model_type:
-        raise PlanError("model.model_type", f"model.pretrained is a {hf.model_type!r} model but "
-                        f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type}")
-    for key, value in cfg.model.config.items():  # overrides on top (dropout and the like)
-        if key in SHAPE_KEYS and getattr(hf, key, None) != value:
-            raise PlanError(f"model.config.{key}", f"{value} differs from the checkpoint's {getattr(hf, key, None)} "
-                            f"in {folder}; a pretrained model's shape cannot change: drop the override")
-        setattr(hf, key, value)
-    hf._attn_implementation = cfg.model.attn_implementation
-    hf.use_cache = False
-    return hf
-
-
-def apply_pretrained_defaults(cfg: Config) -> None:
-    """With ``model.pretrained`` and no ``data.tokenizer``, use the model folder's tokenizer."""
-    from pathlib import Path
-
-    if cfg.model.pretrained and cfg.data.tokenizer is None:
-        if (Path(cfg.model.pretrained).expanduser() / "tokenizer.json").is_file():
-            cfg.data.tokenizer = str(Path(cfg.model.pretrained).expanduser().resolve())
-
-
-def model_config(cfg: Config):
-    """The HF config of this run: ``model.config`` overrides over the family defaults, with the
-    tokenizer's vocabulary size and EOS id unless overridden. Launcher and workers both call this."""
-    from hybridtrain.data.tokenizer import eos_id, vocab_size
-    from hybridtrain.models.build import hf_config_of
-    from hybridtrain.models.families import FAMILIES
-
-    if cfg.model.model_type not in FAMILIES:
-        raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
-    check_hf_overrides(cfg.model.model_type, cfg.model.config)
-    if cfg.model.pretrained:
-        return pretrained_config(cfg)
-    try:
-        vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
-    except FileNotFoundError as err:
-        raise PlanError("data.tokenizer", str(err)) from None
-    return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
 
 
 def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple[Plan, object]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hybridtrain.config.schema import Config
+from hybridtrain.models.units import Kind
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
 from hybridtrain.plan.memory import device_memory_bytes, rank_memory, stage_param_sizes
@@ -78,7 +79,7 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
     tokens = c.micro_batch_size * s
     costs = layer_time_costs(facts, tokens, c.tp)
     if c.activation_checkpointing:  # one more forward of every block (1/3 of its training FLOPs)
-        costs = [x + (u.flops * tokens / c.tp / 3 if u.name.startswith("block.") else 0.0)
+        costs = [x + (u.flops * tokens / c.tp / 3 if u.kind is Kind.BLOCK else 0.0)
                  for x, u in zip(costs, facts.units)]
     bounds = balanced(costs, c.pp) if c.pp > 1 else [0, len(costs)]
     rate = rates.flops
@@ -90,11 +91,11 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
         units = facts.units[bounds[st]:bounds[st + 1]]
         slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
         compute = sum(costs[bounds[st]:bounds[st + 1]]) / rate + len(units) * rates.layer_overhead * slow
-        blocks = sum(u.name.startswith("block.") for u in units)
+        blocks = sum(u.kind is Kind.BLOCK for u in units)
         comm = 4 * blocks * _allreduce(act, c.tp, rates)
         # vocabulary parallel: the embedding's output, the head's input gradient, the loss's max,
         # sum of exponentials and target logit
-        comm += (any(u.name == "embed" for u in units) + 4 * any(u.name == "head" for u in units)) * (
+        comm += (any(u.kind is Kind.EMBED for u in units) + 4 * any(u.kind is Kind.HEAD for u in units)) * (
             _allreduce(act, c.tp, rates))
         send = 2 * (rates.latency + act / rates.bandwidth) if c.pp > 1 else 0.0
         per_stage.append(compute + comm + send)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, get_family, padded_vocab
+from hybridtrain.models.units import Kind, Unit, model_units
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
-from hybridtrain.plan.validate import layer_names
 
 ELEMENTWISE_COST = 8.0
 """Matmul-FLOP equivalents charged per element of element-wise training work that the model
@@ -21,9 +21,9 @@ far below the matmul rate, hence more than one FLOP per element; checked by benc
 
 @dataclass(frozen=True)
 class UnitFacts:
-    """One pipeline layer (``embed``, ``pos_embed``, ``block.N``, ``final_norm``, ``head``)."""
+    """One pipeline unit (:class:`~hybridtrain.models.units.Unit`) and its costs."""
 
-    name: str
+    unit: Unit
     sharded: tuple[int, ...]
     """Element counts of the parameters split over TP (divided by tp on each rank)."""
     replicated: tuple[int, ...]
@@ -34,8 +34,19 @@ class UnitFacts:
     """Element-wise work per token (elements touched), for time only (see :data:`ELEMENTWISE_COST`)."""
     fixed_elementwise: float = 0.0
     """Element-wise work per micro-batch independent of tokens (the embedding's dense gradient)."""
-    tied: bool = False
-    """A tied LM head: the embedding's weight again (a copy on the last stage when pp > 1)."""
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def kind(self) -> Kind:
+        return self.unit.kind
+
+    @property
+    def tied(self) -> bool:
+        """A tied LM head: the embedding's weight again (a copy on the last stage when pp > 1)."""
+        return self.unit.tied
 
     def params(self, tp: int) -> int:
         """Parameters this layer puts on one TP rank."""
@@ -97,23 +108,22 @@ def model_facts(model_type: str, hf_config, seq_len: int, tp_for_padding: int = 
     model = meta_model(one)
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     sharded, replicated = _block_split(family, model.get_submodule(f"{family.blocks}.0"))
     norm = tuple(p.numel() for p in model.get_submodule(family.final_norm).parameters())
     units: list[UnitFacts] = []
-    for name in layer_names(family, layers):
-        fwd = unit_forward_flops(name, family, hf_config, seq_len, vocab)
-        if name == "embed":  # lookup; backward accumulates into a dense [V, H] gradient
-            units.append(UnitFacts(name, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
-        elif name == "pos_embed":
+    for unit in model_units(family, hf_config):
+        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab)
+        if unit.kind is Kind.EMBED:  # lookup; backward accumulates into a dense [V, H] gradient
+            units.append(UnitFacts(unit, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
+        elif unit.kind is Kind.POS_EMBED:
             n_pos = int(getattr(hf_config, family.max_positions))
-            units.append(UnitFacts(name, (), (n_pos * hidden,), 0.0, 2 * hidden))
-        elif name.startswith("block."):
-            units.append(UnitFacts(name, tuple(sharded), tuple(replicated), TRAIN_FACTOR * fwd, 12 * hidden))
-        elif name == "final_norm":
-            units.append(UnitFacts(name, (), norm, 0.0, 4 * hidden))
+            units.append(UnitFacts(unit, (), (n_pos * hidden,), 0.0, 2 * hidden))
+        elif unit.kind is Kind.BLOCK:
+            units.append(UnitFacts(unit, tuple(sharded), tuple(replicated), TRAIN_FACTOR * fwd, 12 * hidden))
+        elif unit.kind is Kind.FINAL_NORM:
+            units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
-            units.append(UnitFacts(name, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab, tied=tied))
+            units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
     return ModelFacts(family=family, hidden=hidden, heads=int(getattr(hf_config, family.heads)),
                       num_layers=layers, seq_len=seq_len, padded_vocab=vocab, units=units)
 
@@ -122,7 +132,7 @@ def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int) -> i
     """Parameters one TP rank of ``stage`` holds (a tied head on a stage that has the embedding
     is the same tensor; on another stage it is a copy)."""
     units = facts.units[bounds[stage]:bounds[stage + 1]]
-    has_embed = any(u.name == "embed" for u in units)
+    has_embed = any(u.kind is Kind.EMBED for u in units)
     return sum(u.params(tp) for u in units if not (u.tied and has_embed))
 
 

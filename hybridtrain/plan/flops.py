@@ -11,6 +11,7 @@ partition and the MFU metric: one definition for all of them.
 from __future__ import annotations
 
 from hybridtrain.models.families import Family, mlp_width_of
+from hybridtrain.models.units import Kind, Unit
 
 TRAIN_FACTOR = 3
 """Forward + backward of a layer = 3 forwards (the backward computes input and weight gradients)."""
@@ -40,12 +41,11 @@ def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
     return float(2 * int(getattr(hf_config, family.hidden)) * vocab_size)
 
 
-def unit_forward_flops(name: str, family: Family, hf_config, seq_len: int, vocab_size: int) -> float:
-    """Forward FLOPs per token of the pipeline unit ``name`` (``embed``, ``pos_embed``, ``block.N``,
-    ``final_norm``, ``head``; see :func:`hybridtrain.plan.validate.layer_names`)."""
-    if name.startswith("block."):
+def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, vocab_size: int) -> float:
+    """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`)."""
+    if unit.kind is Kind.BLOCK:
         return block_forward_flops(family, hf_config, seq_len)
-    if name == "head":
+    if unit.kind is Kind.HEAD:
         return head_forward_flops(family, hf_config, vocab_size)
     return 0.0  # lookups and norms: element-wise, not counted
 

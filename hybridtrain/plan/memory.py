@@ -35,7 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hybridtrain.plan.costs import ModelFacts, UnitFacts
+from hybridtrain.config import load_config
+from hybridtrain.models.units import Kind
+from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
+from hybridtrain.plan.hf import model_config
+from hybridtrain.plan.types import Plan
 
 PERSISTENCE_THRESHOLD = 100_000
 """ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
@@ -88,7 +92,7 @@ def model_state(sizes: list[int], zero: int, dp: int, precision: str) -> tuple[i
 def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
     """Element counts of the parameter tensors one TP rank of a stage holds (a tied head on the
     embedding's stage is the same tensor)."""
-    has_embed = any(u.name == "embed" for u in units)
+    has_embed = any(u.kind is Kind.EMBED for u in units)
     out: list[int] = []
     for u in units:
         if not (u.tied and has_embed):
@@ -102,14 +106,14 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     s, b, h, a = facts.seq_len, micro_batch, facts.hidden, facts.heads
     w = 4 if precision == "fp32" else 2
     full = s * b * h * (10 + 24 / tp) * w / 2 + (5 * a * s * s * b / tp * w / 2 if eager else 0)
-    blocks = sum(u.name.startswith("block.") for u in units)
+    blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
         total = blocks * s * b * h * w + full  # inputs kept + one block recomputed
     else:
         total = blocks * full
-    if any(u.name == "head" for u in units):
+    if any(u.kind is Kind.HEAD for u in units):
         total += 2 * 4 * s * b * facts.padded_vocab / tp
-    if any(u.name == "embed" for u in units):
+    if any(u.kind is Kind.EMBED for u in units):
         total += s * b * h * w
     return int(total)
 
@@ -138,14 +142,10 @@ def device_memory_bytes(plan_cfg, machine, ranks_per_node: int) -> int:
     return machine.device_memory_bytes // max(1, ranks_per_node)
 
 
-def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, micro_batches: int, padded_vocab: int,
+def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_batches: int, padded_vocab: int,
                     machine) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
     """Per-layer time costs and the memory constraint for ``parallel.partition=balanced``."""
-    from hybridtrain.plan.costs import layer_time_costs, model_facts
-    from hybridtrain.plan.validate import zero_stage_for
-
     par = cfg.parallel
-    zero = zero_stage_for(par.zero_stage, dp, cfg.trainer.precision)
     facts = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
     costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
@@ -169,11 +169,6 @@ def estimate_for_run(run_dir, stage: int = 0) -> "RankMemory":
     ``plan.json``): what the worker's measured ``model_state_bytes`` is compared with."""
     import json
     from pathlib import Path
-
-    from hybridtrain.config import load_config
-    from hybridtrain.plan import model_config
-    from hybridtrain.plan.costs import model_facts
-    from hybridtrain.plan.types import Plan
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     plan = Plan(**json.loads((Path(run_dir) / "plan.json").read_text()))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from hybridtrain.models.units import Kind, kind_of
+
 METHODS = ("balanced", "blocks", "uniform", "parameters")
 """Values of ``parallel.partition``."""
 
@@ -150,7 +152,8 @@ def stage_problem(names: Sequence[str]) -> Optional[str]:
     fewer, so its collectives pair with the wrong ones and the job hangs. A decoder block has
     both kinds; embeddings and the head have only matrices, the final norm only vectors.
     """
-    if any(n.startswith("block.") for n in names) or ("final_norm" in names and "head" in names):
+    kinds = {kind_of(n) for n in names}
+    if Kind.BLOCK in kinds or {Kind.FINAL_NORM, Kind.HEAD} <= kinds:
         return None
     return (f"a stage of only {', '.join(names)} has parameters of one kind (matrices or norms) and would "
             "hang DeepSpeed's gradient-norm collectives; every stage needs a decoder block, or the final "

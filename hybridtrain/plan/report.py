@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridtrain.config.schema import Config
+from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.models.units import Kind, block_index, kind_of
 from hybridtrain.plan.costs import ModelFacts, layer_time_costs, model_facts, stage_flops
 from hybridtrain.plan.memory import GiB, RankMemory, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Plan
@@ -52,8 +54,8 @@ class PlanReport:
         """Every rank's coordinates; DeepSpeed's topology orders tp fastest, then dp, then pp."""
         p = self.plan
         per_node = self.ranks_per_node or max(1, p.world_size // p.nodes)
-        return [{"rank": r, "node": r // per_node, "pp": r // (p.dp * p.tp), "dp": r // p.tp % p.dp,
-                 "tp": r % p.tp} for r in range(p.world_size)]
+        return [{"rank": r, "node": r // per_node, "pp": c.pp, "dp": c.dp, "tp": c.tp}
+                for r, c in enumerate(ParallelDims.of(p).all_coords())]
 
 
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
@@ -96,8 +98,8 @@ def _layers(names: list[str]) -> str:
     """``embed, block.0-7, final_norm``: runs of blocks compressed."""
     out, run = [], []
     for n in names + [""]:
-        if n.startswith("block."):
-            run.append(int(n.split(".")[1]))
+        if n and kind_of(n) is Kind.BLOCK:
+            run.append(block_index(n))
             continue
         if run:
             out.append(f"block.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))

@@ -6,12 +6,16 @@ violation raises :class:`PlanError` naming the key path, the values and a fix.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.models.families import FAMILIES, Family, get_family, mlp_width_of, padded_vocab
+from hybridtrain.models.families import FAMILIES, get_family, mlp_width_of, padded_vocab
+from hybridtrain.parallel.dims import data_parallel_degree
+from hybridtrain.models.units import model_units, split_around_blocks
+from hybridtrain.models.units import names as unit_names
+from hybridtrain.plan.data import check_data_config
+from hybridtrain.plan.memory import balanced_inputs
 from hybridtrain.plan.partition import METHODS, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -40,25 +44,6 @@ def _need(ok: bool, key: str, message: str) -> None:
 
 def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def check_hf_overrides(model_type: str, overrides: dict) -> None:
-    """Reject ``model.config`` keys the HF config class does not have (typos would be silently kept)."""
-    from transformers import AutoConfig
-
-    known = set(AutoConfig.for_model(model_type).to_dict())
-    known |= {"tie_word_embeddings", "vocab_size", "n_inner", "head_dim", "attention_bias", "mlp_bias"}
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"; did you mean {close}?" if close else ""
-            raise PlanError(f"model.config.{key}", f"{model_type} HF config has no field {key!r}{hint}")
-
-
-def layer_names(family: Family, num_layers: int) -> list[str]:
-    """Pipeline layer names of ``family`` in order."""
-    pre = ["embed"] + (["pos_embed"] if family.position_embed else [])
-    return pre + [f"block.{i}" for i in range(num_layers)] + ["final_norm", "head"]
 
 
 def _check_cluster_launcher(lau) -> None:
@@ -90,8 +75,6 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
           f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
     _need(lau.name in LAUNCHERS, "launcher.name", f"{lau.name!r} is not one of {list(LAUNCHERS)}")
-    from hybridtrain.plan.data import check_data_config  # imports this module: import here
-
     check_data_config(cfg.data, tr)
 
     for key in ("tp", "pp", "micro_batch_size"):
@@ -113,23 +96,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     # launcher.gpus_per_node counts there.
     here = (machine.gpus_per_node or None) if lau.name == "local" else None
     per_node = lau.gpus_per_node if lau.gpus_per_node is not None else here
+    dp = data_parallel_degree(par.dp, par.tp, par.pp, per_node, lau.nodes)
     model_ranks = par.tp * par.pp
-    if per_node is None:  # CPU processes: no device limit; dp defaults to one replica per node
-        dp = par.dp or lau.nodes
-        if lau.nodes > 1:
-            _need(dp * model_ranks % lau.nodes == 0, "parallel.dp",
-                  f"dp x tp x pp = {dp * model_ranks} ranks do not spread evenly over launcher.nodes={lau.nodes}")
-    else:
-        total = per_node * lau.nodes
-        _need(model_ranks <= total, "parallel.tp",
-              f"tp x pp = {par.tp} x {par.pp} = {model_ranks} ranks exceed the {total} devices "
-              f"(launcher.nodes={lau.nodes} x launcher.gpus_per_node={per_node}); lower tp or pp, or add devices")
-        dp = par.dp if par.dp is not None else total // model_ranks
-        world = dp * model_ranks
-        _need(world == total if par.dp is None else world <= total, "parallel.dp",
-              f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} does not fit the {total} devices "
-              f"(launcher.nodes={lau.nodes} x launcher.gpus_per_node={per_node}); use dp <= {total // model_ranks}"
-              + ("" if par.dp is not None else f" and tp x pp dividing {total}"))
     world = dp * model_ranks
     if lau.name != "local" and per_node is not None:  # srun / the runner start one rank per device
         _need(world == per_node * lau.nodes, "launcher.gpus_per_node",
@@ -200,8 +168,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           f"must be >= 1 or null (keep all), got {tr.keep_last}")
     _need(cfg.optim.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {cfg.optim.grad_clip}")
 
-    names = layer_names(family, num_layers)
-    n_pre = 2 if family.position_embed else 1
+    names = unit_names(model_units(family, hf_config))
+    n_pre, _, n_post = split_around_blocks(names)
     padded = padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple)
     if par.stage_layers is not None:
         try:
@@ -212,10 +180,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     else:
         costs = fits = None
         if par.partition == "balanced" and par.pp > 1:
-            from hybridtrain.plan.memory import balanced_inputs  # builds a one-block meta model
-
-            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, grad_accum, padded, machine)
-        bounds = partition(par.partition, n_pre, num_layers, 2, par.pp, layer_params, costs, fits)
+            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, zero, grad_accum, padded, machine)
+        bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits)
     for s in range(par.pp):
         why = stage_problem(names[bounds[s]:bounds[s + 1]])
         key = "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition"

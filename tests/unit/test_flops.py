@@ -2,6 +2,7 @@
 from transformers import GPT2Config, LlamaConfig
 
 from hybridtrain.models.families import GPT2, LLAMA
+from hybridtrain.models.units import model_units
 from hybridtrain.plan.flops import model_flops_per_token, unit_forward_flops
 
 
@@ -18,6 +19,7 @@ def test_llama_block_counts_grouped_kv_and_gated_mlp():
                       intermediate_size=f, num_hidden_layers=2, vocab_size=1000)
     kv_dim = kv * h // heads
     expected = 2 * h * (h + 2 * kv_dim) + 2 * h * h + 4 * s * h + 3 * 2 * h * f
-    assert unit_forward_flops("block.1", LLAMA, cfg, s, 1000) == expected
-    assert unit_forward_flops("embed", LLAMA, cfg, s, 1000) == 0
-    assert unit_forward_flops("head", LLAMA, cfg, s, 1024) == 2 * h * 1024
+    units = {u.name: u for u in model_units(LLAMA, cfg)}
+    assert unit_forward_flops(units["block.1"], LLAMA, cfg, s, 1000) == expected
+    assert unit_forward_flops(units["embed"], LLAMA, cfg, s, 1000) == 0
+    assert unit_forward_flops(units["head"], LLAMA, cfg, s, 1024) == 2 * h * 1024

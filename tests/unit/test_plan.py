@@ -11,7 +11,7 @@ from helpers_unit import compose_config
 from hybridtrain.config import Config
 from hybridtrain.plan import Machine, PlanError, build_plan, layer_params, model_config, resolve
 from hybridtrain.plan.partition import balanced
-from hybridtrain.plan.validate import check_hf_overrides
+from hybridtrain.plan.hf import check_hf_overrides
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
 GPUS8 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=16)

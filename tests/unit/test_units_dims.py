@@ -1,0 +1,79 @@
+"""The one list of pipeline units (``models/units.py``) and the one owner of the parallel axes
+(``parallel/dims.py``)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hybridtrain.models.build import hf_config_of, meta_model
+from hybridtrain.models.families import get_family
+from hybridtrain.models.units import Kind, block_index, count_blocks, kind_of, model_units, names, split_around_blocks
+from hybridtrain.parallel.dims import Coords, ParallelDims, data_parallel_degree
+from hybridtrain.errors import PlanError
+
+SMALL = {"gpt2": {"n_layer": 3, "n_embd": 32, "n_head": 4, "n_positions": 64},
+         "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "tie_word_embeddings": True}}
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_units_are_the_models_modules_in_pipeline_order(model_type):
+    family = get_family(model_type)
+    hf_config = hf_config_of(model_type, SMALL[model_type], 100, "sdpa")
+    units = model_units(family, hf_config)
+    pre = ["embed", "pos_embed"] if model_type == "gpt2" else ["embed"]
+    assert names(units) == pre + ["block.0", "block.1", "block.2", "final_norm", "head"]
+    model = meta_model(hf_config)
+    for u in units:
+        model.get_submodule(u.hf_path)  # every unit names a real HF module
+    blocks = [u for u in units if u.is_block]
+    assert [u.index for u in blocks] == [0, 1, 2] and blocks[1].hf_path == f"{family.blocks}.1"
+    assert units[-1].kind is Kind.HEAD and units[-1].tied == bool(hf_config.tie_word_embeddings) is True
+
+
+def test_names_read_back():
+    assert kind_of("block.12") is Kind.BLOCK and block_index("block.12") == 12
+    assert [kind_of(n) for n in ("embed", "pos_embed", "final_norm", "head")] == \
+        [Kind.EMBED, Kind.POS_EMBED, Kind.FINAL_NORM, Kind.HEAD]
+    with pytest.raises(ValueError):
+        kind_of("lm_head")
+    with pytest.raises(ValueError):
+        block_index("head")
+    layer_names = ["embed", "pos_embed", "block.0", "block.1", "final_norm", "head"]
+    assert count_blocks(layer_names) == 2 and split_around_blocks(layer_names) == (2, 2, 2)
+    assert split_around_blocks(["final_norm", "head"]) == (2, 0, 0)
+
+
+@pytest.mark.parametrize("dp,tp,pp", list(itertools.product((1, 2, 3), (1, 2), (1, 2, 4))))
+def test_coordinates_are_deepspeeds_topology(dp, tp, pp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    topo = dims.topology()
+    assert dims.world == topo.world_size() == dp * tp * pp
+    for rank in range(dims.world):
+        c = dims.coords(rank)
+        ds = topo.get_coord(rank)
+        assert (c.pp, c.dp, c.tp) == (ds.pipe, ds.data, ds.model)
+        assert dims.rank(c) == rank
+    for axis, ds_axis in (("tp", "model"), ("dp", "data"), ("pp", "pipe")):
+        groups = {tuple(g) for g in topo.get_axis_comm_lists(ds_axis)} or {(r,) for r in range(dims.world)}
+        assert {tuple(dims.group_of(axis, r)) for r in range(dims.world)} == groups, axis
+
+
+def test_rank_of_coordinates_and_unknown_axis():
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert dims.rank(Coords(pp=1, dp=0, tp=1)) == 5 and dims.model_ranks == 4
+    with pytest.raises(ValueError, match="unknown axis"):
+        dims.group_of("ep", 0)
+
+
+def test_data_parallel_degree():
+    assert data_parallel_degree(None, 2, 2, None, 1) == 1  # CPU: one replica per node
+    assert data_parallel_degree(None, 2, 1, 8, 2) == 8  # fills 16 devices
+    assert data_parallel_degree(3, 2, 1, 8, 1) == 3  # explicit dp may leave devices idle
+    with pytest.raises(PlanError, match="parallel.tp: tp x pp = 4 x 4 = 16 ranks exceed the 8 devices"):
+        data_parallel_degree(None, 4, 4, 8, 1)
+    with pytest.raises(PlanError, match=r"parallel.dp: dp x tp x pp = 5 x 2 x 1 = 10 does not fit"):
+        data_parallel_degree(5, 2, 1, 8, 1)
+    with pytest.raises(PlanError, match="do not spread evenly over launcher.nodes=2"):
+        data_parallel_degree(3, 1, 1, None, 2)
