@@ -104,6 +104,7 @@ def _stage_flops(run_dir: str) -> list[float]:
     from hybridtrain.config import load_config
     from hybridtrain.models.families import get_family
     from hybridtrain.plan import model_config
+    from hybridtrain.models.build import one_layer_model
     from hybridtrain.models.units import model_units
     from hybridtrain.plan.flops import unit_forward_flops
 
@@ -111,7 +112,8 @@ def _stage_flops(run_dir: str) -> list[float]:
     plan = json.loads((Path(run_dir) / "plan.json").read_text())
     hf, family = model_config(cfg), get_family(cfg.model.model_type)
     units, bounds = model_units(family, hf), plan["stage_bounds"]
-    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"])
+    block = one_layer_model(family, hf).get_submodule(f"{family.blocks}.0")
+    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], block)
                 for u in units[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
 

@@ -9,14 +9,14 @@ fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 
-from hybridtrain.models.families import Family
+from hybridtrain.models.families import Family, fused_sizes
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hybridtrain.parallel.slicing import block_sizes
 
 
 @dataclass(frozen=True)
@@ -25,30 +25,29 @@ class Split:
 
     dim: Optional[int] = None
     """Dimension split over TP in the local ``[out, in]`` layout; ``None``: replicated."""
-    fused: int = 1
-    """Sub-blocks fused along ``dim`` and split one by one (GPT-2 ``c_attn``: 3)."""
+    fused: Union[int, tuple[int, ...]] = 1
+    """Sub-blocks fused along ``dim`` and split one by one: ``n`` equal ones (GPT-2 ``c_attn``: 3) or
+    their sizes in the full tensor (Phi-3 ``qkv_proj``: q, k, v widths)."""
     transpose: bool = False
     """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
     vocab: Optional[int] = None
     """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
 
 
-def block_params(block: nn.Module, prefix: str, family: Family) -> Iterator[tuple[str, nn.Parameter, Split]]:
-    """``(hf_name, param, split)`` for every parameter of a sharded HF decoder block."""
-    owners = {}
-    for path, module in block.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            owners[path] = (module, family.tp_plan[path])
+def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> Iterator[tuple[str, nn.Parameter, Split]]:
+    """``(hf_name, param, split)`` for every parameter of a sharded HF decoder block, by the family's
+    tensor-parallel plan (``hf_config`` gives the sizes of fused sub-blocks)."""
     for local, param in block.named_parameters():
         owner, _, leaf = local.rpartition(".")
-        if owner in owners:
-            module, rule = owners[owner]
-            if isinstance(module, ColumnParallelLinear):
-                split = Split(dim=0, fused=rule.fused, transpose=rule.conv1d and leaf == "weight")
-            else:
-                split = Split(dim=1, transpose=rule.conv1d) if leaf == "weight" else Split()
-        else:
+        rule = family.tp_plan.get(owner)
+        if rule is None or rule.style == "grad_sum":
             split = Split()
+        elif rule.style == "column":
+            split = Split(dim=0, fused=fused_sizes(rule, family, hf_config), transpose=rule.conv1d and leaf == "weight")
+        elif rule.style == "row":
+            split = Split(dim=1, transpose=rule.conv1d) if leaf == "weight" else Split()
+        else:  # norm: split like the column-parallel rows it normalises
+            split = Split(dim=0)
         yield f"{prefix}.{local}", param, split
 
 
@@ -61,11 +60,14 @@ def _full_over_dp(param: nn.Parameter) -> torch.Tensor:
 
 
 def unshard(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
-    """Concatenate TP shards (rank order) into the full local-layout tensor."""
+    """Concatenate TP shards (rank order) into the full local-layout tensor, fused sub-block by
+    sub-block (the inverse of :func:`hybridtrain.parallel.slicing.shard_tensor`)."""
     if split.fused == 1:
         return torch.cat(shards, dim=split.dim)
-    parts = [s.chunk(split.fused, dim=split.dim) for s in shards]  # [rank][sub-block]
-    return torch.cat([torch.cat([p[k] for p in parts], dim=split.dim) for k in range(split.fused)], dim=split.dim)
+    size = len(shards)
+    local = block_sizes(shards[0].shape[split.dim] * size, split.fused)  # full sub-block sizes
+    parts = [s.split([b // size for b in local], dim=split.dim) for s in shards]  # [rank][sub-block]
+    return torch.cat([torch.cat([p[k] for p in parts], dim=split.dim) for k in range(len(local))], dim=split.dim)
 
 
 def to_hf(tensor: torch.Tensor, split: Split) -> torch.Tensor:

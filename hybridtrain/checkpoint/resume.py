@@ -14,7 +14,7 @@ from hybridtrain.plan.types import Plan
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
     """The complete checkpoint ``trainer.resume`` names, checked against this run; ``None`` when
     ``auto`` finds none (a fresh start)."""
-    from hybridtrain.plan import SHAPE_KEYS
+    from hybridtrain.models.families import get_family
 
     if cfg.model.pretrained:
         raise PlanError("trainer.resume", "trainer.resume and model.pretrained are different modes: "
@@ -44,7 +44,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
                         " ".join(_override(k, v) for k, v in saved.items()))
     ckpt_config = json.loads((path / "hf" / "config.json").read_text())
-    for key in SHAPE_KEYS:
+    for key in get_family(cfg.model.model_type).shape_keys():
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
             raise PlanError(f"model.config.{key}", f"the checkpoint {path} has {key}={ckpt_config[key]} but the "
                             f"configured model has {getattr(hf_config, key, None)}; resume with the same model")

@@ -14,13 +14,16 @@ from typing import Any, Dict, List, Optional
 class ModelConfig:
     """Which HuggingFace causal LM to build."""
 
-    model_type: str = "gpt2"
-    """HF ``model_type`` of the architecture: ``gpt2`` or ``llama``."""
+    model_type: Optional[str] = "gpt2"
+    """HF ``model_type`` of the architecture, one of the families of ``docs/families.md`` (``gpt2``, ``llama``,
+    ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``phi3``, ``olmo2``, ``gpt_neox``); ``null``: the
+    ``model.pretrained`` folder's (its ``config.json``)."""
     config: Dict[str, Any] = field(default_factory=dict)
     """Overrides of the HF config under their HF names (``n_layer``, ``num_key_value_heads``...).
     ``vocab_size`` defaults to the tokenizer's vocabulary."""
-    attn_implementation: str = "sdpa"
-    """HF attention kernel: ``sdpa`` or ``eager``."""
+    attn_implementation: Optional[str] = None
+    """HF attention kernel: ``sdpa`` or ``eager``; ``null``: the family's first supported one (sdpa, or eager
+    for Gemma 2, whose attention soft-capping transformers runs only there)."""
     pretrained: Optional[str] = None
     """A local HF model folder (``save_pretrained``: config.json + safetensors) to fine-tune:
     weights only, fresh optimizer, step 0. Its config is the model (``model.config`` overrides

@@ -73,14 +73,6 @@ def _own_clipping(plan: Plan) -> bool:
     return plan.zero_stage == 0 and plan.precision == "fp32"
 
 
-def _weights(folder: str | None):
-    if folder is None:
-        return None
-    from hybridtrain.models.weights import SafetensorsWeights
-
-    return SafetensorsWeights(folder)
-
-
 @dataclass
 class Built:
     """An initialised engine and the facts the loop needs about this rank."""
@@ -168,19 +160,14 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     from torch.optim.lr_scheduler import LambdaLR
 
     from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs, sequential_model
-    from hybridtrain.models.build import ModelBuilder, meta_model
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.build import ModelBuilder
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     dims = ParallelDims.of(plan)
     topo = dims.topology()
     tp = TPContext()
-    builder = ModelBuilder(family=get_family(cfg.model.model_type), hf_config=hf_config,
-                           hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
-                           padded_vocab=plan.padded_vocab_size,
-                           activation_checkpointing=cfg.parallel.activation_checkpointing,
-                           weights=_weights(weights_dir or cfg.model.pretrained))
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     conf = ds_config(cfg, plan)

@@ -8,6 +8,7 @@ this rank's tensor shard. The full unit exists only transiently while it is slic
 """
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict
@@ -15,10 +16,11 @@ from typing import Any, Dict
 import torch
 import torch.nn as nn
 
-from hybridtrain.models.families import Family, TPRule, padded_vocab  # noqa: F401  (re-export)
+from hybridtrain.models.families import Family, TPRule, fused_sizes
+from hybridtrain.models.families.base import STYLES
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, sum_grad_over_tp
 from hybridtrain.parallel.slicing import shard_tensor
 
 
@@ -26,11 +28,15 @@ def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
                  attn_implementation: str, eos_token_id: int | None = None):
     """The HF ``PretrainedConfig`` for ``model_type`` with ``overrides`` applied.
 
-    ``vocab_size`` and the BOS/EOS ids (the tokenizer's) are used unless the overrides set them.
+    ``vocab_size`` and the BOS/EOS ids (the tokenizer's) are used unless the overrides set them; the
+    family's default pad id is dropped (it names a token of the family's own tokenizer, e.g. Phi-3's
+    32000, not of this one) unless ``pad_token_id`` is overridden.
     """
     from transformers import AutoConfig
 
-    special = {} if eos_token_id is None else {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
+    special = {"pad_token_id": None}
+    if eos_token_id is not None:
+        special.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     kwargs = {"vocab_size": vocab_size, **special, **overrides}
     cfg = AutoConfig.for_model(model_type, **kwargs)
     cfg._attn_implementation = attn_implementation
@@ -44,6 +50,14 @@ def meta_model(hf_config) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
+
+
+def one_layer_model(family: Family, hf_config) -> nn.Module:
+    """A one-layer meta model of ``hf_config``: decoder blocks are alike, so the planner reads shapes
+    from one (no memory is allocated)."""
+    one = copy.deepcopy(hf_config)
+    setattr(one, family.n_layers, 1)
+    return meta_model(one)
 
 
 def unit_seed(seed: int, name: str) -> int:
@@ -97,6 +111,22 @@ class ModelBuilder:
     """A :class:`~hybridtrain.models.weights.SafetensorsWeights` to load units from (fine-tuning),
     or ``None`` for the seeded initialisation."""
 
+    @classmethod
+    def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None) -> "ModelBuilder":
+        """The builder of a run's rank: weights from ``weights_dir`` (HF names, e.g. a checkpoint's
+        ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``)."""
+        from hybridtrain.models.families import get_family
+
+        folder = weights_dir or cfg.model.pretrained
+        weights = None
+        if folder is not None:
+            from hybridtrain.models.weights import SafetensorsWeights
+
+            weights = SafetensorsWeights(folder)
+        return cls(family=get_family(cfg.model.model_type), hf_config=hf_config, hf_model=meta_model(hf_config),
+                   seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
+                   activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights)
+
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
@@ -125,9 +155,9 @@ class ModelBuilder:
         if self.weights is not None:
             from hybridtrain.models.weights import CheckpointError, read_rows
 
-            tensor = f"{name}.weight"
+            tensor = self.family.checkpoint_name(f"{name}.weight")
             if tensor not in self.weights and name == self.family.head:  # tied: save_pretrained omits it
-                tensor = f"{self.family.embed}.weight"
+                tensor = self.family.checkpoint_name(f"{self.family.embed}.weight")
             rows, shape = read_rows(self.weights, tensor, start, stop)
             want = (self.vocab_size, int(self.hf_model.get_submodule(name).weight.shape[1]))
             if shape != want:
@@ -145,35 +175,48 @@ class ModelBuilder:
         return shard, start
 
     def block(self, index: int) -> nn.Module:
-        """Decoder block ``index`` with its linears replaced by this rank's TP shards."""
+        """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
-        tp_linears = tuple(f"{path}." for path in self.family.tp_plan)
-        block = self.materialize(prefix, skip=tp_linears if self.weights is not None else ())
+        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.style != "grad_sum")
+        block = self.materialize(prefix, skip=split if self.weights is not None else ())
         read = None
-        if self.weights is not None:  # pretrained: read only this rank's shard of each split linear
+        if self.weights is not None:  # pretrained: read only this rank's shard of each split module
             from hybridtrain.models.weights import read_shard
 
-            def read(path: str, dim: int | None, fused: int) -> torch.Tensor:
+            def read(path: str, dim: int | None, fused) -> torch.Tensor:
                 if dim is None:  # replicated (a row-parallel bias)
                     return self.weights.get(f"{prefix}.{path}")
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
-        shard_block(block, self.family, self.tp, read)
+        shard_block(block, self.family, self.hf_config, self.tp, read)
         return block
 
 
-def shard_block(block: nn.Module, family: Family, tp: TPContext, read=None) -> None:
+def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read=None) -> None:
     """Apply ``family.tp_plan`` to ``block`` in place (see :class:`~hybridtrain.models.families.TPRule`).
 
-    Shards are cut from the block's own (full) linears, or, with ``read(path, hf_dim, fused)``,
-    read directly from a checkpoint (``path`` like ``attn.c_attn.weight``, HF layout).
+    Shards are cut from the block's own (full) modules, or, with ``read(path, hf_dim, fused)``,
+    read directly from a checkpoint (``path`` like ``attn.c_attn.weight``, HF layout). With tp > 1 the
+    Megatron "f" goes on the ``input_copy`` modules, and per-rank head counts replace the full ones
+    (``heads_per_rank_attrs``; ``per_rank_config`` in a copy of the attention's config).
     """
     for name, rule in family.tp_plan.items():
         try:
-            linear = block.get_submodule(name)
+            module = block.get_submodule(name)
         except AttributeError:
             raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
                              f"which is not a module of {type(block).__name__}") from None
-        block.set_submodule(name, _shard_linear(linear, rule, tp, _reader(read, name, rule)))
+        if rule.style == "grad_sum":  # replicated; its gradient covers this rank's heads only
+            for param in module.parameters():
+                sum_grad_over_tp(param, tp)
+        elif rule.style == "norm":  # the weight is split like the column-parallel rows it normalises
+            width = int(module.weight.shape[0])
+            shard = (read(f"{name}.weight", 0, 1) if read is not None
+                     else shard_tensor(module.weight.detach(), 0, 1, tp.rank, tp.size))
+            block.set_submodule(name, rule.replace(module, shard, width, tp))
+        else:
+            out_features = (module.weight.shape[1] if rule.conv1d else module.weight.shape[0])
+            fused = fused_sizes(rule, family, hf_config, int(out_features))
+            block.set_submodule(name, _shard_linear(module, rule, fused, tp, _reader(read, name, rule, fused)))
     if tp.size == 1:
         return
     for name in family.input_copy:
@@ -182,9 +225,14 @@ def shard_block(block: nn.Module, family: Family, tp: TPContext, read=None) -> N
         owner, attr = path.rsplit(".", 1)
         module = block.get_submodule(owner)
         setattr(module, attr, getattr(module, attr) // tp.size)
+    if family.per_rank_config:  # the attention reads these from its config at forward time
+        attention = block.get_submodule(family.attention)
+        attention.config = copy.copy(attention.config)  # shallow: the other blocks keep theirs
+        for key in family.per_rank_config:
+            setattr(attention.config, key, getattr(attention.config, key) // tp.size)
 
 
-def _reader(read, name: str, rule: TPRule):
+def _reader(read, name: str, rule: TPRule, fused):
     """``(weight, bias)`` shards in local ``[out, in]`` layout from ``read``, or ``None`` without one."""
     if read is None:
         return None
@@ -192,8 +240,8 @@ def _reader(read, name: str, rule: TPRule):
     def shards(has_bias: bool):
         out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
         if rule.style == "column":
-            w = read(f"{name}.weight", out_dim, rule.fused)
-            b = read(f"{name}.bias", 0, rule.fused) if has_bias else None
+            w = read(f"{name}.weight", out_dim, fused)
+            b = read(f"{name}.bias", 0, fused) if has_bias else None
         else:
             w = read(f"{name}.weight", 1 - out_dim, 1)
             b = read(f"{name}.bias", None, 1) if has_bias else None  # replicated
@@ -202,7 +250,7 @@ def _reader(read, name: str, rule: TPRule):
     return shards
 
 
-def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext, shards=None) -> nn.Module:
+def _shard_linear(linear: nn.Module, rule: TPRule, fused, tp: TPContext, shards=None) -> nn.Module:
     has_bias = getattr(linear, "bias", None) is not None
     if shards is not None:
         w, b = shards(has_bias)
@@ -216,13 +264,13 @@ def _shard_linear(linear: nn.Module, rule: TPRule, tp: TPContext, shards=None) -
     weight = weight.t() if rule.conv1d else weight  # -> [out, in]
     bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
     if rule.style == "column":  # output dim, each fused sub-block (q | k | v) split on its own
-        w = shard_tensor(weight, 0, rule.fused, tp.rank, tp.size)
-        b = shard_tensor(bias, 0, rule.fused, tp.rank, tp.size) if bias is not None else None
+        w = shard_tensor(weight, 0, fused, tp.rank, tp.size)
+        b = shard_tensor(bias, 0, fused, tp.rank, tp.size) if bias is not None else None
         return ColumnParallelLinear(w, b)
     if rule.style == "row":
         w = shard_tensor(weight, 1, 1, tp.rank, tp.size)  # [out, in/tp]
         return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
-    raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use 'column' or 'row'")
+    raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use one of {list(STYLES)}")
 
 
 class _CopyInput:

@@ -20,17 +20,39 @@ from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHea
 
 
 class TokenEmbedding(VocabParallelEmbedding):
-    """HF token embedding, vocabulary-parallel; also the tied LM head (``as_head=True``)."""
+    """HF token embedding, vocabulary-parallel; also the tied LM head (``as_head=True``).
+
+    It carries the family's model-level operations around the lookup: the embedding scale (Gemma),
+    the pad row that gets no gradient (HF's ``padding_idx``), the dropout after the embedding when
+    there is no position embedding to carry it (GPT-NeoX), and, as the tied head, the final logit
+    soft-cap (Gemma 2).
+    """
 
     def __init__(self, builder: ModelBuilder):
-        weight, start = builder.vocab_shard(builder.family.embed)
-        super().__init__(weight, start, builder.vocab_size, builder.tp)
-        self.hf_name = f"{builder.family.embed}.weight"
+        family, hf = builder.family, builder.hf_config
+        weight, start = builder.vocab_shard(family.embed)
+        super().__init__(weight, start, builder.vocab_size, builder.tp,
+                         padding_idx=getattr(builder.hf_model.get_submodule(family.embed), "padding_idx", None),
+                         scale=float(getattr(hf, family.hidden)) ** 0.5 if family.embed_scale else None,
+                         softcap=_softcap(builder))
+        self.drop = (nn.Dropout(float(getattr(hf, family.embed_dropout)))
+                     if family.embed_dropout and not family.position_embed else None)
+        self.hf_name = family.checkpoint_name(f"{family.embed}.weight")
 
     def hf_params(self, include_replicas: bool = False):
         if not include_replicas and getattr(self.weight, "ds_pipe_replicated", False):  # tied copy, last stage
             return []
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
+
+    def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
+        out = super().forward(x, as_head)
+        return self.drop(out) if self.drop is not None and not as_head else out
+
+
+def _softcap(builder: ModelBuilder) -> float | None:
+    key = builder.family.final_logit_softcap
+    value = getattr(builder.hf_config, key, None) if key else None
+    return float(value) if value else None
 
 
 def tied_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -39,13 +61,14 @@ def tied_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class PositionEmbedding(nn.Module):
-    """GPT-2's learned positions (``wpe``, replicated over TP) plus embedding dropout."""
+    """GPT-2's learned positions (``wpe``, replicated over TP) plus the embedding dropout."""
 
     def __init__(self, builder: ModelBuilder):
         super().__init__()
-        self.wpe = builder.materialize(builder.family.position_embed)
-        self.drop = nn.Dropout(builder.hf_config.embd_pdrop)
-        self.hf_name = f"{builder.family.position_embed}.weight"
+        family = builder.family
+        self.wpe = builder.materialize(family.position_embed)
+        self.drop = nn.Dropout(float(getattr(builder.hf_config, family.embed_dropout)) if family.embed_dropout else 0.0)
+        self.hf_name = f"{family.position_embed}.weight"
 
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.wpe.weight, Split())]
@@ -56,7 +79,13 @@ class PositionEmbedding(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One HF decoder block (``GPT2Block`` / ``LlamaDecoderLayer``), TP-sharded."""
+    """One HF decoder block (``GPT2Block``, ``LlamaDecoderLayer``, ...), TP-sharded.
+
+    It builds the mask its model would give it: transformers' sliding-window causal mask when the
+    block's attention has a window (its own ``sliding_window``, else the config's: Mistral and Phi-3
+    put one window on every layer, Qwen2/3 and Gemma 2 mark layers in ``config.layer_types``), else the
+    causal mask.
+    """
 
     def __init__(self, builder: ModelBuilder, index: int):
         super().__init__()
@@ -65,21 +94,26 @@ class DecoderBlock(nn.Module):
         self.family = builder.family
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
+        attention = self.block.get_submodule(builder.family.attention)
+        window = (attention.sliding_window if hasattr(attention, "sliding_window")
+                  else getattr(builder.hf_config, "sliding_window", None))
+        self.sliding = bool(window)
         self.rotary = None
         if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
 
     def hf_params(self, include_replicas: bool = False):
-        return list(block_params(self.block, self.hf_prefix, self.family))
+        return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
 
     def _run(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, S]
-        # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask.
-        mask = create_causal_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
-                                  cache=None, position_ids=pos)
+        # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask;
+        # a sliding window a bool mask once the sequence reaches the window.
+        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        mask = make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos)
         if self.rotary is None:
             return self.block(hidden, attention_mask=mask)
         cos_sin = self.rotary(hidden, position_ids=pos)
@@ -107,12 +141,12 @@ class FinalNorm(nn.Module):
 
 
 class LMHead(VocabParallelHead):
-    """Untied LM head: vocabulary-parallel logits ``[B, S, V_pad/tp]``."""
+    """Untied LM head: vocabulary-parallel logits ``[B, S, V_pad/tp]`` (soft-capped where the family does)."""
 
     def __init__(self, builder: ModelBuilder):
         weight, start = builder.vocab_shard(builder.family.head)
-        super().__init__(weight, start, builder.vocab_size, builder.tp)
-        self.hf_name = f"{builder.family.head}.weight"
+        super().__init__(weight, start, builder.vocab_size, builder.tp, softcap=_softcap(builder))
+        self.hf_name = builder.family.checkpoint_name(f"{builder.family.head}.weight")
 
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]

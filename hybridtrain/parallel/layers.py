@@ -85,50 +85,117 @@ class VocabParallelEmbedding(nn.Module):
     tied LM head: vocabulary-parallel logits ``[B, S, V_pad/tp]`` with padded columns masked to
     ``-inf`` (they never win the softmax and get no gradient). Calling the head through this
     module's ``forward`` keeps ZeRO-3 parameter gathering working for the tied weight.
+
+    ``padding_idx`` (HF's ``nn.Embedding(padding_idx=...)``): that row gets no gradient from the lookup.
+    ``scale`` multiplies the lookup only, in the weight's dtype (Gemma's sqrt(hidden)); ``softcap`` caps
+    the head's logits (Gemma 2).
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext):
+    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext,
+                 padding_idx: int | None = None, scale: float | None = None, softcap: float | None = None):
         super().__init__()
         self.tp = tp
         self.weight = tag_sharded(nn.Parameter(weight), 0)  # [V_pad/tp, H]
         self.vocab_start = vocab_start
         self.vocab_end = vocab_start + weight.shape[0]
         self.vocab_size = vocab_size  # real (unpadded) vocabulary
+        inside = padding_idx is not None and vocab_start <= padding_idx < self.vocab_end
+        self.local_padding_idx = padding_idx - vocab_start if inside else None
+        self.scale = scale
+        self.softcap = softcap
 
     def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
         if as_head:
-            return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp)
+            return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp, self.softcap)
         if self.tp.size == 1:
-            return F.embedding(x, self.weight)
-        outside = (x < self.vocab_start) | (x >= self.vocab_end)  # [B, S]
-        local = (x - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [B, S, H]
-        return reduce_from_tp(out, self.tp)
+            out = F.embedding(x, self.weight, padding_idx=self.local_padding_idx)
+        else:
+            outside = (x < self.vocab_start) | (x >= self.vocab_end)  # [B, S]
+            local = (x - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight, padding_idx=self.local_padding_idx)
+            out = reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)  # [B, S, H]
+        if self.scale is not None:  # as HF: the scale in the weight's dtype (bf16 rounds sqrt(hidden))
+            out = out * torch.tensor(self.scale, dtype=self.weight.dtype, device=out.device)
+        return out
 
 
 class VocabParallelHead(nn.Module):
     """Untied LM head: weight ``[V_pad/tp, H]``, returns vocabulary-parallel logits (no gather)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext):
+    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPContext,
+                 softcap: float | None = None):
         super().__init__()
         self.tp = tp
         self.weight = tag_sharded(nn.Parameter(weight), 0)
         self.vocab_start = vocab_start
         self.vocab_size = vocab_size
+        self.softcap = softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp)
+        return vocab_parallel_logits(x, self.weight, self.vocab_start, self.vocab_size, self.tp, self.softcap)
 
 
 def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_size: int,
-                          tp: TPContext) -> torch.Tensor:
-    """``[B, S, H] -> [B, S, V_pad/tp]`` logits of this rank's vocabulary slice, padding masked."""
+                          tp: TPContext, softcap: float | None = None) -> torch.Tensor:
+    """``[B, S, H] -> [B, S, V_pad/tp]`` logits of this rank's vocabulary slice, padding masked.
+
+    ``softcap`` (Gemma 2's final logit soft-cap) is element-wise, so exact on a shard; it comes before
+    the padding mask, which would otherwise turn ``-inf`` into a finite ``-softcap``.
+    """
     logits = F.linear(copy_to_tp(x, tp), weight)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     n_real = max(0, min(weight.shape[0], vocab_size - vocab_start))
     if n_real < weight.shape[0]:  # padded rows (vocab padded to a multiple of tp)
         pad = torch.arange(weight.shape[0], device=logits.device) >= n_real
         logits = logits.masked_fill(pad, float("-inf"))
     return logits
+
+
+class ShardedRMSNorm(nn.Module):
+    """OLMo 2's RMSNorm over a width split across the TP group (its q/k norm over all heads).
+
+    Each rank holds the slice of the input and of the weight that matches its column-parallel rows;
+    the sum of squares is all-reduced over the group in the forward *and* the backward (every rank
+    uses the total, so each must get back the whole gradient: Megatron's identity-backward "g"
+    would be wrong here). The formula is ``Olmo2RMSNorm``'s: statistics and the weight product in
+    fp32, then the cast back.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, full_width: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = tag_sharded(nn.Parameter(weight), 0)
+        self.variance_epsilon = eps
+        self.full_width = full_width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, W/tp]
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        sumsq = x32.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            from torch.distributed.nn.functional import all_reduce  # autograd: all-reduce backward too
+
+            sumsq = all_reduce(sumsq, group=self.tp.group)
+        x32 = x32 * torch.rsqrt(sumsq / self.full_width + self.variance_epsilon)
+        return (self.weight * x32).to(dtype)
+
+
+def sum_grad_over_tp(param: nn.Parameter, tp: TPContext) -> None:
+    """Sum ``param``'s gradient over the TP group as autograd produces it (before it accumulates into
+    ``.grad`` and before DeepSpeed's reduction hooks): for a replicated parameter that each rank uses
+    with its own heads only (Qwen3's per-head q/k norm), whose per-rank gradient is partial."""
+    if tp.size == 1:
+        return
+
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=tp.group)
+        return total
+
+    param.register_hook(reduce)
 
 
 class VocabParallelLoss:

@@ -1,21 +1,39 @@
 """Which part of a full (HF-layout) tensor a tensor-parallel rank holds: one definition of the index
 math, used when sharding a built model, reading a checkpoint slice by slice, and re-sharding.
 
-A dimension of length ``n`` holding ``fused`` equal sub-blocks (GPT-2's ``c_attn`` = q | k | v: 3)
-is split sub-block by sub-block: rank ``r`` of ``size`` keeps chunk ``r`` of each, so every rank gets
-matching q, k and v heads. :func:`hybridtrain.checkpoint.hf_state.merge` is the inverse.
+A dimension may hold fused sub-blocks: ``fused`` equal ones (GPT-2's ``c_attn`` = q | k | v: 3) or
+blocks of the given sizes (Phi-3's ``qkv_proj`` = q | k | v with fewer KV heads). It is split block by
+block: rank ``r`` of ``size`` keeps chunk ``r`` of each, so every rank gets matching q, k and v heads.
+:func:`hybridtrain.checkpoint.hf_state.unshard` is the inverse.
 """
 from __future__ import annotations
 
+from typing import Sequence, Union
 
-def shard_ranges(length: int, fused: int, rank: int, size: int) -> list[tuple[int, int]]:
+Fused = Union[int, Sequence[int]]
+"""``n`` equal sub-blocks, or the sub-block sizes."""
+
+
+def block_sizes(length: int, fused: Fused) -> list[int]:
+    """The sub-block sizes of a dimension of ``length`` holding ``fused`` blocks."""
+    if isinstance(fused, int):
+        return [length // fused] * fused
+    sizes = [int(s) for s in fused]
+    assert sum(sizes) == length, f"fused blocks {sizes} do not add up to {length}"
+    return sizes
+
+
+def shard_ranges(length: int, fused: Fused, rank: int, size: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges (one per fused sub-block) of rank ``rank`` along a dimension of ``length``."""
-    part = length // fused
-    chunk = part // size
-    return [(j * part + rank * chunk, j * part + (rank + 1) * chunk) for j in range(fused)]
+    out, start = [], 0
+    for block in block_sizes(length, fused):
+        chunk = block // size
+        out.append((start + rank * chunk, start + (rank + 1) * chunk))
+        start += block
+    return out
 
 
-def shard_tensor(tensor, dim: int, fused: int, rank: int, size: int):
+def shard_tensor(tensor, dim: int, fused: Fused, rank: int, size: int):
     """Rank ``rank``'s part of ``tensor`` along ``dim`` (contiguous)."""
     import torch
 

@@ -89,7 +89,7 @@ def _block_split(family: Family, block) -> tuple[list[int], list[int]]:
     for name, p in block.named_parameters():
         module, _, leaf = name.rpartition(".")
         rule = family.tp_plan.get(module)
-        split = rule is not None and (rule.style == "column" or leaf == "weight")  # row bias: replicated
+        split = rule is not None and (rule.style in ("column", "norm") or (rule.style == "row" and leaf == "weight"))
         (sharded if split else replicated).append(p.numel())
     return sharded, replicated
 
@@ -97,22 +97,19 @@ def _block_split(family: Family, block) -> tuple[list[int], list[int]]:
 def model_facts(model_type: str, hf_config, seq_len: int, tp_for_padding: int = 1,
                 vocab_pad_multiple: int = 1) -> ModelFacts:
     """Facts of every pipeline layer of ``hf_config`` (one-block meta model, no memory)."""
-    import copy
-
-    from hybridtrain.models.build import meta_model
+    from hybridtrain.models.build import one_layer_model  # torch: only when planning
 
     family = get_family(model_type)
     layers = int(getattr(hf_config, family.n_layers))
-    one = copy.deepcopy(hf_config)
-    setattr(one, family.n_layers, 1)
-    model = meta_model(one)
+    model = one_layer_model(family, hf_config)  # blocks are alike: one is enough
+    block = model.get_submodule(f"{family.blocks}.0")
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
-    sharded, replicated = _block_split(family, model.get_submodule(f"{family.blocks}.0"))
+    sharded, replicated = _block_split(family, block)
     norm = tuple(p.numel() for p in model.get_submodule(family.final_norm).parameters())
     units: list[UnitFacts] = []
     for unit in model_units(family, hf_config):
-        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab)
+        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, block)
         if unit.kind is Kind.EMBED:  # lookup; backward accumulates into a dense [V, H] gradient
             units.append(UnitFacts(unit, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
         elif unit.kind is Kind.POS_EMBED:

@@ -1,4 +1,4 @@
-"""Model FLOPs of each pipeline unit, from the HF config alone (no torch).
+"""Model FLOPs of each pipeline unit, from the model's real linear shapes.
 
 Convention (as in the PaLM / Megatron MFU papers): a matmul of ``[m, k] x [k, n]`` costs ``2 m k n``;
 attention scores and the weighted sum are counted over the full sequence (``2 x 2 x seq x hidden``
@@ -10,30 +10,34 @@ partition and the MFU metric: one definition for all of them.
 """
 from __future__ import annotations
 
-from hybridtrain.models.families import Family, mlp_width_of
+from typing import Any
+
+from hybridtrain.models.families import Family, head_dim_of
 from hybridtrain.models.units import Kind, Unit
 
 TRAIN_FACTOR = 3
 """Forward + backward of a layer = 3 forwards (the backward computes input and weight gradients)."""
 
 
-def _dims(family: Family, hf_config) -> tuple[int, int, int, int]:
-    hidden = int(getattr(hf_config, family.hidden))
-    heads = int(getattr(hf_config, family.heads))
-    kv = getattr(hf_config, family.kv_heads, None) if family.kv_heads else None
-    kv_heads = int(kv) if kv else heads
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    return hidden, heads * head_dim, kv_heads * head_dim, mlp_width_of(family, hf_config)
+def linear_flops(block: Any) -> float:
+    """Forward matmul FLOPs per token of every linear of ``block`` (an unsharded HF module, usually on
+    the meta device): ``2 x in x out`` for each ``nn.Linear`` and HF ``Conv1D`` (weight ``[in, out]``).
+    Read from the module itself, so fused, gated, biased and grouped-query projections of every
+    family count as they are."""
+    total = 0
+    for module in block.modules():
+        weight = getattr(module, "weight", None)
+        kind = type(module).__name__
+        if weight is not None and weight.dim() == 2 and (kind == "Conv1D" or hasattr(module, "in_features")):
+            total += 2 * weight.shape[0] * weight.shape[1]
+    return float(total)
 
 
-def block_forward_flops(family: Family, hf_config, seq_len: int) -> float:
-    """Forward FLOPs per token of one decoder block (grouped-query attention and gated MLPs aware)."""
-    hidden, q_dim, kv_dim, width = _dims(family, hf_config)
-    qkv = 2 * hidden * (q_dim + 2 * kv_dim)
-    out = 2 * q_dim * hidden
-    attention = 2 * 2 * seq_len * q_dim  # q @ k^T and probs @ v
-    mlp_matrices = 3 if family.model_type == "llama" else 2  # gate, up, down (SwiGLU) vs fc, proj
-    return float(qkv + out + attention + mlp_matrices * 2 * hidden * width)
+def block_forward_flops(family: Family, hf_config, seq_len: int, block: Any) -> float:
+    """Forward FLOPs per token of one decoder block: its linears (:func:`linear_flops`) plus the
+    attention scores and the weighted sum over the sequence (``2 x 2 x seq x heads x head_dim``)."""
+    q_dim = int(getattr(hf_config, family.heads)) * head_dim_of(family, hf_config)
+    return linear_flops(block) + 2 * 2 * seq_len * q_dim  # q @ k^T and probs @ v
 
 
 def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
@@ -41,10 +45,12 @@ def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
     return float(2 * int(getattr(hf_config, family.hidden)) * vocab_size)
 
 
-def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, vocab_size: int) -> float:
-    """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`)."""
+def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, vocab_size: int,
+                       block: Any = None) -> float:
+    """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`); ``block`` is one
+    (meta) decoder block of the model, needed for blocks."""
     if unit.kind is Kind.BLOCK:
-        return block_forward_flops(family, hf_config, seq_len)
+        return block_forward_flops(family, hf_config, seq_len, block)
     if unit.kind is Kind.HEAD:
         return head_forward_flops(family, hf_config, vocab_size)
     return 0.0  # lookups and norms: element-wise, not counted
@@ -52,6 +58,9 @@ def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, voca
 
 def model_flops_per_token(family: Family, hf_config, seq_len: int, vocab_size: int) -> float:
     """Training (forward + backward) model FLOPs per token of the whole model, for MFU."""
+    from hybridtrain.models.build import one_layer_model  # torch: only when asked
+
     layers = int(getattr(hf_config, family.n_layers))
-    forward = layers * block_forward_flops(family, hf_config, seq_len) + head_forward_flops(family, hf_config, vocab_size)
+    block = one_layer_model(family, hf_config).get_submodule(f"{family.blocks}.0")
+    forward = layers * block_forward_flops(family, hf_config, seq_len, block) + head_forward_flops(family, hf_config, vocab_size)
     return TRAIN_FACTOR * forward

@@ -10,13 +10,6 @@ from hybridtrain.errors import PlanError
 from hybridtrain.models.families import FAMILIES, get_family
 from hybridtrain.models.units import Kind, Unit, model_units
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
-              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
-              "n_positions", "tie_word_embeddings")
-"""HF config keys that fix tensor shapes: a ``model.config`` override may not change them for a
-pretrained model."""
-
-
 def check_hf_overrides(model_type: str, overrides: dict) -> None:
     """Reject ``model.config`` keys the HF config class does not have (typos would be silently kept)."""
     from transformers import AutoConfig
@@ -69,9 +62,11 @@ def pretrained_config(cfg: Config):
                         f"{sorted(FAMILIES)}")
     if hf.model_type != cfg.model.model_type:
         raise PlanError("model.model_type", f"model.pretrained is a {hf.model_type!r} model but "
-                        f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type}")
+                        f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type} (or +recipe=finetune, "
+                        "which takes the family from the folder)")
+    shape_keys = get_family(hf.model_type).shape_keys()
     for key, value in cfg.model.config.items():  # overrides on top (dropout and the like)
-        if key in SHAPE_KEYS and getattr(hf, key, None) != value:
+        if key in shape_keys and getattr(hf, key, None) != value:
             raise PlanError(f"model.config.{key}", f"{value} differs from the checkpoint's {getattr(hf, key, None)} "
                             f"in {folder}; a pretrained model's shape cannot change: drop the override")
         setattr(hf, key, value)
@@ -81,22 +76,40 @@ def pretrained_config(cfg: Config):
 
 
 def apply_pretrained_defaults(cfg: Config) -> None:
-    """With ``model.pretrained`` and no ``data.tokenizer``, use the model folder's tokenizer."""
+    """With ``model.pretrained``: no ``model.model_type`` means the folder's own (``config.json``), and
+    no ``data.tokenizer`` means the folder's tokenizer."""
+    import json
     from pathlib import Path
 
-    if cfg.model.pretrained and cfg.data.tokenizer is None:
-        if (Path(cfg.model.pretrained).expanduser() / "tokenizer.json").is_file():
-            cfg.data.tokenizer = str(Path(cfg.model.pretrained).expanduser().resolve())
+    if not cfg.model.pretrained:
+        return
+    folder = Path(cfg.model.pretrained).expanduser()
+    if cfg.model.model_type is None and (folder / "config.json").is_file():
+        try:
+            cfg.model.model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except ValueError:
+            pass  # pretrained_config reports the unreadable folder
+    if cfg.data.tokenizer is None and (folder / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(folder.resolve())
 
 
 def model_config(cfg: Config):
     """The HF config of this run: ``model.config`` overrides over the family defaults, with the
-    tokenizer's vocabulary size and EOS id unless overridden. Launcher and workers both call this."""
+    tokenizer's vocabulary size and EOS id unless overridden, or the ``model.pretrained`` folder's.
+    ``model.attn_implementation: null`` becomes the family's first kernel (sdpa where transformers
+    supports it). A config transformers itself refuses is a :class:`PlanError` naming the
+    ``model.config`` key. Launcher and workers both call this."""
     from hybridtrain.data.tokenizer import eos_id, vocab_size
     from hybridtrain.models.build import hf_config_of
 
+    if cfg.model.model_type is None:
+        raise PlanError("model.model_type", "null: the family comes from model.pretrained's config.json, but no "
+                        f"model.pretrained is set; set model.pretrained=DIR or model=FAMILY ({sorted(FAMILIES)})")
     if cfg.model.model_type not in FAMILIES:
         raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
+    family = get_family(cfg.model.model_type)
+    if cfg.model.attn_implementation is None:
+        cfg.model.attn_implementation = family.attn_implementations[0]
     check_hf_overrides(cfg.model.model_type, cfg.model.config)
     if cfg.model.pretrained:
         return pretrained_config(cfg)
@@ -104,4 +117,29 @@ def model_config(cfg: Config):
         vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
     except FileNotFoundError as err:
         raise PlanError("data.tokenizer", str(err)) from None
-    return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
+    try:
+        hf = hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
+        _check_builds(family, hf)
+    except ValueError as err:  # transformers' own validation of the config or of the modules it builds
+        raise _refused(cfg, err) from None
+    return hf
+
+
+def _check_builds(family, hf_config) -> None:
+    """Build one block of the model on the meta device: transformers validates shapes there
+    (GPT-2 refuses ``n_embd`` not divisible by ``n_head``), before anything is launched."""
+    from hybridtrain.models.build import one_layer_model
+
+    if hf_config._attn_implementation in family.attn_implementations:  # else build_plan names the kernel
+        one_layer_model(family, hf_config)
+
+
+def _refused(cfg: Config, err: Exception) -> PlanError:
+    """A :class:`PlanError` for a config transformers refuses, naming the override it most likely
+    concerns (one whose value the message quotes)."""
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    named = [k for k, v in cfg.model.config.items() if str(v) in message or k in message]
+    key = f"model.config.{named[0]}" if named else "model.config"
+    overrides = ", ".join(f"{k}={v}" for k, v in cfg.model.config.items()) or "none"
+    return PlanError(key, f"transformers refuses this {cfg.model.model_type} config: {message} "
+                          f"(model.config overrides: {overrides}); change the override")

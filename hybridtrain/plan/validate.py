@@ -10,7 +10,7 @@ from typing import Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.models.families import FAMILIES, get_family, mlp_width_of, padded_vocab
+from hybridtrain.models.families import FAMILIES, get_family, padded_vocab, tp_divisible
 from hybridtrain.parallel.dims import data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
@@ -72,6 +72,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     family = get_family(cfg.model.model_type)
     _need(cfg.model.attn_implementation in ATTN_IMPLEMENTATIONS, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
+    _need(cfg.model.attn_implementation in family.attn_implementations, "model.attn_implementation",
+          f"{cfg.model.attn_implementation!r}: transformers runs {family.model_type} only with "
+          f"{list(family.attn_implementations)}; use model.attn_implementation={family.attn_implementations[0]}")
     _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
           f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
     _need(lau.name in LAUNCHERS, "launcher.name", f"{lau.name!r} is not one of {list(LAUNCHERS)}")
@@ -116,14 +119,11 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
     # Model shape against tp and pp.
     num_layers = int(getattr(hf_config, family.n_layers))
-    for key, value in [(family.heads, getattr(hf_config, family.heads)),
-                       (family.kv_heads, getattr(hf_config, family.kv_heads, None) if family.kv_heads else None),
-                       (family.mlp_width, mlp_width_of(family, hf_config))]:
-        if key is None or value is None:
-            continue
-        _need(int(value) % par.tp == 0, "parallel.tp",
-              f"parallel.tp={par.tp} must divide model.config.{key}={value}; "
-              f"use tp in {_divisors(int(value), 16)}")
+    sizes = tp_divisible(family, hf_config)  # heads, KV heads, MLP width (fused blocks follow from them)
+    valid = [d for d in range(1, 65) if all(v % d == 0 for v in sizes.values())]
+    for key, value in sizes.items():
+        _need(value % par.tp == 0, "parallel.tp",
+              f"parallel.tp={par.tp} must divide model.config.{key}={value}; use tp in {valid}")
     _need(num_layers >= par.pp, "parallel.pp",
           f"parallel.pp={par.pp} exceeds the model's {num_layers} layers (model.config.{family.n_layers}); "
           f"use pp <= {num_layers}")

@@ -254,7 +254,7 @@ def case_block(tp, model_type: str) -> Checks:
         for p in full.parameters():
             p.add_(0.1 * torch.randn_like(p))
     sharded = copy.deepcopy(full)
-    shard_block(sharded, family, tp)
+    shard_block(sharded, family, cfg, tp)
 
     hidden = int(getattr(cfg, family.hidden))
     x = torch.randn(B, S, hidden)

@@ -46,7 +46,7 @@ def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, 
     read = ModelBuilder(fam, cfg, meta_model(cfg), 1, tp, 8000, weights=SafetensorsWeights(folder)).block(2)
     full = ModelBuilder(fam, cfg, meta_model(cfg), 1, TPContext(), 8000,
                         weights=SafetensorsWeights(folder)).materialize(f"{fam.blocks}.2")
-    shard_block(full, fam, tp)
+    shard_block(full, fam, cfg, tp)
     got, want = read.state_dict(), full.state_dict()
     assert got.keys() == want.keys()
     for key in want:

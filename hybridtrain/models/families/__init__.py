@@ -1,0 +1,37 @@
+"""The supported model families, registered in one place.
+
+Each family is one module of this package holding its :class:`~hybridtrain.models.families.base.Family`
+(module paths, the tensor-parallel plan derived from transformers' own, model-level operations).
+Adding a family: a module here, one line in :data:`FAMILIES`, a ``conf/model/<family>.yaml`` and a tiny
+config in the family tests (``docs/families.md``).
+"""
+from __future__ import annotations
+
+from hybridtrain.models.families import gemma, gemma2, gpt2, gpt_neox, llama, mistral, olmo2, phi3, qwen2, qwen3
+from hybridtrain.models.families.base import (  # noqa: F401  (the package's API)
+    Family,
+    TPRule,
+    fused_sizes,
+    head_dim_of,
+    kv_heads_of,
+    mlp_width_of,
+    padded_vocab,
+    tp_divisible,
+)
+
+GPT2 = gpt2.FAMILY
+LLAMA = llama.FAMILY
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, phi3.FAMILY,
+    olmo2.FAMILY, gpt_neox.FAMILY)}
+"""Supported HF ``model_type`` values, each verified exact against transformers (``docs/families.md``)."""
+
+
+def get_family(model_type: str) -> Family:
+    """The adapter for ``model_type``; raises ``KeyError`` naming the supported families."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise KeyError(f"model.model_type={model_type!r} is not supported; "
+                       f"use one of {sorted(FAMILIES)}") from None

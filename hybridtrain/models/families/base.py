@@ -1,0 +1,196 @@
+"""What a model family is: where the HF modules live, how a decoder block splits over tensor
+parallelism, and the model-level operations outside the blocks.
+
+A family module (``gpt2.py``, ``llama.py``, ...) holds one :class:`Family` value and any behaviour of
+its own; :mod:`hybridtrain.models.families` registers them in one place. The tensor-parallel plan
+is derived from transformers' own ``base_model_tp_plan`` where the config class ships one
+(:func:`tp_plan_from_hf`), and a family states only what differs.
+
+Everything here is data and imports neither torch nor deepspeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Mapping, Optional, Union
+
+STYLES = ("column", "row", "norm", "grad_sum")
+"""Tensor-parallel styles of a block submodule:
+
+* ``column``: a linear whose output features (and bias) are split; its input gets Megatron's "f".
+* ``row``: a linear whose input features are split; its partial output is all-reduced ("g"), the bias
+  is replicated and added after.
+* ``norm``: an RMS norm over the full output width of a column-parallel linear (OLMo 2's q/k norm): its
+  weight is split like that linear's rows and its statistics are summed over the TP group, forward
+  and backward (the family supplies the sharded module, :attr:`TPRule.replace`).
+* ``grad_sum``: a replicated module fed by this rank's heads only (Qwen3's per-head q/k norm): the
+  forward is right as is, the weight gradient is partial and is summed over the TP group.
+"""
+
+Fused = Union[int, tuple[str, ...]]
+"""Sub-blocks fused along a column-parallel linear's output: ``n`` equal blocks, or the block sizes by
+name (``"q"`` = heads x head_dim, ``"kv"`` = KV heads x head_dim, ``"mlp"``, ``"hidden"``)."""
+
+HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "grad_sum"}
+"""transformers' ``base_model_tp_plan`` styles that are Megatron-exact as they stand. The gathering
+ones (``colwise_gather_output``, ``rowwise_split_input``) replicate activations where Megatron splits
+them; a family that has them states its own rule."""
+
+
+@dataclass(frozen=True)
+class TPRule:
+    """How one HF submodule inside a decoder block is split over the TP group."""
+
+    style: str
+    """One of :data:`STYLES`."""
+    conv1d: bool = False
+    """HF ``Conv1D`` stores its weight as ``[in, out]`` (GPT-2); it is transposed to ``[out, in]``."""
+    fused: Fused = 1
+    """Sub-blocks fused along the output features (GPT-2 ``c_attn`` = q | k | v: 3; Phi-3 ``qkv_proj`` =
+    ``("q", "kv", "kv")``); each is split on its own so every rank gets matching q, k and v heads."""
+    replace: Optional[Callable[..., Any]] = field(default=None, compare=False)
+    """``style="norm"``: ``replace(module, weight_shard, full_width, tp) -> nn.Module``, the sharded norm."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """The adapter of one HF ``model_type``: module paths, the block's TP plan, model-level operations."""
+
+    model_type: str
+    embed: str
+    """Path of the token embedding in the HF causal-LM model."""
+    blocks: str
+    """Path of the ``nn.ModuleList`` of decoder blocks."""
+    final_norm: str
+    head: str
+    """Path of the LM head (``lm_head``); tied heads reuse the embedding weight."""
+    hf_config_class: Optional[str] = None
+    """Name of the transformers config class whose ``base_model_tp_plan`` gives the TP plan (read on
+    first use, so importing a family does not import transformers); ``None``: :attr:`tp_rules` only."""
+    tp_rules: Mapping[str, Optional[TPRule]] = field(default_factory=dict)
+    """Block-relative HF module name -> split rule, over transformers' plan (``None`` drops an entry)."""
+    position_embed: Optional[str] = None
+    """Learned absolute position embedding (GPT-2 ``wpe``), or ``None`` (rotary models)."""
+    rotary_embed: Optional[str] = None
+    """Path of the model's rotary-embedding module; each block rebuilds one of its class."""
+    attention: str = "self_attn"
+    """Block-relative path of the attention module (its ``sliding_window`` picks the layer's mask)."""
+    input_copy: tuple[str, ...] = ("self_attn", "mlp")
+    """Block submodules whose first input feeds column-parallel linears: the Megatron "f" (identity
+    forward, all-reduce backward) is applied once there instead of once per linear."""
+    heads_per_rank_attrs: tuple[str, ...] = ()
+    """``module.attribute`` paths inside a block holding head counts or widths, divided by tp after
+    sharding (GPT-2 ``attn.split_size``)."""
+    per_rank_config: tuple[str, ...] = ()
+    """HF config keys the attention reads at forward time (Phi-3 reads ``num_attention_heads``): the
+    attention gets a shallow copy of the config with these divided by tp."""
+    embed_scale: bool = False
+    """The embedding lookup (not the tied head) is multiplied by sqrt(hidden) (Gemma)."""
+    final_logit_softcap: Optional[str] = None
+    """HF config key of the final logit soft-cap ``tanh(logits / c) * c`` (Gemma 2), applied on the
+    head's vocabulary shard before the padded columns are masked."""
+    embed_dropout: Optional[str] = None
+    """HF config key of the dropout applied to the embeddings (GPT-2 ``embd_pdrop``, after the
+    position embedding; GPT-NeoX ``hidden_dropout``)."""
+    dropout_keys: tuple[str, ...] = ()
+    """Every HF dropout key; ``verify``'s twin sets them to 0 (masks depend on the layout)."""
+    checkpoint_names: Mapping[str, str] = field(default_factory=dict)
+    """HF parameter name -> the name ``save_pretrained`` writes (GPT-NeoX ``lm_head.weight`` ->
+    ``embed_out.weight``)."""
+    attn_implementations: tuple[str, ...] = ("sdpa", "eager")
+    """Attention kernels transformers supports for this family (Gemma 2: eager only)."""
+    n_layers: str = "num_hidden_layers"
+    hidden: str = "hidden_size"
+    heads: str = "num_attention_heads"
+    kv_heads: Optional[str] = "num_key_value_heads"
+    mlp_width: str = "intermediate_size"
+    max_positions: str = "max_position_embeddings"
+
+    @cached_property
+    def tp_plan(self) -> dict[str, TPRule]:
+        """Block-relative HF module name -> split rule (transformers' plan with :attr:`tp_rules` over it).
+        An entry that matches no module is an error when a block is sharded."""
+        if self.hf_config_class is None:
+            return {k: v for k, v in self.tp_rules.items() if v is not None}
+        import transformers
+
+        return tp_plan_from_hf(getattr(transformers, self.hf_config_class), self.tp_rules)
+
+    def checkpoint_name(self, hf_name: str) -> str:
+        """The tensor name in a ``save_pretrained`` folder of the parameter called ``hf_name`` in the model."""
+        return self.checkpoint_names.get(hf_name, hf_name)
+
+    def shape_keys(self) -> tuple[str, ...]:
+        """HF config keys that fix tensor shapes (a pretrained model's may not be overridden)."""
+        keys = (self.n_layers, self.hidden, self.heads, self.kv_heads, self.mlp_width, self.max_positions,
+                "head_dim", "vocab_size", "tie_word_embeddings")
+        return tuple(k for k in keys if k)
+
+
+def tp_plan_from_hf(config_class: Any, overrides: Mapping[str, Optional[TPRule]]) -> dict[str, TPRule]:
+    """The block part of transformers' ``base_model_tp_plan`` of ``config_class`` as :class:`TPRule` s
+    (``layers.*.self_attn.q_proj: colwise`` -> ``self_attn.q_proj: column``), with ``overrides`` over it
+    (``None`` drops an entry). A style that is not Megatron-exact (:data:`HF_STYLES`) must be
+    overridden, else :class:`ValueError`."""
+    plan: dict[str, TPRule] = {}
+    fixed = dict(overrides)
+    for key, style in (getattr(config_class, "base_model_tp_plan", None) or {}).items():
+        prefix, star, name = key.partition(".*.")
+        if not star:  # model-level entries (GPT-NeoX's embedding): hybridtrain's vocabulary parallelism
+            continue
+        if name in fixed:
+            continue
+        if style not in HF_STYLES:
+            raise ValueError(f"{config_class.__name__}.base_model_tp_plan[{key!r}] = {style!r} is not a Megatron "
+                             f"split; the family must state a rule for {name!r}")
+        plan[name] = TPRule(HF_STYLES[style])
+    plan.update({k: v for k, v in fixed.items() if v is not None})
+    return plan
+
+
+def head_dim_of(family: Family, hf_config: Any) -> int:
+    """Width of one attention head (``head_dim`` when the config has one, else hidden / heads)."""
+    explicit = getattr(hf_config, "head_dim", None)
+    if explicit:
+        return int(explicit)
+    return int(getattr(hf_config, family.hidden)) // int(getattr(hf_config, family.heads))
+
+
+def kv_heads_of(family: Family, hf_config: Any) -> int:
+    """KV heads (the attention heads without grouped-query attention)."""
+    kv = getattr(hf_config, family.kv_heads, None) if family.kv_heads else None
+    return int(kv) if kv else int(getattr(hf_config, family.heads))
+
+
+def mlp_width_of(family: Family, hf_config: Any) -> int:
+    """MLP hidden width of ``hf_config`` (GPT-2's ``n_inner=None`` means ``4 * n_embd``)."""
+    width = getattr(hf_config, family.mlp_width, None)
+    return int(width) if width is not None else 4 * int(getattr(hf_config, family.hidden))
+
+
+def fused_sizes(rule: TPRule, family: Family, hf_config: Any, length: Optional[int] = None) -> int | tuple[int, ...]:
+    """The fused sub-blocks of ``rule``: an ``int`` (equal blocks) or the sizes of the named blocks in
+    ``hf_config``, checked against the module's ``length`` outputs when given."""
+    if isinstance(rule.fused, int):
+        return rule.fused
+    hd = head_dim_of(family, hf_config)
+    named = {"q": int(getattr(hf_config, family.heads)) * hd, "kv": kv_heads_of(family, hf_config) * hd,
+             "mlp": mlp_width_of(family, hf_config), "hidden": int(getattr(hf_config, family.hidden))}
+    sizes = tuple(named[n] for n in rule.fused)
+    if length is not None and sum(sizes) != length:
+        raise ValueError(f"fused blocks {rule.fused} = {sizes} do not add up to the module's {length} outputs")
+    return sizes
+
+
+def tp_divisible(family: Family, hf_config: Any) -> dict[str, int]:
+    """``config key -> value`` of every size tp must divide (heads, KV heads, MLP width)."""
+    out = {family.heads: int(getattr(hf_config, family.heads)), family.mlp_width: mlp_width_of(family, hf_config)}
+    if family.kv_heads and getattr(hf_config, family.kv_heads, None):
+        out[family.kv_heads] = int(getattr(hf_config, family.kv_heads))
+    return out
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Vocabulary rounded up to a multiple of ``multiple * tp`` (rows added to embedding and head)."""
+    m = multiple * tp
+    return -(-vocab_size // m) * m
