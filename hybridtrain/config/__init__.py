@@ -24,8 +24,9 @@ __all__ = [
     "CONF_DIR", "register_schema", "to_config", "save_config", "load_config",
 ]
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-"""The Hydra config tree of this checkout (``conf/``; recipes are ``conf/recipe -> ../recipes``)."""
+CONF_DIR = (Path(__file__).resolve().parents[1] / "_conf").resolve()
+"""The Hydra config tree. ``hybridtrain/_conf`` is a link to the checkout's ``conf/`` (whose ``recipe``
+is a link to ``recipes/``); a wheel holds a copy of both there (``pyproject.toml``'s package data)."""
 
 
 def register_schema() -> None:

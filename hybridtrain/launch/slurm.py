@@ -19,7 +19,9 @@ from hybridtrain.config.schema import SlurmLauncherConfig
 from hybridtrain.launch.placement import crossing
 from hybridtrain.plan.types import Plan
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "job.sbatch"
+TEMPLATE = (Path(__file__).resolve().parents[1] / "_slurm" / "job.sbatch").resolve()
+"""The job script template: ``slurm/job.sbatch`` of the checkout (``hybridtrain/_slurm`` links to
+``slurm/``), or the copy a wheel holds there."""
 NEED_CLIENT = ("launcher=slurm needs SLURM's client tools (sbatch, srun, scontrol) on PATH: run this on the "
                "cluster's login node, or install them (Debian/Ubuntu: apt-get install slurm-client); "
                "launcher.submit=false only writes the job script")
