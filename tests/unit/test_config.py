@@ -214,3 +214,19 @@ def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as info:
         local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8))
     assert "launcher.nodes=4" in str(info.value.code) and "use launcher.nodes=1" in str(info.value.code)
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm", "multinode"])
+def test_verify_overrides_compose_under_every_launcher(launcher):
+    """``python -m hybridtrain.verify`` re-composes the config from overrides: the launcher group
+    comes first, so its own keys (``launcher.partition``, ``launcher.hostfile``) are accepted."""
+    from hybridtrain.verify import overrides, shrink
+
+    local = compose_config("+recipe=gpt_tiny")
+    plan, hf_config = resolve(local, Machine())
+    twin = shrink(local, plan, hf_config, steps=2)
+    cfg = compose_config("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16",
+                         "parallel.partition=blocks")
+    again = compose_config(*overrides(cfg, twin, {"dp": 1, "tp": 1, "pp": 1}))
+    assert type(again.launcher) is type(cfg.launcher)
+    assert (again.trainer.precision, again.parallel.partition) == ("bf16", "blocks")
