@@ -46,6 +46,7 @@ def run(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
 
     from hybridtrain.config import save_config, to_config
+    from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch import check, start
     from hybridtrain.models.build import meta_model
@@ -56,7 +57,7 @@ def run(cfg: DictConfig) -> int:
     try:
         typed = to_config(cfg)
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
-        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
         return 2
     apply_pretrained_defaults(typed)
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
@@ -137,8 +138,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``hybridtrain ...``)."""
-    _hydra_main()
+    """Console-script entry point (``hybridtrain ...``); a config Hydra cannot compose exits with code 2."""
+    from hybridtrain.config.explain import run_hydra
+
+    run_hydra(_hydra_main)
 
 
 if __name__ == "__main__":

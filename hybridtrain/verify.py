@@ -106,9 +106,11 @@ def overrides(cfg, twin: dict, layout: dict) -> list[str]:
     from dataclasses import asdict
 
     # one ``++`` per HF key: the config dict is open (struct) only to keys that exist, ``++`` adds them
-    out = [f"model={cfg.model.model_type}"] + [f"++model.config.{k}={_value(v)}" for k, v in twin["model"].items()]
+    out = [f"model={cfg.model.model_type}", f"launcher={cfg.launcher.name}"]  # the group brings its launcher's keys
+    out += [f"++model.config.{k}={_value(v)}" for k, v in twin["model"].items()]
     tree = asdict(cfg)
     tree.pop("run_dir", None)
+    tree["launcher"].pop("name")
     tree["model"].pop("config")
     tree["model"]["pretrained"] = None  # the twin has other shapes: seeded weights
     tree["parallel"].update(layout, auto=False)
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     """Verify one config; return 0 (agree), 1 (differ or a run failed) or 2 (config error)."""
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, resolve
 
+    from hybridtrain.config.explain import explain
+
     args, steps, out = _parse(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load(args)
@@ -171,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         plan, hf_config = resolve(cfg, announce=print)
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - a config OmegaConf rejects is a config error; others keep their traceback
+        if explain(err) is None:
+            raise
+        print(f"[hybridtrain] config error: {explain(err)}", file=sys.stderr)
         return 2
     twin = shrink(cfg, plan, hf_config, steps)
     layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,

@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hybridtrain.config.choices import (
+    AttnImplementation,
+    DataFormat,
+    DataSource,
+    LauncherName,
+    LoggerName,
+    Partition,
+    Precision,
+    SampleBy,
+)
+
 
 @dataclass
 class ModelConfig:
@@ -21,7 +32,7 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     """Overrides of the HF config under their HF names (``n_layer``, ``num_key_value_heads``...).
     ``vocab_size`` defaults to the tokenizer's vocabulary."""
-    attn_implementation: Optional[str] = None
+    attn_implementation: Optional[AttnImplementation] = None
     """HF attention kernel: ``sdpa`` or ``eager``; ``null``: the family's first supported one (sdpa, or eager
     for Gemma 2, whose attention soft-capping transformers runs only there)."""
     pretrained: Optional[str] = None
@@ -52,7 +63,7 @@ class ParallelConfig:
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage over the data-parallel replicas: 0-3 with pp=1, 0-1 with pp>1.
     ``null``: 0 in fp32 with dp = 1 (one replica has nothing to partition), else 1."""
-    partition: str = "balanced"
+    partition: Partition = Partition.balanced
     """Pipeline stage boundaries: ``balanced`` (minimise the slowest stage's estimated forward +
     backward time from per-layer FLOPs, within ``plan.device_memory_gb``), ``blocks`` (decoder
     blocks spread evenly, embedding on the first stage, norm and head on the last), ``uniform``
@@ -76,7 +87,7 @@ class DataConfig:
     See ``docs/data.md``. Tokenization runs once in the launching process and is cached.
     """
 
-    source: str = "embedded"
+    source: DataSource = DataSource.embedded
     """Where the records come from: ``embedded`` (the King James Bible shipped in the package),
     ``files`` (``data.path``: txt, json/jsonl, csv or parquet files), ``disk`` (``data.path``: a folder
     written by HF ``save_to_disk``) or ``hf`` (``data.name``: a hub dataset already in the local HF cache)."""
@@ -89,7 +100,7 @@ class DataConfig:
     """``hf``: the dataset's configuration name (``load_dataset(name, subset)``), if it has several."""
     split: str = "train"
     """``hf`` and ``disk`` (a ``DatasetDict``): the split to train on."""
-    format: str = "text"
+    format: DataFormat = DataFormat.text
     """``text``: raw documents (``data.text_field``); ``chat``: a list of ``{role, content}`` messages
     (``data.messages_field``), loss on assistant tokens only; ``prompt_completion``: loss on the
     completion only (``data.prompt_field``, ``data.completion_field``)."""
@@ -109,7 +120,7 @@ class DataConfig:
     """A Jinja chat template (a file path or the template itself) replacing the tokenizer's; it must
     mark assistant text with ``{% generation %}`` ... ``{% endgeneration %}``. ``null``: the tokenizer's
     own, or for the embedded tokenizer the one in ``hybridtrain/data/tokenizer.py``."""
-    sample_by: str = "document"
+    sample_by: SampleBy = SampleBy.document
     """``.txt`` files: one record per ``document`` (file), ``paragraph`` (blank-line separated) or ``line``."""
     val_fraction: float = 0.0
     """Hold out this fraction of the records (split by ``trainer.seed``, before packing) for validation; 0: none."""
@@ -166,7 +177,7 @@ class TrainerConfig:
     """Seeds weights, data order and dropout; the same seed gives the same weights under any plan."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
     """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only the final save)."""
@@ -204,12 +215,14 @@ class TrainerConfig:
 
 @dataclass
 class LauncherConfig:
-    """How worker processes are started (``docs/slurm.md`` for ``slurm`` and ``multinode``)."""
+    """How worker processes are started: the keys of every launcher. ``launcher=local`` (the default)
+    is this class; ``launcher=slurm`` and ``launcher=multinode`` add their own keys
+    (:class:`SlurmLauncherConfig`, :class:`MultinodeLauncherConfig`; ``docs/slurm.md``)."""
 
-    name: str = "local"
+    name: LauncherName = LauncherName.local
     """``local``: the deepspeed runner on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
     starts every rank; ``multinode``: the deepspeed runner over several machines (``launcher.hostfile``,
-    or ``launcher.no_ssh`` on each node)."""
+    or ``launcher.no_ssh`` on each node). Set by the group (``launcher=slurm``), not on its own."""
     nodes: int = 1
     """Machines the job spans; the local launcher runs on one."""
     gpus_per_node: Optional[int] = None
@@ -228,60 +241,79 @@ class LauncherConfig:
     dry_run: bool = False
     """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
     without preparing data or starting workers (also for cluster recipes on a laptop)."""
-    # --- slurm
+
+
+@dataclass
+class SlurmLauncherConfig(LauncherConfig):
+    """``launcher=slurm``: an ``sbatch`` job on a SLURM cluster; its ``srun`` starts every rank."""
+
+    name: LauncherName = LauncherName.slurm
+    """Always ``slurm`` (the class is chosen by ``launcher=slurm``)."""
     partition: Optional[str] = None
-    """``slurm``: the partition (``--partition``); ``null``: the cluster's default."""
+    """The partition (``--partition``); ``null``: the cluster's default."""
     account: Optional[str] = None
-    """``slurm``: the account charged (``--account``); ``null``: your default account."""
+    """The account charged (``--account``); ``null``: your default account."""
     qos: Optional[str] = None
-    """``slurm``: the quality of service (``--qos``); ``null``: the default."""
+    """The quality of service (``--qos``); ``null``: the default."""
     time: Optional[str] = None
-    """``slurm``: the time limit (``--time``, e.g. ``02:00:00`` or ``1-00:00:00``); ``null``: the
+    """The time limit (``--time``, e.g. ``02:00:00`` or ``1-00:00:00``); ``null``: the
     partition's default."""
     constraint: Optional[str] = None
-    """``slurm``: node features the job needs (``--constraint``, e.g. ``a100``); ``null``: any node."""
+    """Node features the job needs (``--constraint``, e.g. ``a100``); ``null``: any node."""
     gpus: Optional[bool] = None
-    """``slurm``: ask for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``). ``null``: when
+    """Ask for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``). ``null``: when
     ``sinfo`` reports GPUs (GRES ``gpu``) in the partition; without ``sinfo``, or without GPUs, the
     ranks are CPU processes."""
     sbatch: List[str] = field(default_factory=list)
-    """``slurm``: extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
+    """Extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
     the ``#SBATCH`` prefix is optional."""
     setup: List[str] = field(default_factory=list)
-    """``slurm``: shell lines the job runs before starting the ranks (``module load cuda/12.4``,
+    """Shell lines the job runs before starting the ranks (``module load cuda/12.4``,
     ``source ~/venv/bin/activate``); with them set ``launcher.python=python`` to use the activated one."""
     python: Optional[str] = None
-    """``slurm``: the Python the job runs; ``null``: the interpreter running this command."""
+    """The Python the job runs; ``null``: the interpreter running this command."""
     signal_seconds: int = 120
-    """``slurm``: seconds before the time limit at which SLURM warns the ranks (``--signal=USR1@N``); they
+    """Seconds before the time limit at which SLURM warns the ranks (``--signal=USR1@N``); they
     save a checkpoint and the job requeues itself. 0: no warning."""
     requeue: bool = True
-    """``slurm``: on the warning signal or SIGTERM, checkpoint and requeue the job (``scontrol requeue``);
+    """On the warning signal or SIGTERM, checkpoint and requeue the job (``scontrol requeue``);
     the requeued job resumes from that checkpoint. Off: checkpoint and end the job."""
     submit: bool = True
-    """``slurm``: submit the job with ``sbatch``; off: only write ``RUN_DIR/job.sbatch`` and print it (the
+    """Submit the job with ``sbatch``; off: only write ``RUN_DIR/job.sbatch`` and print it (the
     data is then prepared when the job starts)."""
     wait: bool = False
-    """``slurm``: wait for the job to end (``sbatch --wait``) and exit with its status."""
-    # --- multinode
+    """Wait for the job to end (``sbatch --wait``) and exit with its status."""
+
+
+@dataclass
+class MultinodeLauncherConfig(LauncherConfig):
+    """``launcher=multinode``: the deepspeed runner over several machines, without SLURM."""
+
+    name: LauncherName = LauncherName.multinode
+    """Always ``multinode`` (the class is chosen by ``launcher=multinode``)."""
     hostfile: Optional[str] = None
-    """``multinode``: a DeepSpeed hostfile (``host slots=N`` per line); the runner reaches the hosts over
+    """A DeepSpeed hostfile (``host slots=N`` per line); the runner reaches the hosts over
     ssh (pdsh). With ``launcher.no_ssh``: optional, it only names the nodes."""
     no_ssh: bool = False
-    """``multinode``: start only this node's ranks (the runner's ``--no_ssh``); run the same command on
+    """Start only this node's ranks (the runner's ``--no_ssh``); run the same command on
     every node with its ``launcher.node_rank`` and the same ``launcher.master_addr``."""
     node_rank: Optional[int] = None
-    """``multinode`` with ``no_ssh``: this node's index, 0 .. ``launcher.nodes - 1`` (rank 0's node is 0)."""
+    """With ``no_ssh``: this node's index, 0 .. ``launcher.nodes - 1`` (rank 0's node is 0)."""
     master_addr: Optional[str] = None
-    """``multinode``: the address of node 0, where rank 0 listens (needed with ``no_ssh``; else the
+    """The address of node 0, where rank 0 listens (needed with ``no_ssh``; else the
     runner asks the first host of the hostfile)."""
+
+
+LAUNCHER_CONFIGS = {LauncherName.local: LauncherConfig, LauncherName.slurm: SlurmLauncherConfig,
+                    LauncherName.multinode: MultinodeLauncherConfig}
+"""The schema of each ``launcher`` group option, by ``launcher.name``."""
 
 
 @dataclass
 class LoggerConfig:
     """Where rank 0 sends the metrics besides ``metrics.jsonl`` (``logger=none|tensorboard|wandb``)."""
 
-    name: str = "none"
+    name: LoggerName = LoggerName.none
     """``none``, ``tensorboard`` (event files) or ``wandb`` (Weights & Biases, offline mode only)."""
     dir: Optional[str] = None
     """Output folder; ``null``: ``RUN_DIR/tensorboard`` for TensorBoard, ``RUN_DIR`` for W&B (which

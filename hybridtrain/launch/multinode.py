@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.config.schema import MultinodeLauncherConfig
 from hybridtrain.launch.local import run_runner, threads_per_rank
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
@@ -26,7 +26,7 @@ from hybridtrain.plan.types import Machine, Plan
 DEFAULT_PORT = 29500  # DeepSpeed's; every node must use the same port, so none is picked at random
 
 
-def hosts(launcher: LauncherConfig, plan: Plan) -> list[tuple[str, int]]:
+def hosts(launcher: MultinodeLauncherConfig, plan: Plan) -> list[tuple[str, int]]:
     """``(host, slots)`` of every node in rank order; raise :class:`PlanError` when the hostfile does not
     match ``launcher.nodes`` and the plan's ranks per node."""
     per_node = plan.world_size // plan.nodes
@@ -46,7 +46,7 @@ def hosts(launcher: LauncherConfig, plan: Plan) -> list[tuple[str, int]]:
     return found
 
 
-def command(run_dir: Path, launcher: LauncherConfig, hostfile: Path) -> list[str]:
+def command(run_dir: Path, launcher: MultinodeLauncherConfig, hostfile: Path) -> list[str]:
     """The deepspeed runner command line for this node (``no_ssh``) or for every host (ssh)."""
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
            "--master_port", str(launcher.master_port or DEFAULT_PORT)]
@@ -57,7 +57,7 @@ def command(run_dir: Path, launcher: LauncherConfig, hostfile: Path) -> list[str
     return cmd + ["--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
 
 
-def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
+def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine: Machine) -> int:
     """Start the runner for this node (or all hosts); return its exit code."""
     found = hosts(launcher, plan)
     hostfile = Path(launcher.hostfile).expanduser().resolve() if launcher.hostfile else run_dir / "hostfile"

@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 from string import Template
 
-from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.config.schema import SlurmLauncherConfig
 from hybridtrain.launch.placement import crossing
 from hybridtrain.plan.types import Plan
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "job.sbatch"
+TEMPLATE = (Path(__file__).resolve().parents[1] / "_slurm" / "job.sbatch").resolve()
+"""The job script template: ``slurm/job.sbatch`` of the checkout (``hybridtrain/_slurm`` links to
+``slurm/``), or the copy a wheel holds there."""
 NEED_CLIENT = ("launcher=slurm needs SLURM's client tools (sbatch, srun, scontrol) on PATH: run this on the "
                "cluster's login node, or install them (Debian/Ubuntu: apt-get install slurm-client); "
                "launcher.submit=false only writes the job script")
@@ -40,7 +42,7 @@ def cluster_has_gpus(partition: str | None) -> bool:
     return out.returncode == 0 and "gpu" in out.stdout
 
 
-def render(run_dir: Path, plan: Plan, launcher: LauncherConfig, gpus: bool, python: str, workdir: Path) -> str:
+def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool, python: str, workdir: Path) -> str:
     """The job script for ``plan`` (pure: no file, no SLURM call)."""
     per_node = plan.world_size // plan.nodes
     resources = ""
@@ -75,7 +77,7 @@ def render(run_dir: Path, plan: Plan, launcher: LauncherConfig, gpus: bool, pyth
         setup="".join(line + "\n" for line in launcher.setup), exports=exports, on_stop=on_stop)
 
 
-def write(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> Path:
+def write(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> Path:
     """Render the job script into ``RUN_DIR/job.sbatch`` and return its path."""
     gpus = launcher.gpus if launcher.gpus is not None else cluster_has_gpus(launcher.partition)
     text = render(run_dir, plan, launcher, gpus, launcher.python or sys.executable, Path.cwd())
@@ -85,7 +87,7 @@ def write(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> Path:
     return path
 
 
-def submit(run_dir: Path, plan: Plan, launcher: LauncherConfig) -> int:
+def submit(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> int:
     """Write the job script, then (``launcher.submit``) ``sbatch`` it and (``launcher.wait``) wait for it.
 
     Returns the exit code for the command line: 0 once submitted (or written), the job's exit code

@@ -20,6 +20,7 @@ register_schema()
 def run(cfg: DictConfig) -> int:
     """Print the plan of one composed config; return the exit code (2: config error)."""
     from hybridtrain.config import to_config
+    from hybridtrain.config.explain import message
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.plan.memory import device_memory_bytes
     from hybridtrain.plan.report import build_report, format_report
@@ -27,7 +28,7 @@ def run(cfg: DictConfig) -> int:
     try:
         typed = to_config(cfg)
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors
-        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
         return 2
     apply_pretrained_defaults(typed)
     machine = machine_facts()
@@ -53,4 +54,6 @@ if __name__ == "__main__":
     given = {a.split("=", 1)[0].lstrip("+") for a in sys.argv[1:]}
     sys.argv += [a for a in ("hydra.output_subdir=null", "hydra/job_logging=disabled",
                              "hydra/hydra_logging=disabled", "hydra.run.dir=.") if a.split("=", 1)[0] not in given]
-    _hydra_main()
+    from hybridtrain.config.explain import run_hydra
+
+    run_hydra(_hydra_main)

@@ -12,10 +12,6 @@ from hybridtrain.config.schema import Config, DataConfig, TrainerConfig
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Plan
 
-SOURCES = ("embedded", "files", "disk", "hf")
-FORMATS = ("text", "chat", "prompt_completion")
-SAMPLE_BY = ("document", "paragraph", "line")
-
 
 def _need(ok: bool, key: str, message: str) -> None:
     if not ok:
@@ -29,19 +25,17 @@ def has_validation(data: DataConfig) -> bool:
 
 def check_data_config(data: DataConfig, trainer: TrainerConfig) -> None:
     """The ``data`` keys (and the trainer's data keys) on their own, before anything is read."""
-    _need(data.source in SOURCES, "data.source", f"{data.source!r} is not one of {list(SOURCES)} "
-          "(data=embedded, data=files, data=disk or data=hf)")
+    # data.source, data.format and data.sample_by are fixed choices, checked while composing (config/choices.py)
     if data.source == "embedded":
         _need(data.name in (None, "embedded"), "data.name",
               f"{data.name!r} names a hub dataset, but data.source=embedded; use data=hf data.name={data.name} "
-              f"(sources: {list(SOURCES)})")
+              "(or data=files / data=disk with data.path)")
     if data.source in ("files", "disk"):
         _need(bool(data.path), "data.path", f"data.source={data.source} needs data.path (a path or glob)")
     if data.source == "hf":
         _need(bool(data.name), "data.name", "data.source=hf needs data.name (a hub dataset such as org/name)")
-    _need(data.format in FORMATS, "data.format", f"{data.format!r} is not one of {list(FORMATS)}")
-    _need(data.sample_by in SAMPLE_BY, "data.sample_by", f"{data.sample_by!r} is not one of {list(SAMPLE_BY)}")
     _need(data.num_proc >= 1, "data.num_proc", f"must be >= 1, got {data.num_proc}")
+    _need(data.seq_len >= 1, "data.seq_len", f"must be >= 1, got {data.seq_len}")
     _need(0 <= data.val_fraction < 1, "data.val_fraction", f"must be in [0, 1), got {data.val_fraction}")
     given = [k for k, v in (("data.val_path", data.val_path), ("data.val_split", data.val_split)) if v]
     _need(not (data.val_fraction > 0 and given), "data.val_fraction",

@@ -70,7 +70,7 @@ def pretrained_config(cfg: Config):
             raise PlanError(f"model.config.{key}", f"{value} differs from the checkpoint's {getattr(hf, key, None)} "
                             f"in {folder}; a pretrained model's shape cannot change: drop the override")
         setattr(hf, key, value)
-    hf._attn_implementation = cfg.model.attn_implementation
+    hf._attn_implementation = str(cfg.model.attn_implementation)
     hf.use_cache = False
     return hf
 
@@ -118,7 +118,7 @@ def model_config(cfg: Config):
     except FileNotFoundError as err:
         raise PlanError("data.tokenizer", str(err)) from None
     try:
-        hf = hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)
+        hf = hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, str(cfg.model.attn_implementation), eos)
         _check_builds(family, hf)
     except ValueError as err:  # transformers' own validation of the config or of the modules it builds
         raise _refused(cfg, err) from None

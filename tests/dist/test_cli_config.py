@@ -1,14 +1,16 @@
 """The real CLI in dry-run mode: it writes what workers read, validates cluster recipes, exits 2 on a
-bad plan; the plan and config code never import DeepSpeed (checked in a fresh interpreter)."""
+bad plan or a config Hydra cannot compose (one line, also in a sweep and in ``python -m hybridtrain.plan``);
+the plan and config code never import DeepSpeed (checked in a fresh interpreter)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers_unit import CliRun, compose_config
+from helpers_unit import ROOT, CliRun, compose_config
 from hybridtrain.config import load_config
 from hybridtrain.plan import machine_facts, resolve
 
@@ -24,6 +26,11 @@ CLI_RUNS = {
     "gpt_tiny": ["+recipe=gpt_tiny", "launcher.dry_run=true"],
     "bad_tp": ["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5"],
     "llama_7b": ["+recipe=llama_7b", "launcher.dry_run=true"],
+    **{name: ["+recipe=gpt_tiny", "launcher.dry_run=true", override] for name, override in {
+        "wrong_type": "parallel.tp=abc", "batch_zero": "trainer.global_batch_size=0",
+        "precision_unknown": "trainer.precision=fp33", "slurm_key_local": "launcher.partition=gpu",
+        "attn_unknown": "model.attn_implementation=flash"}.items()},
+    "sweep_with_a_bad_value": ["-m", "+recipe=gpt_tiny", "launcher.dry_run=true", "trainer.precision=fp32,fp33"],
 }
 
 
@@ -83,3 +90,37 @@ def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
     assert load_config(run_dir / "config.yaml").launcher.nodes == 4
+
+
+CONFIG_ERRORS = {  # CLI run -> its whole stderr
+    "wrong_type": "parallel.tp: 'abc' is not an integer",
+    "batch_zero": "trainer.global_batch_size: must be >= 1, got 0",
+    "precision_unknown": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
+    "slurm_key_local": "launcher.partition: a key of launcher=slurm, not of launcher=local (this run's); add launcher=slurm",
+    "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager]",
+    "sweep_with_a_bad_value": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
+def test_cli_config_error_is_one_line_and_exit_2(cli, name):
+    run_dir, run = cli[name]
+    proc = run.result()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"[hybridtrain] config error: {CONFIG_ERRORS[name]}"], proc.stderr
+    assert not (run_dir / "plan.json").exists()
+
+
+def test_cli_sweep_with_a_bad_value_starts_no_job(cli):
+    """Hydra composes every job of a sweep before the first starts: the good fp32 job did not run."""
+    run_dir, run = cli["sweep_with_a_bad_value"]
+    assert run.result().returncode == 2
+    assert not list(run_dir.parent.glob("**/config.yaml"))  # the sweep folder is under the working directory
+
+
+def test_plan_cli_config_error_is_one_line_and_exit_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", "+recipe=gpt_tiny", "trainer.precision=fp33"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "[hybridtrain] config error: trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]"

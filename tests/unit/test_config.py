@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
 from helpers_unit import RECIPES, compose_config, compose_raw
-from hybridtrain.config import Config, load_config, save_config, to_config
+from hybridtrain.config import CONF_DIR, Config, load_config, save_config, to_config
 from hybridtrain.plan import Machine, resolve
 
 
@@ -106,6 +106,76 @@ def test_save_load_round_trip(recipe, tmp_path):
     assert isinstance(back.model.config, dict) and isinstance(back.optim.betas, list)
 
 
+@pytest.mark.parametrize("launcher", ["local", "slurm", "multinode"])
+def test_save_load_round_trip_keeps_the_launcher_and_the_choices(launcher, tmp_path):
+    from hybridtrain.config.choices import Precision
+
+    cfg = compose_config("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16")
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert f"  name: {launcher}\n" in text and "  precision: bf16\n" in text  # plain values, no enum tags
+    back = load_config(tmp_path / "config.yaml")
+    assert back == cfg and type(back.launcher) is type(cfg.launcher)
+    assert back.trainer.precision is Precision.bf16
+
+
+def test_choices_behave_as_their_values():
+    import json
+
+    from hybridtrain.config.choices import Precision
+
+    bf16 = Precision.bf16
+    assert bf16 == "bf16" and str(bf16) == f"{bf16}" == f"{bf16:>4}" == "bf16" and hash(bf16) == hash("bf16")
+    assert {"bf16": 1}[bf16] == 1 and json.dumps({"p": bf16}) == '{"p": "bf16"}'
+
+
+def test_every_field_says_what_it_accepts():
+    """The wrong-type message describes every schema field in words (no raw type names)."""
+    import dataclasses
+    import typing
+
+    from hybridtrain.config.explain import accepts
+    from hybridtrain.config.schema import LAUNCHER_CONFIGS
+
+    words = ("an integer", "a number", "a string", "true", "one of [", "a list of", "a mapping")
+    sections = [t for t in typing.get_type_hints(Config).values() if dataclasses.is_dataclass(t)]
+    assert len(sections) == 8
+    for section in [*sections, *LAUNCHER_CONFIGS.values()]:
+        for name, hint in typing.get_type_hints(section).items():
+            assert accepts(hint).startswith(words), (section.__name__, name, accepts(hint))
+
+
+def _leaves(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+GROUP_FILES = sorted(p for p in CONF_DIR.glob("*/*.yaml") if p.parent.name != "recipe")
+IDENTITY = {"model.model_type", "data.source", "launcher.name", "logger.name"}
+"""The key that names a group option (``model_type: gpt2`` in ``model/gpt2.yaml``): stated even
+where it equals the schema's default, so each option file says what it is."""
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=[f"{p.parent.name}/{p.stem}" for p in GROUP_FILES])
+def test_group_files_state_only_differences_from_the_schema(path):
+    from omegaconf import OmegaConf
+
+    from hybridtrain.config.schema import LAUNCHER_CONFIGS
+
+    group = path.parent.name
+    own = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    own.pop("defaults", None)
+    schema = OmegaConf.structured(Config)
+    if group == "launcher":
+        schema.launcher = OmegaConf.structured(LAUNCHER_CONFIGS[path.stem])
+    defaults = dict(_leaves(OmegaConf.to_container(schema[group], enum_to_str=True)))
+    repeated = [k for k, v in _leaves(own) if f"{group}.{k}" not in IDENTITY and k in defaults and defaults[k] == v]
+    assert not repeated, f"{path.relative_to(CONF_DIR)} repeats the schema's defaults of {repeated}"
+
+
 def test_load_config_checks_the_schema(tmp_path):
     cfg = compose_config("+recipe=gpt_tiny")
     save_config(cfg, tmp_path / "config.yaml")
@@ -144,3 +214,19 @@ def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as info:
         local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8))
     assert "launcher.nodes=4" in str(info.value.code) and "use launcher.nodes=1" in str(info.value.code)
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm", "multinode"])
+def test_verify_overrides_compose_under_every_launcher(launcher):
+    """``python -m hybridtrain.verify`` re-composes the config from overrides: the launcher group
+    comes first, so its own keys (``launcher.partition``, ``launcher.hostfile``) are accepted."""
+    from hybridtrain.verify import overrides, shrink
+
+    local = compose_config("+recipe=gpt_tiny")
+    plan, hf_config = resolve(local, Machine())
+    twin = shrink(local, plan, hf_config, steps=2)
+    cfg = compose_config("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16",
+                         "parallel.partition=blocks")
+    again = compose_config(*overrides(cfg, twin, {"dp": 1, "tp": 1, "pp": 1}))
+    assert type(again.launcher) is type(cfg.launcher)
+    assert (again.trainer.precision, again.parallel.partition) == ("bf16", "blocks")

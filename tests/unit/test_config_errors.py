@@ -1,5 +1,7 @@
 """Config rules that had no test of their own (found while writing ``docs/errors.md``): each
-changes one key of ``gpt_tiny`` and asserts the ``PlanError`` key and the message."""
+changes one key of ``gpt_tiny`` and asserts the ``PlanError`` key and the message. And the errors
+found while composing (a wrong type, a value outside a fixed choice, an unknown key): one line
+naming the key and what it accepts."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +9,11 @@ import functools
 
 import pytest
 
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
 from helpers_unit import compose_config
+from hybridtrain.config.explain import message
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
@@ -34,8 +40,6 @@ def _error(changes: dict, base: tuple = ()) -> PlanError:
 
 
 CASES = {  # id -> (changes of gpt_tiny, key, fragments of the message)
-    "data_format_unknown": ({"data.format": "markdown"}, "data.format", ["'markdown' is not one of", "chat"]),
-    "data_sample_by_unknown": ({"data.sample_by": "sentence"}, "data.sample_by", ["'sentence' is not one of", "paragraph"]),
     "data_num_proc_zero": ({"data.num_proc": 0}, "data.num_proc", ["must be >= 1, got 0"]),
     "files_without_path": ({"data.source": "files"}, "data.path", ["data.source=files needs data.path"]),
     "hf_without_name": ({"data.source": "hf"}, "data.name", ["data.source=hf needs data.name"]),
@@ -70,3 +74,57 @@ def test_hang_timeout_s_from_the_command_line_is_typed_and_accepted():
     assert _composed().trainer.hang_timeout_s is None  # off by default
     for value in (None, 0.5, 600.0):
         resolve(_with({"trainer.hang_timeout_s": value}), CPU)
+
+
+COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hybridtrain] config error: ")
+    "wrong_type": (["parallel.tp=abc"], "parallel.tp: 'abc' is not an integer"),
+    "wrong_type_or_null": (["parallel.dp=x"], "parallel.dp: 'x' is not an integer or null"),
+    "wrong_type_number": (["optim.lr=fast"], "optim.lr: 'fast' is not a number"),
+    "wrong_type_list": (["optim.betas=3"], "optim.betas: 3 is not a list of numbers"),
+    "null_for_a_required_int": (["trainer.max_steps=null"], "trainer.max_steps: null is not an integer"),
+    "precision_unknown": (["trainer.precision=fp33"], "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]"),
+    "attn_implementation_unknown": (["model.attn_implementation=flash"],
+                                    "model.attn_implementation: 'flash' is not one of [sdpa, eager] or null"),
+    "partition_unknown": (["parallel.partition=random"],
+                          "parallel.partition: 'random' is not one of [balanced, blocks, uniform, parameters]"),
+    "data_source_unknown": (["data.source=openwebtext"],
+                            "data.source: 'openwebtext' is not one of [embedded, files, disk, hf]"),
+    "data_format_unknown": (["data.format=markdown"],
+                            "data.format: 'markdown' is not one of [text, chat, prompt_completion]"),
+    "data_sample_by_unknown": (["data.sample_by=sentence"],
+                               "data.sample_by: 'sentence' is not one of [document, paragraph, line]"),
+    "launcher_name_unknown": (["launcher.name=kubernetes"],
+                              "launcher.name: 'kubernetes' is not one of [local, slurm, multinode]"),
+    "logger_name_unknown": (["logger.name=mlflow"], "logger.name: 'mlflow' is not one of [none, tensorboard, wandb]"),
+    "slurm_key_with_local_launcher": (["launcher.partition=gpu"], "launcher.partition: a key of launcher=slurm, "
+                                      "not of launcher=local (this run's); add launcher=slurm"),
+    "appended_slurm_key_with_local_launcher": (["+launcher.partition=gpu"], "launcher.partition: a key of "
+                                               "launcher=slurm, not of launcher=local (this run's); add launcher=slurm"),
+    "multinode_key_with_slurm_launcher": (["launcher=slurm", "launcher.hostfile=hosts.txt"], "launcher.hostfile: a key "
+                                          "of launcher=multinode, not of launcher=slurm (this run's); add launcher=multinode"),
+    "launcher_name_without_its_group": (["launcher.name=slurm"], "launcher.name: the launcher is chosen with its "
+                                        "group: use launcher=slurm instead of launcher.name=slurm"),
+    "unknown_key": (["parallel.tpp=2"], "parallel.tpp: parallel has no key 'tpp'; did you mean tp or pp?"),
+    "appended_unknown_key": (["+parallel.tpp=2"], "parallel.tpp: parallel has no key 'tpp'; did you mean tp or pp?"),
+    "unknown_top_level_key": (["steps=3"], "steps: the config has no key 'steps'; its keys are ['data', 'launcher', "
+                              "'logger', 'model', 'optim', 'parallel', 'plan', 'run_dir', 'trainer']"),
+    "new_hf_key_without_plus": (["model.config.n_innerr=3"],
+                                "model.config.n_innerr: not in the config; add it with +model.config.n_innerr=VALUE"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPOSE_CASES))
+def test_compose_error_is_one_line_naming_the_key(case):
+    overrides, expected = COMPOSE_CASES[case]
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException, PlanError)) as info:
+        compose_config("+recipe=gpt_tiny", *overrides)  # composes and types the config, as the CLIs do
+    assert message(info.value) == expected
+
+
+def test_the_right_launcher_keys_compose():
+    slurm = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.partition=gpu", "launcher.time=01:00:00")
+    assert (slurm.launcher.name, slurm.launcher.partition, slurm.launcher.time) == ("slurm", "gpu", "01:00:00")
+    multi = compose_config("+recipe=gpt_tiny", "launcher=multinode", "launcher.hostfile=hosts.txt")
+    assert (multi.launcher.name, multi.launcher.hostfile, multi.launcher.nodes) == ("multinode", "hosts.txt", 2)
+    local = compose_config("+recipe=gpt_tiny")
+    assert local.launcher.name == "local" and not hasattr(local.launcher, "partition")

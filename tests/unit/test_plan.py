@@ -84,28 +84,10 @@ def test_unknown_hf_override_without_close_match():
     assert "'zzzzqqq'" in str(info.value) and "did you mean" not in str(info.value)
 
 
-def test_attn_implementation():
-    cfg = tiny()
-    cfg.model.attn_implementation = "flash"
-    plan_error(cfg, "model.attn_implementation", "'flash'", "['sdpa', 'eager']")
-
-
 def test_vocab_pad_multiple_positive():
     cfg = tiny()
     cfg.model.vocab_pad_multiple = 0
     plan_error(cfg, "model.vocab_pad_multiple", ">= 1", "got 0")
-
-
-def test_launcher_name():
-    cfg = tiny()
-    cfg.launcher.name = "kubernetes"
-    plan_error(cfg, "launcher.name", "'kubernetes'", "['local', 'slurm', 'multinode']")
-
-
-def test_data_source():
-    cfg = tiny()
-    cfg.data.source = "openwebtext"
-    plan_error(cfg, "data.source", "'openwebtext'", "['embedded', 'files', 'disk', 'hf']")
 
 
 def test_data_name_needs_the_hf_source():
@@ -234,7 +216,7 @@ def test_global_batch_divisible_by_micro_x_dp():
 def test_global_batch_positive():
     cfg = tiny()
     cfg.trainer.global_batch_size = 0
-    plan_error(cfg, "trainer.global_batch_size", "0 is not divisible", "1 x 1 = 1")
+    plan_error(cfg, "trainer.global_batch_size", "must be >= 1, got 0")
 
 
 # --- model shape ---------------------------------------------------------------------------------
@@ -267,11 +249,16 @@ def test_pp_at_most_layers():
     plan_error(cfg, "parallel.pp", "parallel.pp=5", "4 layers", "model.config.n_layer", "use pp <= 4")
 
 
-@pytest.mark.parametrize("seq_len", [0, 257])
-def test_seq_len_within_positions(seq_len):
+def test_seq_len_within_positions():
     cfg = tiny()
-    cfg.data.seq_len = seq_len
-    plan_error(cfg, "data.seq_len", f"{seq_len} must be in [1, model.config.n_positions=256]")
+    cfg.data.seq_len = 257
+    plan_error(cfg, "data.seq_len", "257 must be in [1, model.config.n_positions=256]")
+
+
+def test_seq_len_positive():
+    cfg = tiny()
+    cfg.data.seq_len = 0
+    plan_error(cfg, "data.seq_len", "must be >= 1, got 0")
 
 
 def test_seq_len_within_llama_positions():
@@ -303,23 +290,11 @@ def test_pipeline_allows_zero_0_and_1_only(stage):
                "use parallel.zero_stage=1", "pp=1 for ZeRO-2/3")
 
 
-def test_precision_known():
-    cfg = tiny()
-    cfg.trainer.precision = "fp8"
-    plan_error(cfg, "trainer.precision", "'fp8'", "['fp32', 'bf16', 'fp16']")
-
-
 def test_fp16_needs_support():
     cfg = tiny()
     cfg.trainer.precision = "fp16"
     plan_error(cfg, "trainer.precision", "fp16 is not supported", "use bf16 or fp32",
                machine=Machine(fp16_supported=False))
-
-
-def test_partition_method_known():
-    cfg = tiny()
-    cfg.parallel.partition = "random"
-    plan_error(cfg, "parallel.partition", "'random'", "['balanced', 'blocks', 'uniform', 'parameters']")
 
 
 # --- loop and optimizer --------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""The fixed choices of the config: keys whose value is one of a few names.
+
+OmegaConf checks an ``Enum``-typed field while Hydra composes, so ``trainer.precision=fp33`` fails
+before anything runs. Each member's name equals its value (OmegaConf converts the text given on the
+command line by name). The members are ``str``: they compare, hash, format and dump (JSON, YAML)
+exactly as their value, so ``plan.precision == "bf16"`` and ``plan.json`` work unchanged.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """One value of a fixed choice; ``str()`` and ``format()`` give the value (``bf16``), not
+    ``Precision.bf16`` (Python's ``StrEnum`` does this too, but only from Python 3.11 on)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Precision(Choice):
+    """``trainer.precision``: DeepSpeed's fp32, ``bf16`` or ``fp16`` mode."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class AttnImplementation(Choice):
+    """``model.attn_implementation``: the HF attention kernel."""
+
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+class Partition(Choice):
+    """``parallel.partition``: how pipeline stage boundaries are chosen."""
+
+    balanced = "balanced"
+    blocks = "blocks"
+    uniform = "uniform"
+    parameters = "parameters"
+
+
+class DataSource(Choice):
+    """``data.source``: where the training records come from."""
+
+    embedded = "embedded"
+    files = "files"
+    disk = "disk"
+    hf = "hf"
+
+
+class DataFormat(Choice):
+    """``data.format``: what a record holds and which tokens carry the loss."""
+
+    text = "text"
+    chat = "chat"
+    prompt_completion = "prompt_completion"
+
+
+class SampleBy(Choice):
+    """``data.sample_by``: what one record of a ``.txt`` file is."""
+
+    document = "document"
+    paragraph = "paragraph"
+    line = "line"
+
+
+class LauncherName(Choice):
+    """``launcher.name``: set by the ``launcher`` group (``launcher=slurm``), never on its own."""
+
+    local = "local"
+    slurm = "slurm"
+    multinode = "multinode"
+
+
+class LoggerName(Choice):
+    """``logger.name``: where rank 0 also sends the metrics."""
+
+    none = "none"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
