@@ -2,15 +2,15 @@
 bad plan; the plan and config code never import DeepSpeed (checked in a fresh interpreter)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from helpers_unit import CliRun, compose_config
-from hybridtrain.config import load_config
+from helpers_unit import compose_config
+from hybridtrain.cli import Background
 from hybridtrain.plan import machine_facts, resolve
+from hybridtrain.rundir import RunDir
 
 
 def test_plan_code_does_not_import_deepspeed():
@@ -29,12 +29,13 @@ CLI_RUNS = {
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, CliRun)``."""
+    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, Background)``."""
     base = tmp_path_factory.mktemp("cli")
     runs = {}
     for name, overrides in CLI_RUNS.items():
         run_dir = base / name / "run"
-        runs[name] = (run_dir, CliRun([*overrides, f"hydra.run.dir={run_dir}"], base / name, base / "token_cache"))
+        runs[name] = (run_dir, Background(run_dir, overrides, base / name, cwd=base / name,
+                                          env={"HYBRIDTRAIN_CACHE": str(base / "token_cache")}))
     yield runs
     for _, run in runs.values():
         run.kill()
@@ -47,12 +48,12 @@ def test_cli_dry_run_writes_config_and_plan(cli):
     assert "dry run" in proc.stdout and "launching" not in proc.stdout
     assert "plan      dp=1 x tp=1 x pp=1 = 1 rank(s)" in proc.stdout
 
-    saved = load_config(run_dir / "config.yaml")
+    saved = RunDir(run_dir).config()
     expected = compose_config(*CLI_RUNS["gpt_tiny"])
     expected.run_dir = str(run_dir.resolve())
     assert saved == expected
     plan, _ = resolve(expected, machine_facts())
-    assert json.loads((run_dir / "plan.json").read_text()) == plan.to_dict()
+    assert RunDir(run_dir).plan_record() == plan.to_dict()
 
 
 def test_cli_dry_run_prepares_no_data(cli):
@@ -71,7 +72,7 @@ def test_cli_bad_plan_exits_2_before_writing_the_plan(cli):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "config error: parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (run_dir / "plan.json").exists()
+    assert not RunDir(run_dir).plan_file.exists()
 
 
 def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
@@ -80,6 +81,6 @@ def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
     proc = run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dp=1 x tp=8 x pp=4 = 32 rank(s)" in proc.stdout and "launching" not in proc.stdout
-    plan = json.loads((run_dir / "plan.json").read_text())
+    plan = RunDir(run_dir).plan_record()
     assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
-    assert load_config(run_dir / "config.yaml").launcher.nodes == 4
+    assert RunDir(run_dir).config().launcher.nodes == 4
