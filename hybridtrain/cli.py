@@ -51,7 +51,9 @@ def environment(env: Mapping[str, str] | None = None, path_first: Sequence[Path 
     """This process's environment for a run: unbuffered output, ``path_first`` then this checkout first on
     ``PYTHONPATH`` (the run imports this package, whatever the working folder), then ``env`` on top."""
     paths = [*map(str, path_first), str(REPO), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p), **(env or {}))
+    out = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    out.update(env or {})
+    return out
 
 
 def start(run_dir: Path | str | None, overrides: Sequence[str], *, env: Mapping[str, str] | None = None,

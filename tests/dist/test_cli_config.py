@@ -20,6 +20,13 @@ def test_plan_code_does_not_import_deepspeed():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_harness_and_run_dir_import_neither_torch_nor_deepspeed():
+    code = ("import hybridtrain.cli, hybridtrain.rundir, sys; "
+            "assert not {'torch', 'deepspeed'} & set(sys.modules), sorted({'torch', 'deepspeed'} & set(sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 CLI_RUNS = {
     "gpt_tiny": ["+recipe=gpt_tiny", "launcher.dry_run=true"],
     "bad_tp": ["+recipe=gpt_tiny", "launcher.dry_run=true", "parallel.tp=5"],
