@@ -13,7 +13,9 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
 
 Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
 finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
-``.tmp-*`` folder, which is never loaded.
+``.tmp-*`` folder, which is never loaded. These names are spelled in this module only (a
+checkpoint folder's files: :class:`CheckpointDir`; the copies of ``config.yaml`` and ``plan.json``
+keep the run directory's names, :mod:`hybridtrain.rundir`).
 """
 from __future__ import annotations
 
@@ -46,22 +48,27 @@ class CheckpointDir:
 
     @property
     def ds(self) -> Path:
+        """``ds/``: DeepSpeed's own state."""
         return self.path / DS_TAG
 
     @property
     def hf(self) -> Path:
+        """``hf/``: HF-named weights per stage, HF config and tokenizer."""
         return self.path / "hf"
 
     @property
     def optim(self) -> Path:
+        """``optim/``: HF-named AdamW moments per stage (ZeRO <= 2)."""
         return self.path / "optim"
 
     @property
     def rng(self) -> Path:
+        """``rng/``: every rank's RNG states."""
         return self.path / "rng"
 
     @property
     def meta_file(self) -> Path:
+        """``meta.json``: written last; its presence marks a complete checkpoint."""
         return self.path / META
 
     @property
