@@ -1,6 +1,6 @@
 """Cost-model benchmark: does ``parallel=auto`` rank layouts the way they really run?
 
-    python bench/bench_auto.py [--steps 8] [--rounds 1]
+    python -m bench.bench_auto [--steps 8] [--rounds 1]
 
 Every (dp, tp, pp) layout of world size 4 for a small GPT-2 (4 blocks, width 96, 4 heads so that
 tp = 4 divides them; micro-batch 1, ZeRO-1, fp32) is trained for real through
@@ -18,14 +18,12 @@ import datetime as dt
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from hybridtrain import cli
+from hybridtrain.cli import REPO as ROOT
+from hybridtrain.rundir import RunDir
 
 MODEL = ["+recipe=gpt_tiny", "model.config.n_head=4", "parallel.micro_batch_size=1", "parallel.zero_stage=1",
          "trainer.global_batch_size=8", "launcher.threads_per_rank=1", "trainer.save_final=false",
@@ -64,29 +62,23 @@ def measure(layout, steps: int, work: Path) -> float:
     """Median tokens/s of one real run of ``layout`` (steps after the first two)."""
     dp, tp, pp = layout
     run_dir = work / f"run_{dp}{tp}{pp}_{len(list(work.iterdir()))}"
-    cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *MODEL, f"parallel.dp={dp}",
-           f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.max_steps={steps}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = cli.run(run_dir, [*MODEL, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                             f"trainer.max_steps={steps}"], cwd=ROOT)
     if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        raise SystemExit(f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = RunDir(run_dir).metrics()
     return statistics.median(r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r and r["step"] > 2)
 
 
 def predict(layout) -> tuple[float, dict]:
     """The cost model's tokens/s for ``layout`` (same config as the runs)."""
-    from hydra import compose, initialize_config_dir
-
-    from hybridtrain.config import CONF_DIR, register_schema, to_config
     from hybridtrain.plan import machine_facts, model_config
     from hybridtrain.plan.auto import Candidate, estimate, world_size
     from hybridtrain.plan.calibrate import rates
     from hybridtrain.plan.costs import model_facts
     from hybridtrain.plan.memory import device_memory_bytes
 
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=MODEL + [f"plan.world_size={WORLD}"]))
+    cfg = cli.compose(MODEL + [f"plan.world_size={WORLD}"])
     hf = model_config(cfg)
     machine = machine_facts()
     r = rates(1, True, (cfg.data.seq_len, int(hf.n_embd)), WORLD)
@@ -103,7 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    from bench_data import machine
+    from bench.bench_data import machine
 
     lays = layouts(WORLD)
     load_before = os.getloadavg()

@@ -1,8 +1,8 @@
 """Data benchmark: tokenization throughput of the hybridtrain pipeline against a plain batched
 ``tokenizer(...)`` loop over the same text, and the share of step time spent waiting for data.
 
-    python bench/bench_data.py                       # tokenization, A B A B, 3 rounds
-    python bench/bench_data.py --metrics RUN_DIR/metrics.jsonl   # also: data-wait share of a run
+    python -m bench.bench_data                       # tokenization, A B A B, 3 rounds
+    python -m bench.bench_data --metrics RUN_DIR/metrics.jsonl   # also: data-wait share of a run
 
 A = :func:`hybridtrain.data.prepare.prepare` on a jsonl copy of the embedded corpus (``data=files``,
 a fresh cache folder each time: JSON -> Arrow, ``datasets.map`` tokenization, Arrow dataset saved).
@@ -18,19 +18,16 @@ import datetime as dt
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package
+from hybridtrain.cli import REPO as ROOT
 
 
 def machine() -> str:
     """One line describing where the benchmark ran (bench/common.py, shared by every benchmark)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine as facts, machine_line
+    from bench.common import machine as facts, machine_line
 
     return machine_line(facts())
 

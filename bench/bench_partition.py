@@ -2,7 +2,7 @@
 ``uniform`` and ``parameters`` methods (and hybridtrain's ``blocks``) on a model where counting
 layers or parameters misjudges the work: a GPT-2 with a large vocabulary for its width.
 
-    python bench/bench_partition.py [--pp 4] [--rounds 5]
+    python -m bench.bench_partition [--pp 4] [--rounds 5]
 
 For each method the plan's stage boundaries are taken from :func:`hybridtrain.plan.resolve`; the
 real pipeline layers (:mod:`hybridtrain.models.stages`, seeded weights, tp = 1) are built once
@@ -19,13 +19,10 @@ import datetime as dt
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from hybridtrain.cli import REPO as ROOT
 
 METHODS = ("balanced", "uniform", "parameters", "blocks")
 MODEL = ["+recipe=gpt_tiny", "model.config.n_layer=16", "model.config.n_embd=128", "model.config.n_head=4",
@@ -105,19 +102,16 @@ def main() -> None:
 
     import torch
 
-    from bench_data import machine
-    from hybridtrain.config import CONF_DIR, register_schema, to_config
+    from bench.bench_data import machine
+    from hybridtrain.cli import compose
     from hybridtrain.plan import Machine, resolve
     from hybridtrain.plan.costs import layer_time_costs, model_facts
-    from hydra import compose, initialize_config_dir
 
     torch.set_num_threads(1)
-    register_schema()
     plans = {}
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for method in METHODS:
-            cfg = to_config(compose("config", overrides=MODEL + [f"parallel.pp={args.pp}", f"parallel.partition={method}"]))
-            plans[method] = resolve(cfg, Machine())
+    for method in METHODS:
+        cfg = compose(MODEL + [f"parallel.pp={args.pp}", f"parallel.partition={method}"])
+        plans[method] = resolve(cfg, Machine())
     plan, hf_config = plans["balanced"]
     torch.manual_seed(0)
     layers, loss_fn = build_layers(cfg, plan, hf_config)

@@ -1,7 +1,7 @@
 """Naive model parallelism against the 1F1B pipeline, measured and drawn side by side.
 
-    python bench/bench_timeline.py                 # A B A B, 2 rounds
-    python bench/bench_timeline.py --rounds 1 --steps 4
+    python -m bench.bench_timeline                 # A B A B, 2 rounds
+    python -m bench.bench_timeline --rounds 1 --steps 4
 
 A = naive model parallelism: pp=2 with one micro-batch per step (micro_batch_size = global batch).
 B = the 1F1B pipeline: pp=2, micro_batch_size=1, so m = global batch micro-batches.
@@ -19,13 +19,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package
+from hybridtrain import cli
+from hybridtrain.cli import REPO as ROOT
+from hybridtrain.rundir import RunDir
 
 MODEL = ["+recipe=gpt_tiny", "model.config.n_layer=8", "model.config.n_embd=192", "data.seq_len=128",
          "trainer.global_batch_size=8", "parallel.pp=2", "trainer.save_final=false", "trainer.report=false"]
@@ -36,18 +36,16 @@ VARIANTS = {"naive": ["parallel.micro_batch_size=8"], "1f1b": ["parallel.micro_b
 def run(name: str, steps: int, work: Path, round_: int) -> dict:
     """One training run; its timeline summary, events and steady tokens/s."""
     run_dir = work / f"{name}-{round_}"
-    cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *MODEL, *VARIANTS[name],
-           f"trainer.max_steps={steps}", f"trainer.profile_steps=[{steps - 1},{steps}]"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HYBRIDTRAIN_CACHE=str(work / "cache"))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = cli.run(run_dir, [*MODEL, *VARIANTS[name], f"trainer.max_steps={steps}",
+                             f"trainer.profile_steps=[{steps - 1},{steps}]"],
+                   env={"HYBRIDTRAIN_CACHE": str(work / "cache")}, cwd=ROOT)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [m for m in train if "loss" in m][1:]
+        sys.exit(f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    files = RunDir(run_dir)
+    train = [m for m in files.metrics() if "loss" in m][1:]
     return {"dir": run_dir, "tokens_per_sec": statistics.median(m["tokens_per_sec"] for m in train),
             "step_time_s": statistics.median(m["step_time_s"] for m in train),
-            "summary": json.loads((run_dir / "timeline_summary.json").read_text()),
-            "events": json.loads((run_dir / "timeline_events.json").read_text())}
+            "summary": files.timeline(), "events": files.timeline_spans()}
 
 
 def main() -> None:

@@ -2,20 +2,20 @@
 ``python -m hybridtrain`` with phase timestamps, and reading what a run wrote."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package, also for the in-process imports of hybridtrain
+from hybridtrain import cli
+from hybridtrain.cli import REPO as ROOT
+from hybridtrain.rundir import RunDir
+
 INJECT = Path(__file__).resolve().parent / "inject"
 
 PHASES = [  # (name, first stdout line starting with this marks the end of the phase)
@@ -97,8 +97,8 @@ class CliRun:
     line of ``metrics.jsonl`` appeared) and ``exit``."""
 
     def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        files = RunDir(self.run_dir)
+        return files.metrics() if files.metrics_file.exists() else []
 
 
 def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None, timeout: float = 1800,
@@ -106,13 +106,11 @@ def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None
     """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root; stdout lines
     and the first ``metrics.jsonl`` line are time-stamped. ``inject`` puts ``bench/inject`` first on
     the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only when ``HT_BENCH_*`` is set)."""
-    paths = ([str(INJECT)] if inject else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p), **(env or {}))
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics_file
     marks: dict[str, float] = {}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = cli.start(run_dir, overrides, env=env, path_first=[INJECT] if inject else [], cwd=ROOT,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
 
     def watch_metrics() -> None:

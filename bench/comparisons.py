@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, check, median_of, run_hybridtrain, steady_step_time
+from bench.common import ROOT, check, median_of, run_hybridtrain, steady_step_time
+from hybridtrain import cli
+from hybridtrain.rundir import RunDir
 
 # The benchmark model. Full: gpt_tiny widened to 192 so that compute, not per-step bookkeeping, is
 # most of a step (4 layers, 6 heads, MLP 768, vocab 8000, 3.4M parameters), 8 sequences a step.
@@ -67,12 +69,9 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
     def plain(r: int) -> dict:
         code = ("import json, sys, torch\n"
                 f"torch.set_num_threads({threads})\n"
-                "from hydra import compose, initialize_config_dir\n"
-                "from hybridtrain.config import CONF_DIR, register_schema, to_config\n"
+                "from hybridtrain.cli import compose\n"
                 "from hybridtrain.reference import reference_run\n"
-                "register_schema()\n"
-                "with initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3'):\n"
-                f"    cfg = to_config(compose('config', overrides={_model(quick) + overrides!r}))\n"
+                f"cfg = compose({_model(quick) + overrides!r})\n"
                 "print('RECORDS ' + json.dumps(reference_run(cfg)))\n")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -101,15 +100,14 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
 
 def _stage_flops(run_dir: str) -> list[float]:
     """Forward FLOPs per token of each pipeline stage of a run (plan.json + hybridtrain.plan.flops)."""
-    from hybridtrain.config import load_config
     from hybridtrain.models.families import get_family
     from hybridtrain.plan import model_config
     from hybridtrain.models.build import one_layer_model
     from hybridtrain.models.units import model_units
     from hybridtrain.plan.flops import unit_forward_flops
 
-    cfg = load_config(Path(run_dir) / "config.yaml")
-    plan = json.loads((Path(run_dir) / "plan.json").read_text())
+    files = RunDir(run_dir)
+    cfg, plan = files.config(), files.plan_record()
     hf, family = model_config(cfg), get_family(cfg.model.model_type)
     units, bounds = model_units(family, hf), plan["stage_bounds"]
     block = one_layer_model(family, hf).get_submodule(f"{family.blocks}.0")
@@ -339,22 +337,18 @@ def soak(work: Path, steps: int) -> dict:
     not memory the process allocated. A leak shows in the anonymous series."""
     import psutil
 
-    from common import INJECT  # noqa: F401  (same environment as the other runs)
-
     run_dir = work / "run"
-    cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", "+recipe=gpt_tiny", "parallel.pp=2",
-           "launcher.threads_per_rank=1", f"trainer.max_steps={steps}", "trainer.log_every=10",
-           "trainer.save_final=false"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "launcher.threads_per_rank=1",
+                               f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.save_final=false"],
+                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples: dict[int, list[tuple[int, float]]] = {}
     anon: dict[int, list[tuple[int, float]]] = {}
-    metrics = run_dir / "metrics.jsonl"
+    files = RunDir(run_dir)
     while proc.poll() is None:
         time.sleep(2)
         try:
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            step = json.loads(lines[-1])["step"] if lines else 0
+            records = files.metrics() if files.metrics_file.exists() else []
+            step = records[-1]["step"] if records else 0
             for p in psutil.Process(proc.pid).children(recursive=True):
                 env = p.environ()  # the ranks have RANK; the runner and launcher (also "hybridtrain.worker" in argv) not
                 if "hybridtrain.worker" in " ".join(p.cmdline()) and "RANK" in env:

@@ -1,7 +1,7 @@
 """Single-GPU MFU of a ~1B-parameter Llama in bf16: hybridtrain against a plain transformers loop.
 
-    python bench/gpu_mfu.py                  # on a machine with a CUDA GPU: ~3-4 minutes
-    python bench/gpu_mfu.py --cpu-smoke      # the same code paths on CPU with a tiny Llama (no MFU claim)
+    python -m bench.gpu_mfu                  # on a machine with a CUDA GPU: ~3-4 minutes
+    python -m bench.gpu_mfu --cpu-smoke      # the same code paths on CPU with a tiny Llama (no MFU claim)
 
 Without a GPU (and without ``--cpu-smoke``) it says so and exits 0 without measuring.
 
@@ -33,8 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, alternate, check, machine, machine_line, run_hybridtrain, steady_step_time  # noqa: E402
+from bench.common import ROOT, alternate, check, machine, machine_line, run_hybridtrain, steady_step_time
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "4090": 165.2}
 """Dense bf16 tensor-core peak (TFLOP/s) by a substring of ``torch.cuda.get_device_name()`` (SXM parts)."""

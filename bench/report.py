@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import machine_line
+from bench.common import machine_line
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -1,16 +1,16 @@
 """The benchmark suite: hybridtrain against its baselines, each pair run alternately.
 
-    python bench/run.py --quick              # every comparison, 2 rounds, short runs (~25 min on 2 quiet cores)
-    python bench/run.py                      # 5 rounds, longer runs, every layout in the memory table
-    python bench/run.py --only overhead,tp   # some comparisons
-    python bench/run.py --soak               # 2000 tiny steps: resident memory slope per rank
+    python -m bench.run --quick              # every comparison, 2 rounds, short runs (~25 min on 2 quiet cores)
+    python -m bench.run                      # 5 rounds, longer runs, every layout in the memory table
+    python -m bench.run --only overhead,tp   # some comparisons
+    python -m bench.run --soak               # 2000 tiny steps: resident memory slope per rank
 
 Comparisons (``bench/README.md``, ``docs/benchmarks.md``): ``overhead`` (1,1,1) vs plain transformers
 + torch.optim.AdamW; ``pipeline`` pp=2 with 8 micro-batches vs 1; ``dp`` dp=2 vs dp=1; ``tp`` tp=2 vs
 tp=1 with the all-reduce share; ``memory`` model-state bytes per rank vs the ideal split;
 ``startup`` launch to first step vs a minimal DeepSpeed script. Each writes its rows into
 ``bench/results/suite_DATE.md`` / ``.json`` / ``.png`` together with the machine line (CPU, cores,
-versions, load average). The GPU MFU comparison is ``bench/gpu_mfu.py``.
+versions, load average). The GPU MFU comparison is ``python -m bench.gpu_mfu``.
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, alternate, machine, machine_line  # noqa: E402
-from comparisons import COMPARISONS, _model, soak  # noqa: E402
-from report import write_report  # noqa: E402
+from bench.common import ROOT, alternate, machine, machine_line
+from bench.comparisons import COMPARISONS, _model, soak
+from bench.report import write_report
 
 
 def main() -> None:
@@ -51,7 +50,7 @@ def main() -> None:
     info = machine()
     print(f"[bench] {machine_line(info)}", flush=True)
     results: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": info, "rounds": rounds,
-                     "quick": args.quick, "model": "+recipe=gpt_tiny parallel.pp=2" if args.soak else " ".join(_model(args.quick)), "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]), "sections": {}}
+                     "quick": args.quick, "model": "+recipe=gpt_tiny parallel.pp=2" if args.soak else " ".join(_model(args.quick)), "command": " ".join(["python", "-m", "bench.run", *sys.argv[1:]]), "sections": {}}
     report = f"{'soak' if args.soak else 'suite'}_{dt.datetime.now().strftime('%Y-%m-%d_%H%M%S')}"
     md = ""
     done_runs: dict = {}  # layout -> model_state_bytes of every run so far (the memory table reuses them)

@@ -6,7 +6,6 @@ workers (started by the deepspeed runner) read.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def run(cfg: DictConfig) -> int:
     """Validate and launch one composed config; return the exit code."""
     from hydra.core.hydra_config import HydraConfig
 
-    from hybridtrain.config import save_config, to_config
+    from hybridtrain.config import to_config
     from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch import check, start
@@ -53,6 +52,7 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.plan.data import check_data_counts
+    from hybridtrain.rundir import RunDir
 
     try:
         typed = to_config(cfg)
@@ -106,28 +106,19 @@ def run(cfg: DictConfig) -> int:
               f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
               + (f", validation {n_val} samples" if n_val else ""), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # written atomically: with launcher.no_ssh every node's controller writes the same shared files
-    _atomic(run_dir / "config.yaml", lambda tmp: save_config(typed, tmp))
-    _atomic(run_dir / "plan.json", lambda tmp: tmp.write_text(json.dumps(plan.to_dict(), indent=1)))
+    files = RunDir(run_dir)  # written atomically: with launcher.no_ssh every node's controller writes them
+    files.write_config(typed)
+    files.write_plan(plan)
     if typed.launcher.dry_run:
-        print(f"[hybridtrain] dry run: plan valid, {run_dir / 'config.yaml'} written, no worker started", flush=True)
+        print(f"[hybridtrain] dry run: plan valid, {files.config_file} written, no worker started", flush=True)
         return 0
     if prepared is not None:  # where the workers memory-map the samples
-        _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))
+        files.write_data(prepared)
     code = start(run_dir, plan, typed.launcher, machine)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
               f"the run directory is {run_dir}", file=sys.stderr)
     return code
-
-
-def _atomic(path: Path, write) -> None:
-    """``write(tmp)`` then rename over ``path``, so a reader never sees a half-written file."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -29,11 +29,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    src = Path(checkpoint) / "hf"
-    if not (Path(checkpoint) / "meta.json").is_file() or not src.is_dir():
+    from hybridtrain.checkpoint.io import CheckpointDir
+
+    ckpt = CheckpointDir(checkpoint)
+    src = ckpt.hf
+    if not ckpt.meta_file.is_file() or not src.is_dir():
         raise ExportError(f"{checkpoint} is not a complete hybridtrain checkpoint (no meta.json or hf/); "
                           "give a RUN_DIR/checkpoints/step_N folder")
-    files = sorted(src.glob("model-stage*.safetensors"))
+    files = ckpt.hf_parts()
     if not files:
         raise ExportError(f"{src} holds no model-stage*.safetensors files")
     out = Path(out_dir)
@@ -46,7 +49,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
             for name in handle.keys():
                 tensors[name] = handle.get_tensor(name)
     for f in src.iterdir():  # config, generation config, tokenizer
-        if f.is_file() and not f.name.startswith("model-stage"):
+        if f.is_file() and f not in files:
             shutil.copy2(f, out / f.name)
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)

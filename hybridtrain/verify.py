@@ -12,9 +12,7 @@ Options (before or after the overrides): ``--steps N`` (3), ``--out DIR`` (``run
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -148,23 +146,22 @@ def _parse(argv: list[str]) -> tuple[list[str], int, Path | None]:
 
 def load(args: list[str]):
     """The typed config: a run directory's ``config.yaml`` or the composed overrides."""
-    from hybridtrain.config import CONF_DIR, load_config, register_schema, to_config
+    from hybridtrain.cli import compose
+    from hybridtrain.rundir import RunDir
 
     if len(args) == 1 and Path(args[0]).is_dir():
-        path = Path(args[0]) / "config.yaml"
-        if not path.is_file():
-            raise SystemExit(f"{args[0]} has no config.yaml; give a run directory or overrides")
-        return load_config(path)
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_config(compose("config", overrides=args))
+        files = RunDir(Path(args[0]))
+        if not files.config_file.is_file():
+            raise SystemExit(f"{args[0]} has no {files.config_file.name}; give a run directory or overrides")
+        return files.config()
+    return compose(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Verify one config; return 0 (agree), 1 (differ or a run failed) or 2 (config error)."""
+    from hybridtrain import cli
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, resolve
+    from hybridtrain.rundir import RunDir
 
     from hybridtrain.config.explain import explain
 
@@ -196,15 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     records = {}
     for name, lay in (("plan", layout), ("single", base)):
         run_dir = out / name
-        cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides(cfg, twin, lay)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = cli.run(run_dir, overrides(cfg, twin, lay))
         if proc.returncode != 0:
             print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
             print(f"[hybridtrain] verify: the {name} run failed (exit {proc.returncode}); its output is above",
                   file=sys.stderr)
             return 2 if proc.returncode == 2 else 1
-        records[name] = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-                         if '"loss"' in ln and '"step"' in ln and '"val_loss"' not in ln]
+        records[name] = [r for r in RunDir(run_dir).metrics() if "loss" in r and "step" in r]
     verdict = compare(records["plan"], records["single"], plan.precision)
     for line in verdict.lines:
         print(f"[hybridtrain] verify: {line}")

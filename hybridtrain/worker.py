@@ -5,7 +5,6 @@ joins the process group, builds its stage and tensor shard, trains, and exits.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -38,15 +37,16 @@ def run(run_dir: Path) -> int:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from hybridtrain.config import load_config
+    from hybridtrain.checkpoint.io import CheckpointDir
     from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
     from hybridtrain.plan import model_config
-    from hybridtrain.plan.types import Plan
+    from hybridtrain.rundir import RunDir
     from hybridtrain.train.loop import train
 
-    cfg = load_config(run_dir / "config.yaml")
-    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
+    files = RunDir(run_dir)
+    cfg = files.config()
+    plan = files.plan()
     on_cpu = get_accelerator().device_name() == "cpu"
     if on_cpu:
         # DeepSpeed JIT-compiles a shared-memory op (25 s on a fresh machine) that only serves
@@ -62,8 +62,8 @@ def run(run_dir: Path) -> int:
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
     reshard = resume is not None and _saved_plan(resume) != plan.layout()
-    built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
-    samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
+    built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None)
+    samples = open_samples(files.data_file, "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
     if rank == 0 and plan.nodes > 1:
         from hybridtrain.launch.placement import describe
@@ -91,17 +91,19 @@ def run(run_dir: Path) -> int:
 
 def _stopped(run_dir: Path, stop) -> None:
     """Rank 0 after a signal stop: say so, and leave ``stopped.json`` for the launcher."""
-    from hybridtrain.checkpoint.io import checkpoints_dir
+    from hybridtrain.checkpoint.io import step_dir
     from hybridtrain.train.preempt import write_marker
 
-    path = checkpoints_dir(run_dir) / f"step_{stop.stopped_at}"
+    path = step_dir(run_dir, stop.stopped_at)
     write_marker(run_dir, stop.stopped_at, path)
     print(f"[hybridtrain] stopped by {stop.signal_name or 'a peer'} after step {stop.stopped_at}; "
           f"checkpoint {path}", flush=True)
 
 
 def _saved_plan(checkpoint: Path) -> dict:
-    return json.loads((checkpoint / "meta.json").read_text())["plan"]
+    from hybridtrain.checkpoint.io import CheckpointDir
+
+    return CheckpointDir(checkpoint).meta()["plan"]
 
 
 def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
@@ -110,17 +112,18 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     Same plan: DeepSpeed's own state (bit-exact). Another plan: weights were built from the
     checkpoint's HF-named tensors; the AdamW moments, step and schedule are set here.
     """
+    from hybridtrain.checkpoint.io import DS_TAG, CheckpointDir
     from hybridtrain.checkpoint.save import restore_rng, stage_hf_params
 
-    step = int(json.loads((checkpoint / "meta.json").read_text())["step"])
+    step = int(CheckpointDir(checkpoint).meta()["step"])
     if reshard:
         from hybridtrain.checkpoint.reshard import load_moments, set_schedule
 
         params = stage_hf_params(built.engine.module, include_replicas=True)
-        load_moments(built, params, checkpoint / "optim", step, plan.padded_vocab_size)
+        load_moments(built, params, CheckpointDir(checkpoint).optim, step, plan.padded_vocab_size)
         set_schedule(built.engine, plan, step)
     else:
-        built.engine.load_checkpoint(str(checkpoint), tag="ds")
+        built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
         restore_rng(checkpoint, rank)
     if rank == 0:
         how = f"re-sharded from {_saved_plan(checkpoint)}" if reshard else "same plan"
@@ -132,6 +135,7 @@ def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
     """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
     from hybridtrain.checkpoint.save import save_checkpoint
     from hybridtrain.data.tokenizer import tokenizer_file
+    from hybridtrain.rundir import RunDir
     from hybridtrain.train.logits import logits_writer
 
     def save(step: int) -> None:
@@ -143,8 +147,9 @@ def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
             if cfg.trainer.export_hf and step == cfg.trainer.max_steps:
                 from hybridtrain.export import export
 
-                export(path, run_dir / "hf")
-                print(f"[hybridtrain] exported the HF model to {run_dir / 'hf'}", flush=True)
+                out = RunDir(run_dir).hf_dir
+                export(path, out)
+                print(f"[hybridtrain] exported the HF model to {out}", flush=True)
 
     return save
 

@@ -13,7 +13,9 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
 
 Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
 finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
-``.tmp-*`` folder, which is never loaded.
+``.tmp-*`` folder, which is never loaded. These names are spelled in this module only (a
+checkpoint folder's files: :class:`CheckpointDir`; the copies of ``config.yaml`` and ``plan.json``
+keep the run directory's names, :mod:`hybridtrain.rundir`).
 """
 from __future__ import annotations
 
@@ -21,25 +23,105 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hybridtrain.rundir import CONFIG, PLAN, RunDir
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
+DS_TAG = "ds"
+"""DeepSpeed's checkpoint tag: ``engine.save_checkpoint(path, tag=DS_TAG)`` writes ``path/ds/``."""
+META = "meta.json"
+HF_PART = "model-stage{stage:03d}.safetensors"
+OPTIM_PART = "optim-stage{stage:03d}.safetensors"
 
 
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+@dataclass(frozen=True)
+class CheckpointDir:
+    """The files of the checkpoint folder ``path`` (layout in the module docstring)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def ds(self) -> Path:
+        """``ds/``: DeepSpeed's own state."""
+        return self.path / DS_TAG
+
+    @property
+    def hf(self) -> Path:
+        """``hf/``: HF-named weights per stage, HF config and tokenizer."""
+        return self.path / "hf"
+
+    @property
+    def optim(self) -> Path:
+        """``optim/``: HF-named AdamW moments per stage (ZeRO <= 2)."""
+        return self.path / "optim"
+
+    @property
+    def rng(self) -> Path:
+        """``rng/``: every rank's RNG states."""
+        return self.path / "rng"
+
+    @property
+    def meta_file(self) -> Path:
+        """``meta.json``: written last; its presence marks a complete checkpoint."""
+        return self.path / META
+
+    @property
+    def config_file(self) -> Path:
+        """The copy of the run's ``config.yaml``."""
+        return self.path / CONFIG
+
+    @property
+    def plan_file(self) -> Path:
+        """The copy of the run's ``plan.json``."""
+        return self.path / PLAN
+
+    def hf_part(self, stage: int) -> Path:
+        """Pipeline stage ``stage``'s HF-named weights."""
+        return self.hf / HF_PART.format(stage=stage)
+
+    def hf_parts(self) -> list[Path]:
+        """Every stage's HF-named weights, in stage order."""
+        return sorted(self.hf.glob(HF_PART.replace("{stage:03d}", "*")))
+
+    def optim_part(self, stage: int) -> Path:
+        """Pipeline stage ``stage``'s HF-named AdamW moments."""
+        return self.optim / OPTIM_PART.format(stage=stage)
+
+    def rng_file(self, rank: int) -> Path:
+        """Rank ``rank``'s RNG states."""
+        return self.rng / f"rank_{rank:05d}.pt"
+
+    def meta(self) -> dict:
+        """``meta.json``: step, samples seen, plan layout, file sizes."""
+        return json.loads(self.meta_file.read_text())
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    """``RUN_DIR/checkpoints/step_<step>``."""
+    return RunDir(run_dir).checkpoints / f"step_{step}"
+
+
+def tmp_dir(final: Path) -> Path:
+    """Where the ranks write checkpoint ``final`` before it is published (never loaded)."""
+    return final.with_name(f".tmp-{final.name}")
 
 
 def is_complete(path: Path) -> bool:
     """A finished checkpoint folder (its ``meta.json`` is written last)."""
-    return (Path(path) / "meta.json").is_file() and (Path(path) / "ds").is_dir()
+    ckpt = CheckpointDir(path)
+    return ckpt.meta_file.is_file() and ckpt.ds.is_dir()
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
     """``relative path -> size`` of every file under ``folder`` (what ``meta.json`` records)."""
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(Path(folder).rglob("*"))
-            if p.is_file() and p.name != "meta.json"}
+            if p.is_file() and p.name != META}
 
 
 def problem(path: Path) -> Optional[str]:
@@ -59,7 +141,7 @@ def problem(path: Path) -> Optional[str]:
 def latest_checkpoint(run_dir: Path, skipped: Optional[list[str]] = None) -> Optional[Path]:
     """The newest loadable checkpoint of a run directory, or ``None``; the problems of newer ones
     that cannot be loaded are appended to ``skipped``."""
-    root = checkpoints_dir(run_dir)
+    root = RunDir(run_dir).checkpoints
     steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)))
     for _, path in reversed(steps):
         why = problem(path)
@@ -71,7 +153,8 @@ def latest_checkpoint(run_dir: Path, skipped: Optional[list[str]] = None) -> Opt
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / "meta.json").read_text())
+    """The ``meta.json`` of checkpoint ``path``."""
+    return CheckpointDir(path).meta()
 
 
 def save_tokenizer(tokenizer_path: Path, out: Path) -> None:

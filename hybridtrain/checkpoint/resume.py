@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from hybridtrain.checkpoint.io import latest_checkpoint, problem, read_meta
+from hybridtrain.checkpoint.io import CheckpointDir, latest_checkpoint, problem
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Plan
@@ -36,14 +36,15 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         if why is not None:
             newest = latest_checkpoint(path.parent.parent)
             raise PlanError("trainer.resume", f"{why}; the newest loadable checkpoint there is {newest}")
-    meta = read_meta(path)
+    ckpt = CheckpointDir(path)
+    meta = ckpt.meta()
     saved = meta["plan"]
     now = plan.layout()
-    if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not (path / "optim").is_dir()):
+    if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not ckpt.optim.is_dir()):
         raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; changing the plan on "
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
                         " ".join(_override(k, v) for k, v in saved.items()))
-    ckpt_config = json.loads((path / "hf" / "config.json").read_text())
+    ckpt_config = json.loads((ckpt.hf / "config.json").read_text())
     for key in get_family(cfg.model.model_type).shape_keys():
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
             raise PlanError(f"model.config.{key}", f"the checkpoint {path} has {key}={ckpt_config[key]} but the "

@@ -9,7 +9,9 @@ from typing import Callable
 
 from hybridtrain.checkpoint.hf_state import full_moment, gather
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
-from hybridtrain.checkpoint.io import checkpoints_dir, file_sizes, finalize, write_hf_metadata
+from hybridtrain.checkpoint.io import (DS_TAG, CheckpointDir, file_sizes, finalize, step_dir, tmp_dir,
+                                      write_hf_metadata)
+from hybridtrain.rundir import RunDir
 
 
 def stage_hf_params(module, include_replicas: bool = False) -> list:
@@ -30,17 +32,18 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    root = checkpoints_dir(run_dir)
-    final, tmp = root / f"step_{step}", root / f".tmp-step_{step}"
+    final = step_dir(run_dir, step)
+    tmp = tmp_dir(final)
+    ckpt = CheckpointDir(tmp)
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "hf").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-        (tmp / "optim").mkdir()
+        ckpt.hf.mkdir(parents=True)
+        ckpt.rng.mkdir()
+        ckpt.optim.mkdir()
     dist.barrier()
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
-    built.engine.save_checkpoint(str(tmp), tag="ds", client_state=client, save_latest=False)
+    built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
     named = stage_hf_params(built.engine.module)
     tensors = gather(named, built.tp)  # collective over TP and DP
     moments = {}
@@ -50,23 +53,23 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
             value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
             moments.update({f"{key}.{n}": t for n, t in gather(named, built.tp, value).items()})
     if built.tp_rank == 0 and built.dp_rank == 0 and tensors:
-        save_file(tensors, str(tmp / "hf" / f"model-stage{built.stage:03d}.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
         if moments:
-            save_file(moments, str(tmp / "optim" / f"optim-stage{built.stage:03d}.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(moments, str(ckpt.optim_part(built.stage)), metadata={"format": "pt"})
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               tmp / "rng" / f"rank_{rank:05d}.pt")
+               ckpt.rng_file(rank))
     if extra is not None:
         extra(tmp)
     dist.barrier()
     if rank == 0:
-        write_hf_metadata(tmp / "hf", hf_config, tokenizer_path)
-        shutil.copy2(run_dir / "config.yaml", tmp / "config.yaml")
-        shutil.copy2(run_dir / "plan.json", tmp / "plan.json")
+        write_hf_metadata(ckpt.hf, hf_config, tokenizer_path)
+        run = RunDir(run_dir)
+        shutil.copy2(run.config_file, ckpt.config_file)
+        shutil.copy2(run.plan_file, ckpt.plan_file)
         meta = {"step": step, "samples_seen": step * plan.global_batch_size,
                 "plan": plan.layout(),
                 "files": file_sizes(tmp)}  # lets a resume detect a truncated or missing file
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
+        ckpt.meta_file.write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)
     dist.barrier()
     return final
@@ -77,7 +80,7 @@ def restore_rng(path: Path, rank: int) -> None:
     import numpy as np
     import torch
 
-    f = Path(path) / "rng" / f"rank_{rank:05d}.pt"
+    f = CheckpointDir(path).rng_file(rank)
     if f.is_file():
         state = torch.load(f, weights_only=False)  # our own file: numpy/python states are not tensors
         torch.set_rng_state(state["torch"])

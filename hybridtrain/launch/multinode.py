@@ -22,6 +22,7 @@ from hybridtrain.config.schema import MultinodeLauncherConfig
 from hybridtrain.launch.local import run_runner, threads_per_rank
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
+from hybridtrain.rundir import RunDir
 
 DEFAULT_PORT = 29500  # DeepSpeed's; every node must use the same port, so none is picked at random
 
@@ -60,14 +61,14 @@ def command(run_dir: Path, launcher: MultinodeLauncherConfig, hostfile: Path) ->
 def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine: Machine) -> int:
     """Start the runner for this node (or all hosts); return its exit code."""
     found = hosts(launcher, plan)
-    hostfile = Path(launcher.hostfile).expanduser().resolve() if launcher.hostfile else run_dir / "hostfile"
+    hostfile = Path(launcher.hostfile).expanduser().resolve() if launcher.hostfile else RunDir(run_dir).hostfile
     if launcher.hostfile is None:
         hostfile.write_text("".join(f"{h} slots={s}\n" for h, s in found))
     threads = threads_per_rank(launcher, plan, machine)
     extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
              "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found)}
     # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file
-    env_file = run_dir / ".deepspeed_env"
+    env_file = RunDir(run_dir).deepspeed_env
     env_file.write_text("".join(f"{k}={v}\n" for k, v in extra.items()))
     env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ENV_FILE=str(env_file), **extra)
     cmd = command(run_dir, launcher, hostfile)

@@ -18,6 +18,7 @@ from string import Template
 from hybridtrain.config.schema import SlurmLauncherConfig
 from hybridtrain.launch.placement import crossing
 from hybridtrain.plan.types import Plan
+from hybridtrain.rundir import RunDir
 
 TEMPLATE = (Path(__file__).resolve().parents[1] / "_slurm" / "job.sbatch").resolve()
 """The job script template: ``slurm/job.sbatch`` of the checkout (``hybridtrain/_slurm`` links to
@@ -69,9 +70,11 @@ def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool,
                '    scontrol requeue "$SLURM_JOB_ID"\n' if launcher.requeue else "")
     summary = (f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp} = {plan.world_size} ranks on {plan.nodes} node(s) x "
                f"{per_node} {'GPU(s)' if gpus else 'CPU process(es)'}")
+    files = RunDir(run_dir)
     return _Template(TEMPLATE.read_text()).substitute(
-        summary=summary, run_dir=str(run_dir), run_dir_q=shlex.quote(str(run_dir)),
-        script=shlex.quote(str(run_dir / "job.sbatch")), job_name=f"hybridtrain-{run_dir.name}",
+        summary=summary, run_dir_q=shlex.quote(str(run_dir)), config=str(files.config_file),
+        log=str(files.slurm_log("%j")), stop_marker=files.stop_marker.name,
+        script=shlex.quote(str(files.job_script)), job_name=f"hybridtrain-{run_dir.name}",
         nodes=plan.nodes, tasks_per_node=per_node, resources=resources, workdir=str(workdir),
         preempt=preempt, options=options, python=shlex.quote(python),
         setup="".join(line + "\n" for line in launcher.setup), exports=exports, on_stop=on_stop)
@@ -81,7 +84,7 @@ def write(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> Path:
     """Render the job script into ``RUN_DIR/job.sbatch`` and return its path."""
     gpus = launcher.gpus if launcher.gpus is not None else cluster_has_gpus(launcher.partition)
     text = render(run_dir, plan, launcher, gpus, launcher.python or sys.executable, Path.cwd())
-    path = run_dir / "job.sbatch"
+    path = RunDir(run_dir).job_script
     path.write_text(text)
     path.chmod(0o755)
     return path
@@ -116,8 +119,8 @@ def submit(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> int:
               f"[hybridtrain] job script {path}; fix the launcher keys it came from (launcher.partition, "
               "launcher.account, launcher.qos, launcher.time, launcher.constraint, launcher.sbatch)", file=sys.stderr)
         return 1
-    log = run_dir / f"slurm-{job_id}.out"
-    print(f"[hybridtrain] submitted job {job_id}; log {log}; metrics {run_dir / 'metrics.jsonl'}", flush=True)
+    log = RunDir(run_dir).slurm_log(job_id)
+    print(f"[hybridtrain] submitted job {job_id}; log {log}; metrics {RunDir(run_dir).metrics_file}", flush=True)
     if not launcher.wait:
         proc.wait()
         return 0

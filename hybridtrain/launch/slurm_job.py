@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,37 +22,36 @@ def resume(run_dir: Path, environ: Mapping[str, str]) -> Optional[Path]:
     if int(environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0:
         return None
     from hybridtrain.checkpoint.resume import resolve_resume
-    from hybridtrain.config import load_config, save_config
     from hybridtrain.plan import model_config
-    from hybridtrain.plan.types import Plan
+    from hybridtrain.rundir import RunDir
 
-    cfg = load_config(run_dir / "config.yaml")
-    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
+    files = RunDir(run_dir)
+    cfg, plan = files.config(), files.plan()
     cfg.trainer.resume = "auto"
     found = resolve_resume(cfg, plan, model_config(cfg), run_dir)
     if found is None:
         return None
     cfg.trainer.resume = str(found)
-    save_config(cfg, run_dir / "config.yaml")
+    files.write_config(cfg)
     return found
 
 
 def prepare_data(run_dir: Path) -> bool:
     """Write ``RUN_DIR/data.json`` (and the step count ``trainer.epochs`` derives) if it is missing;
     return whether it did. Raises ``PlanError`` for data that cannot train this plan."""
-    if (run_dir / "data.json").is_file():
+    from hybridtrain.rundir import RunDir
+
+    files = RunDir(run_dir)
+    if files.data_file.is_file():
         return False
-    from hybridtrain.config import load_config, save_config
     from hybridtrain.data.prepare import prepare
     from hybridtrain.plan.data import check_data_counts
-    from hybridtrain.plan.types import Plan
 
-    cfg = load_config(run_dir / "config.yaml")
-    plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
+    cfg, plan = files.config(), files.plan()
     prepared = prepare(cfg.data, cfg.trainer.seed)
     cfg.trainer.max_steps = check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val"))
-    save_config(cfg, run_dir / "config.yaml")
-    (run_dir / "data.json").write_text(prepared.to_json())
+    files.write_config(cfg)
+    files.write_data(prepared)
     return True
 
 
@@ -62,11 +60,12 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hybridtrain.launch.slurm_job start RUN_DIR  (run by the job script)", file=sys.stderr)
         return 2
     from hybridtrain.errors import PlanError
+    from hybridtrain.rundir import RunDir
 
     run_dir = Path(argv[1])
     try:
         if prepare_data(run_dir):
-            print(f"[hybridtrain] data prepared: {run_dir / 'data.json'}", flush=True)
+            print(f"[hybridtrain] data prepared: {RunDir(run_dir).data_file}", flush=True)
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridtrain.errors import PlanError
+from hybridtrain.rundir import RunDir
 
 NAMES = ("none", "tensorboard", "wandb")
 """Values of ``logger.name``."""
@@ -112,5 +113,5 @@ def create(logger_cfg, run_dir: Path, config: dict[str, Any]) -> Logger | None:
     check_logger(name)
     run_name = logger_cfg.run_name or run_dir.name
     if name == "tensorboard":
-        return TensorBoardLogger(Path(logger_cfg.dir) if logger_cfg.dir else run_dir / "tensorboard", config)
+        return TensorBoardLogger(Path(logger_cfg.dir) if logger_cfg.dir else RunDir(run_dir).tensorboard_dir, config)
     return WandbLogger(Path(logger_cfg.dir) if logger_cfg.dir else run_dir, logger_cfg.project, run_name, config)

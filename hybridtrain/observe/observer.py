@@ -17,6 +17,7 @@ from hybridtrain.observe import gather, loggers, resources
 from hybridtrain.observe.clock import CATEGORIES, KINDS, StepClock
 from hybridtrain.observe.peak import Peak, resolve_peak
 from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.rundir import RunDir
 
 
 def _opt(v: float) -> float | None:
@@ -73,7 +74,7 @@ class Observer:
             print("[hybridtrain] MFU peak: "
                   + (f"{peak.tflops:.3g} TFLOP/s per device ({peak.source})" if peak.tflops else peak.source)
                   + f"; {flops / 1e6:.2f} MFLOP per token (model FLOPs, forward + backward)", flush=True)
-            (Path(run_dir) / "observe.json").write_text(json.dumps({
+            RunDir(run_dir).observe_file.write_text(json.dumps({
                 "peak_tflops": peak.tflops, "peak_source": peak.source, "device": name or "cpu",
                 "model_flops_per_token": flops, "world_size": plan.world_size, "precision": plan.precision,
                 "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if name else None,
@@ -185,9 +186,10 @@ class Observer:
             traceback.print_exc()
             print(f"[hybridtrain] timeline not written ({err}); training continues", flush=True)
             return
+        files = RunDir(self.run_dir)
         print(f"[hybridtrain] timeline of step(s) {summary['steps']}: bubble measured "
               f"{summary['bubble_measured']:.1%}, theory (pp-1)/(m+pp-1) = {summary['bubble_theory']:.1%}; "
-              f"{self.run_dir / 'timeline.png'}, {self.run_dir / 'timeline_trace.json'} "
+              f"{files.timeline_png}, {files.timeline_trace} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)
 
     # -- records and the end ----------------------------------------------------------------------

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from hybridtrain.rundir import RunDir
+
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "send_act": "#DD8452", "recv_act": "#F1C39E",
           "send_grad": "#C44E52", "recv_grad": "#E8A5A7", "reduce_grads": "#8172B3",
           "reduce_tied": "#B3A9D6", "optimizer": "#937860", "load": "#CCB974"}
@@ -146,6 +148,7 @@ def save_png(path: Path, panels: list[tuple[list[dict], str]], share_x: bool = F
 def write(run_dir: Path, events: list[dict], step_offsets: dict[int, float], pp: int, micro_batches: int) -> dict:
     """Write ``timeline.png``, ``timeline_trace.json`` and ``timeline_summary.json`` into ``run_dir``;
     return the summary (measured bubble per step and mean, theoretical bubble)."""
+    files = RunDir(run_dir)
     steps = sorted({e["step"] for e in events})
     per_step = {}
     panels = []
@@ -158,10 +161,10 @@ def write(run_dir: Path, events: list[dict], step_offsets: dict[int, float], pp:
                "bubble_theory": theoretical_bubble(pp, micro_batches),
                "bubble_measured": sum(v["bubble"] for v in per_step.values()) / max(1, len(per_step)),
                "per_step": per_step,
-               "files": {"png": "timeline.png", "trace": "timeline_trace.json"}}
-    (run_dir / "timeline_trace.json").write_text(json.dumps(chrome_trace(events, step_offsets, summary)))
-    (run_dir / "timeline_events.json").write_text(json.dumps(events))
-    (run_dir / "timeline_summary.json").write_text(json.dumps(summary, indent=1))
+               "files": {"png": files.timeline_png.name, "trace": files.timeline_trace.name}}
+    files.timeline_trace.write_text(json.dumps(chrome_trace(events, step_offsets, summary)))
+    files.timeline_events.write_text(json.dumps(events))
+    files.timeline_summary.write_text(json.dumps(summary, indent=1))
     if panels:
-        save_png(run_dir / "timeline.png", panels)
+        save_png(files.timeline_png, panels)
     return summary

@@ -7,35 +7,24 @@ only files of the run (``metrics.jsonl``, ``plan.json``, ``config.yaml``, ``obse
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from statistics import median
-from typing import Any
 
 from hybridtrain.report import plots
 from hybridtrain.report.findings import findings, stage_times, steady, train_records
+from hybridtrain.rundir import RunDir
 
 __all__ = ["write_report"]
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: give the run directory of a training run")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _partition(run_dir: Path) -> str | None:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
+def _partition(files: RunDir) -> str | None:
+    """``parallel.partition`` as the run's ``config.yaml`` has it, read leniently (a report of any
+    run directory, whatever schema wrote it)."""
+    if not files.config_file.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.select(OmegaConf.load(str(path)), "parallel.partition")
+    return OmegaConf.select(OmegaConf.load(str(files.config_file)), "parallel.partition")
 
 
 def _mib(v: float | None) -> str:
@@ -45,15 +34,16 @@ def _mib(v: float | None) -> str:
 def write_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and its plots for ``run_dir``; return the path of ``report.md``."""
     run_dir = Path(run_dir)
-    records = _records(run_dir)
-    plan = _read_json(run_dir / "plan.json") or {}
-    plan["partition"] = _partition(run_dir)
-    observe = _read_json(run_dir / "observe.json") or {}
-    timeline = _read_json(run_dir / "timeline_summary.json")
+    files = RunDir(run_dir)
+    records = files.metrics()
+    plan = files.plan_record() or {}
+    plan["partition"] = _partition(files)
+    observe = files.observe() or {}
+    timeline = files.timeline()
     train = train_records(records)
     val = [r for r in records if "val_loss" in r]
     rows = steady(records)
-    out_dir = run_dir / "report"
+    out_dir = files.report_dir
     out_dir.mkdir(exist_ok=True)
 
     images = [("Loss", plots.loss(train, val, out_dir / "loss.png")),
@@ -110,13 +100,13 @@ def write_report(run_dir: str | Path) -> Path:
         lines += ["## Pipeline timeline", "",
                   f"Profiled step(s) {timeline['steps']}: measured bubble {timeline['bubble_measured']:.1%}, "
                   f"theoretical (pp-1)/(m+pp-1) = {timeline['bubble_theory']:.1%} with pp={timeline['pp']}, "
-                  f"m={timeline['micro_batches']}. Chrome trace: `timeline_trace.json` (chrome://tracing or "
+                  f"m={timeline['micro_batches']}. Chrome trace: `{files.timeline_trace.name}` (chrome://tracing or "
                   "ui.perfetto.dev).", ""]
-        if (run_dir / "timeline.png").is_file():
-            lines += ["![timeline](timeline.png)", ""]
+        if files.timeline_png.is_file():
+            lines += [f"![timeline]({files.timeline_png.name})", ""]
     lines += ["## Plots", ""]
     for title, path in images:
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(run_dir).as_posix()})", ""]
-    report = run_dir / "report.md"
+    report = files.report_file
     report.write_text("\n".join(lines))
     return report

@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridtrain.data.sampler import BatchLayout, Samples, open_samples
 from hybridtrain.engine import Built
+from hybridtrain.rundir import RunDir
 
 
 def _loss_pipeline(built: Built, micro: list[tuple], layout: BatchLayout) -> float:
@@ -52,7 +53,7 @@ class Evaluator:
     @classmethod
     def from_run_dir(cls, run_dir: Path, cfg, plan, built: Built) -> "Evaluator | None":
         """The run's evaluator, or ``None`` when ``data.json`` holds no validation split."""
-        data_json = Path(run_dir) / "data.json"
+        data_json = RunDir(run_dir).data_file
         samples = open_samples(data_json, "val", cfg.trainer.seed) if data_json.is_file() else None
         if samples is None:
             return None

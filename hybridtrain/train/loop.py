@@ -11,6 +11,7 @@ from hybridtrain.data.sampler import BatchLayout, Samples
 from hybridtrain.engine import Built, lr_lambda
 from hybridtrain.observe.clock import StepClock
 from hybridtrain.plan.types import Plan
+from hybridtrain.rundir import RunDir
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
 from hybridtrain.train.preempt import StopRequest
@@ -79,7 +80,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     from hybridtrain.observe.observer import Observer
 
     obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
-    writer = MetricsWriter(run_dir / "metrics.jsonl" if is_rank0 else None, append=start_step > 0, also=obs.log)
+    writer = MetricsWriter(RunDir(run_dir).metrics_file if is_rank0 else None, append=start_step > 0, also=obs.log)
     bar = None
     if is_rank0:
         from tqdm import tqdm

@@ -15,8 +15,9 @@ import signal
 from pathlib import Path
 from typing import Optional
 
+from hybridtrain.rundir import RunDir
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-MARKER = "stopped.json"
 
 
 class StopRequest:
@@ -57,12 +58,12 @@ class StopRequest:
 
 def write_marker(run_dir: Path, step: int, checkpoint: Path) -> None:
     """Rank 0, after the stop checkpoint: ``RUN_DIR/stopped.json`` for the launcher."""
-    (Path(run_dir) / MARKER).write_text(json.dumps({"step": step, "checkpoint": str(checkpoint)}))
+    RunDir(run_dir).stop_marker.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint)}))
 
 
 def take_marker(run_dir: Path) -> Optional[dict]:
     """Read and remove ``RUN_DIR/stopped.json``; ``None`` when the run was not stopped by a signal."""
-    path = Path(run_dir) / MARKER
+    path = RunDir(run_dir).stop_marker
     if not path.is_file():
         return None
     info = json.loads(path.read_text())

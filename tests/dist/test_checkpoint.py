@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from hybridtrain.rundir import RunDir
 from launch_helpers import compose_config, losses, metrics, run_cli
 
 
@@ -47,7 +48,7 @@ def test_resume_continues_the_uninterrupted_losses(recipe, layout, saved_runs, t
     full = saved_runs[(recipe, layout)]
     dp, tp, pp = layout
     run_cli(tmp_path, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-            "trainer.max_steps=6", f"trainer.resume={full / 'checkpoints' / 'step_3'}")
+            "trainer.max_steps=6", f"trainer.resume={RunDir(full).checkpoints / 'step_3'}")
     resumed = metrics(tmp_path)
     assert [m["step"] for m in resumed] == [4, 5, 6]
     assert [m["loss"] for m in resumed] == pytest.approx(losses(full)[3:], rel=1e-6, abs=0)
@@ -60,7 +61,7 @@ def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, sa
     from hybridtrain.export import main
 
     run_dir = saved_runs[(recipe, layout)]
-    assert main([str(run_dir / "checkpoints" / "step_3"), str(tmp_path / "hf"), "--check"]) == 0
+    assert main([str(RunDir(run_dir).checkpoints / "step_3"), str(tmp_path / "hf"), "--check"]) == 0
     assert "check passed: max |transformers - hybridtrain| logit = " in capsys.readouterr().out
     # the model after 3 steps computes step 4's loss
     assert _hf_loss(tmp_path / "hf", *_batch(recipe, 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
@@ -75,7 +76,7 @@ def test_export_loads_in_transformers_and_gives_the_same_loss(recipe, layout, sa
 def test_export_check_without_saved_logits_is_explained(saved_runs, tmp_path, capsys):
     from hybridtrain.export import main
 
-    checkpoint = shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))] / "checkpoints" / "step_3", tmp_path / "step_3")
+    checkpoint = shutil.copytree(RunDir(saved_runs[("gpt_tiny", (1, 1, 1))]).checkpoints / "step_3", tmp_path / "step_3")
     (checkpoint / "logits.safetensors").unlink()
     assert main([str(checkpoint), str(tmp_path / "hf"), "--check"]) == 2
     assert "logits.safetensors does not exist: --check needs a checkpoint saved with trainer.save_logits=true" \
@@ -86,7 +87,7 @@ def test_sharded_export_writes_an_index(saved_runs, tmp_path):
     from hybridtrain.export import export
 
     run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
-    export(run_dir / "checkpoints" / "step_3", tmp_path / "hf", max_shard_size="1MB")
+    export(RunDir(run_dir).checkpoints / "step_3", tmp_path / "hf", max_shard_size="1MB")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
@@ -96,8 +97,8 @@ def test_export_replaces_an_earlier_export_in_the_same_folder(saved_runs, tmp_pa
     from hybridtrain.export import export
 
     run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
-    export(run_dir / "checkpoints" / "step_6", tmp_path / "hf", max_shard_size="1MB")  # sharded, newer
-    export(run_dir / "checkpoints" / "step_3", tmp_path / "hf")                         # single file, older
+    export(RunDir(run_dir).checkpoints / "step_6", tmp_path / "hf", max_shard_size="1MB")  # sharded, newer
+    export(RunDir(run_dir).checkpoints / "step_3", tmp_path / "hf")                         # single file, older
     assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
 
@@ -107,7 +108,7 @@ def test_interrupted_save_is_never_loaded(saved_runs, tmp_path):
 
     run_dir = tmp_path / "run"
     shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
-    ckpts = run_dir / "checkpoints"
+    ckpts = RunDir(run_dir).checkpoints
     assert latest_checkpoint(run_dir) == ckpts / "step_6"
     (ckpts / "step_6" / "meta.json").unlink()            # killed before the save completed
     (ckpts / ".tmp-step_9").mkdir()                      # an interrupted save in progress
@@ -121,7 +122,7 @@ def test_interrupted_save_is_never_loaded(saved_runs, tmp_path):
 def test_truncated_checkpoint_file_is_named_and_auto_resume_falls_back(saved_runs, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
-    ckpts = run_dir / "checkpoints"
+    ckpts = RunDir(run_dir).checkpoints
     victim = next((ckpts / "step_6" / "hf").glob("model-stage*.safetensors"))
     victim.write_bytes(victim.read_bytes()[:100])
     proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={ckpts / 'step_6'}",
@@ -137,7 +138,7 @@ def test_truncated_checkpoint_file_is_named_and_auto_resume_falls_back(saved_run
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from hybridtrain.checkpoint.io import finalize
 
-    root = tmp_path / "checkpoints"
+    root = RunDir(tmp_path).checkpoints
     for step in (1, 2, 3):
         tmp = root / f".tmp-step_{step}"
         tmp.mkdir(parents=True)
@@ -153,7 +154,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),
 ], ids=["zero3_plan_change", "nothing_left", "batch_change", "shape_change"])
 def test_resume_mismatch_is_a_config_error(overrides, key, fragment, saved_runs, tmp_path):
-    ckpt = saved_runs[("gpt_tiny", (1, 1, 1))] / "checkpoints" / "step_6"
+    ckpt = RunDir(saved_runs[("gpt_tiny", (1, 1, 1))]).checkpoints / "step_6"
     overrides = ["trainer.max_steps=10", *overrides]
     proc = run_cli(tmp_path, "+recipe=gpt_tiny", *overrides, f"trainer.resume={ckpt}", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -182,7 +183,7 @@ def test_resume_under_another_plan_continues_the_losses(source, target, saved_ru
     recipe, _ = source
     dp, tp, pp = target
     proc = run_cli(tmp_path, f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                   "trainer.max_steps=6", f"trainer.resume={saved_runs[source] / 'checkpoints' / 'step_3'}")
+                   "trainer.max_steps=6", f"trainer.resume={RunDir(saved_runs[source]).checkpoints / 'step_3'}")
     assert "re-sharded from" in proc.stdout
     resumed = metrics(tmp_path)
     assert [m["step"] for m in resumed] == [4, 5, 6]

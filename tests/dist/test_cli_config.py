@@ -3,21 +3,28 @@ bad plan or a config Hydra cannot compose (one line, also in a sweep and in ``py
 the plan and config code never import DeepSpeed (checked in a fresh interpreter)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers_unit import ROOT, CliRun, compose_config
-from hybridtrain.config import load_config
+from helpers_unit import ROOT, compose_config
+from hybridtrain.cli import Background
 from hybridtrain.plan import machine_facts, resolve
+from hybridtrain.rundir import RunDir
 
 
 def test_plan_code_does_not_import_deepspeed():
     code = ("import hybridtrain, hybridtrain.plan, hybridtrain.plan.validate, hybridtrain.config, sys; "
             "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_harness_and_run_dir_import_neither_torch_nor_deepspeed():
+    code = ("import hybridtrain.cli, hybridtrain.rundir, sys; "
+            "assert not {'torch', 'deepspeed'} & set(sys.modules), sorted({'torch', 'deepspeed'} & set(sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -36,12 +43,13 @@ CLI_RUNS = {
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, CliRun)``."""
+    """The CLI runs of this module, started together; ``cli[name]`` is ``(run_dir, Background)``."""
     base = tmp_path_factory.mktemp("cli")
     runs = {}
     for name, overrides in CLI_RUNS.items():
         run_dir = base / name / "run"
-        runs[name] = (run_dir, CliRun([*overrides, f"hydra.run.dir={run_dir}"], base / name, base / "token_cache"))
+        runs[name] = (run_dir, Background(run_dir, overrides, base / name, cwd=base / name,
+                                          env={"HYBRIDTRAIN_CACHE": str(base / "token_cache")}))
     yield runs
     for _, run in runs.values():
         run.kill()
@@ -54,12 +62,12 @@ def test_cli_dry_run_writes_config_and_plan(cli):
     assert "dry run" in proc.stdout and "launching" not in proc.stdout
     assert "plan      dp=1 x tp=1 x pp=1 = 1 rank(s)" in proc.stdout
 
-    saved = load_config(run_dir / "config.yaml")
+    saved = RunDir(run_dir).config()
     expected = compose_config(*CLI_RUNS["gpt_tiny"])
     expected.run_dir = str(run_dir.resolve())
     assert saved == expected
     plan, _ = resolve(expected, machine_facts())
-    assert json.loads((run_dir / "plan.json").read_text()) == plan.to_dict()
+    assert RunDir(run_dir).plan_record() == plan.to_dict()
 
 
 def test_cli_dry_run_prepares_no_data(cli):
@@ -78,7 +86,7 @@ def test_cli_bad_plan_exits_2_before_writing_the_plan(cli):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "config error: parallel.tp" in proc.stderr and "n_head=6" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (run_dir / "plan.json").exists()
+    assert not RunDir(run_dir).plan_file.exists()
 
 
 def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
@@ -87,9 +95,9 @@ def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
     proc = run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dp=1 x tp=8 x pp=4 = 32 rank(s)" in proc.stdout and "launching" not in proc.stdout
-    plan = json.loads((run_dir / "plan.json").read_text())
+    plan = RunDir(run_dir).plan_record()
     assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
-    assert load_config(run_dir / "config.yaml").launcher.nodes == 4
+    assert RunDir(run_dir).config().launcher.nodes == 4
 
 
 CONFIG_ERRORS = {  # CLI run -> its whole stderr
@@ -97,7 +105,7 @@ CONFIG_ERRORS = {  # CLI run -> its whole stderr
     "batch_zero": "trainer.global_batch_size: must be >= 1, got 0",
     "precision_unknown": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
     "slurm_key_local": "launcher.partition: a key of launcher=slurm, not of launcher=local (this run's); add launcher=slurm",
-    "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager]",
+    "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager] or null",
     "sweep_with_a_bad_value": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
 }
 

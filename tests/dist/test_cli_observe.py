@@ -9,6 +9,7 @@ import sys
 
 
 from helpers_unit import ROOT
+from hybridtrain.rundir import RunDir
 
 
 def _record(step, **kw):
@@ -42,9 +43,9 @@ def test_report_command(tmp_path):
     cmd = [sys.executable, "-m", "hybridtrain.report"]
     missing = subprocess.run(cmd + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n")
+    RunDir(tmp_path).metrics_file.write_text(json.dumps(_record(1)) + "\n")
     done = subprocess.run(cmd + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0 and (tmp_path / "report.md").is_file(), done.stderr
+    assert done.returncode == 0 and RunDir(tmp_path).report_file.is_file(), done.stderr
 
 
 def test_cli_stops_before_workers_when_wandb_is_missing(tmp_path):
@@ -56,4 +57,4 @@ def test_cli_stops_before_workers_when_wandb_is_missing(tmp_path):
                           env={**os.environ, "HYBRIDTRAIN_CACHE": str(tmp_path / "cache")}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "config error: logger.name: logger=wandb needs the wandb package" in proc.stderr
-    assert "launching" not in proc.stdout and not (tmp_path / "run" / "plan.json").exists()
+    assert "launching" not in proc.stdout and not RunDir(tmp_path / "run").plan_file.exists()

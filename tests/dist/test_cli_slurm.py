@@ -6,6 +6,7 @@ import os
 import sys
 
 
+from hybridtrain.rundir import RunDir
 from launch_helpers import run_cli
 
 
@@ -14,7 +15,7 @@ def test_cli_refuses_nodes_x_gpus_mismatch_before_submitting(tmp_path):
                    "parallel.dp=2", "parallel.pp=2", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "config error: launcher.gpus_per_node:" in proc.stderr and "4 ranks" in proc.stderr
-    assert not (tmp_path / "job.sbatch").exists() and "Traceback" not in proc.stderr
+    assert not RunDir(tmp_path).job_script.exists() and "Traceback" not in proc.stderr
 
 
 def test_cli_without_sbatch_says_slurm_client_tools_are_needed(tmp_path):
@@ -26,26 +27,27 @@ def test_cli_without_sbatch_says_slurm_client_tools_are_needed(tmp_path):
                    check=False, timeout=180, env={"PATH": str(bindir)})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "sbatch not found" in proc.stderr and "SLURM's client tools" in proc.stderr
-    assert (tmp_path / "run" / "job.sbatch").is_file()  # written, so it can be submitted elsewhere
+    assert RunDir(tmp_path / "run").job_script.is_file()  # written, so it can be submitted elsewhere
 
 
 def test_cli_submit_false_writes_and_prints_the_script(tmp_path):
     proc = run_cli(tmp_path, "+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "parallel.pp=2",
                    "launcher.submit=false", "launcher.gpus=false", "launcher.time=00:10:00", timeout=180)
-    script = (tmp_path / "job.sbatch").read_text()
+    files = RunDir(tmp_path)
+    script = files.job_script.read_text()
     assert script in proc.stdout and "#SBATCH --time=00:10:00" in script and "not submitted" in proc.stdout
-    assert (tmp_path / "config.yaml").is_file() and not (tmp_path / "data.json").exists()
+    assert files.config_file.is_file() and not files.data_file.exists()
     # the job's first step prepares the data the controller skipped, once
     from hybridtrain.launch.slurm_job import prepare_data
 
-    assert prepare_data(tmp_path) and (tmp_path / "data.json").is_file()
+    assert prepare_data(tmp_path) and files.data_file.is_file()
     assert not prepare_data(tmp_path)
 
 
 def test_cli_llama_7b_slurm_script_anywhere(tmp_path):
     proc = run_cli(tmp_path, "+recipe=llama_7b", "launcher=slurm", "launcher.submit=false", "launcher.partition=gpu",
                    "launcher.gpus=true", timeout=180)
-    script = (tmp_path / "job.sbatch").read_text()
+    script = RunDir(tmp_path).job_script.read_text()
     for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"]:
         assert line in script.splitlines()
     assert "groups crossing nodes: pp" in proc.stdout  # tp=8 fills a node: only the pipeline crosses nodes

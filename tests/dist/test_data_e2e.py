@@ -9,6 +9,7 @@ import math
 import pytest
 
 from data_helpers import chat_records, text_corpus, write_jsonl
+from hybridtrain.rundir import RunDir
 from launch_helpers import metrics, run_cli
 
 
@@ -29,7 +30,7 @@ def test_jsonl_corpus_with_a_content_field_trains(tmp_path):
     assert [m["step"] for m in train] == [1, 2, 3] and not val
     assert all(math.isfinite(m["loss"]) and m["data_wait_s"] >= 0 for m in train)
     assert train[-1]["loss"] < train[0]["loss"]
-    data = json.loads((run_dir / "data.json").read_text())
+    data = json.loads(RunDir(run_dir).data_file.read_text())
     assert data["kind"] == "packed" and data["splits"]["train"]["num_documents"] == 120
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from data_helpers import chapters, chat_records, text_corpus, write_jsonl
-from helpers_unit import CliRun
+from hybridtrain.cli import Background
+from hybridtrain.rundir import RunDir
 
 BASE = ["+recipe=gpt_tiny", "data=files"]
 
@@ -61,7 +62,8 @@ def runs(tmp_path_factory):
     started = {}
     for name, overrides in inputs.items():
         run_dir = base / name / "run"
-        started[name] = (run_dir, CliRun([*BASE, *overrides, f"hydra.run.dir={run_dir}"], base / name, base / "cache"))
+        started[name] = (run_dir, Background(run_dir, [*BASE, *overrides], base / name, cwd=base / name,
+                                             env={"HYBRIDTRAIN_CACHE": str(base / "cache")}))
     yield started
     for _, run in started.values():
         run.kill()
@@ -77,4 +79,4 @@ def test_bad_input_exits_2_naming_the_key(runs, case):
     for fragment in fragments:
         assert fragment in proc.stderr, (fragment, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
-    assert not (run_dir / "config.yaml").exists()  # nothing written, no worker started
+    assert not RunDir(run_dir).config_file.exists()  # nothing written, no worker started

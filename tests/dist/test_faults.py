@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridtrain import cli
+from hybridtrain.rundir import RunDir
 from launch_helpers import REPO, compose_config, metrics, run_cli
 
 INJECT = Path(__file__).resolve().parent / "fault_inject"
@@ -47,7 +49,7 @@ def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses
     assert _left_behind(run_dir) == [], "processes left behind"
     before = metrics(run_dir)
     assert [m["step"] for m in before] == [1, 2, 3, 4, 5], "the kill was not in step 6"
-    ckpts = run_dir / "checkpoints"
+    ckpts = RunDir(run_dir).checkpoints
     assert (ckpts / "step_4" / "meta.json").exists() and not (ckpts / "step_6").exists()
 
     resumed = run_cli(run_dir, *common, "trainer.resume=auto", timeout=300)
@@ -126,8 +128,7 @@ def test_unwritable_output_dir_is_a_config_error_before_anything_runs(where, tmp
 def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "-m", "+recipe=gpt_tiny", "parallel.tp=1,2",
-                           "launcher.dry_run=true", f"hydra.sweep.dir={blocker / 'sweep'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = cli.run(None, ["-m", "+recipe=gpt_tiny", "parallel.tp=1,2", "launcher.dry_run=true",
+                          f"hydra.sweep.dir={blocker / 'sweep'}"], cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"hydra.sweep.dir: cannot write the output directory {blocker / 'sweep'} ({blocker} is a file" in proc.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
-from launch_helpers import run_cli
+from hybridtrain import cli
+from hybridtrain.rundir import RunDir
+from launch_helpers import REPO, run_cli
 
 
 def test_bad_plan_launches_nothing(tmp_path):
@@ -15,21 +15,14 @@ def test_bad_plan_launches_nothing(tmp_path):
     assert proc.returncode == 2
     assert "parallel.tp=4 must divide model.config.n_head=6" in proc.stderr
     assert "deepspeed.launcher.runner" not in proc.stdout
-    assert not (tmp_path / "plan.json").exists()
+    assert not RunDir(tmp_path).plan_file.exists()
 
 
 def test_hydra_multirun_sweep_writes_one_run_per_value(tmp_path):
-    import sys
-
-    from launch_helpers import REPO
-
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "-m", "+recipe=gpt_tiny", "parallel.tp=1,2",
-                           "launcher.dry_run=true", f"hydra.sweep.dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = cli.run(None, ["-m", "+recipe=gpt_tiny", "parallel.tp=1,2", "launcher.dry_run=true",
+                          f"hydra.sweep.dir={tmp_path}"], cwd=REPO, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from hybridtrain.config import load_config
-
-    tps = sorted(load_config(p).parallel.tp for p in tmp_path.glob("*/config.yaml"))
+    tps = sorted(RunDir(p).config().parallel.tp for p in tmp_path.iterdir() if RunDir(p).config_file.is_file())
     assert tps == [1, 2]
 
 
@@ -41,11 +34,11 @@ def test_console_script_is_installed(tmp_path):
     proc = subprocess.run([exe, "+recipe=gpt_tiny", "launcher.dry_run=true", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "config.yaml").exists() and (tmp_path / "plan.json").exists()
+    assert RunDir(tmp_path).config_file.exists() and RunDir(tmp_path).plan_file.exists()
 
 
 def test_multi_node_plan_is_refused_by_the_local_launcher_before_anything_runs(tmp_path):
     proc = run_cli(tmp_path, "+recipe=gpt_tiny", "launcher.nodes=2", check=False, timeout=120)
     assert proc.returncode == 2
     assert "launcher.nodes=2" in proc.stderr and "dry_run" in proc.stderr
-    assert not (tmp_path / "config.yaml").exists()
+    assert not RunDir(tmp_path).config_file.exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridtrain.rundir import RunDir
 from launch_helpers import compose_config, metrics, run_cli
 
 
@@ -29,8 +30,8 @@ def _train(run_dir: Path) -> list[dict]:
 
 def test_metrics_keys_and_values(pipe_run):
     train = _train(pipe_run)
-    observe = json.loads((pipe_run / "observe.json").read_text())
-    plan = json.loads((pipe_run / "plan.json").read_text())
+    observe = RunDir(pipe_run).observe()
+    plan = RunDir(pipe_run).plan_record()
     from hybridtrain.models.families import GPT2
     from hybridtrain.plan import model_config
     from hybridtrain.plan.flops import model_flops_per_token
@@ -60,11 +61,11 @@ def test_metrics_keys_and_values(pipe_run):
 
 
 def test_timeline_has_every_micro_batch_of_every_stage(pipe_run):
-    summary = json.loads((pipe_run / "timeline_summary.json").read_text())
+    summary = RunDir(pipe_run).timeline()
     assert summary["steps"] == [2, 3] and summary["micro_batches"] == 12
     assert summary["bubble_theory"] == pytest.approx(1 / 13) and 0 < summary["bubble_measured"] < 1
-    assert (pipe_run / "timeline.png").stat().st_size > 10_000
-    trace = json.loads((pipe_run / "timeline_trace.json").read_text())
+    assert RunDir(pipe_run).timeline_png.stat().st_size > 10_000
+    trace = json.loads(RunDir(pipe_run).timeline_trace.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     seen = {(e["args"]["step"], e["pid"], e["cat"], e["args"]["micro_batch"]) for e in spans}
     for step in (2, 3):
@@ -83,13 +84,13 @@ def test_timeline_has_every_micro_batch_of_every_stage(pipe_run):
 
 
 def test_report_and_tensorboard(pipe_run):
-    text = (pipe_run / "report.md").read_text()
+    text = RunDir(pipe_run).report_file.read_text()
     assert "## Findings" in text and "![timeline](timeline.png)" in text and "validation loss (last)" in text
     for png in ("loss", "throughput", "mfu", "memory", "stages"):
-        assert (pipe_run / "report" / f"{png}.png").is_file(), png
+        assert (RunDir(pipe_run).report_dir / f"{png}.png").is_file(), png
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(pipe_run / "tensorboard")).Reload()
+    events = EventAccumulator(str(RunDir(pipe_run).tensorboard_dir)).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"loss", "mfu", "tokens_per_sec", "stage_forward_s/1", "rank_rss_bytes/1", "val_loss"} <= tags
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
@@ -107,11 +108,11 @@ def test_sequential_data_parallel_run_with_wandb_offline(tmp_path):
         assert len(m["stage_forward_s"]) == 1 and m["stage_forward_s"][0] > 0 and m["stage_comm_s"] == [0.0]
         assert m["mfu"] == pytest.approx(m["tflops_per_device"] / 0.5)
         assert len(m["rank_rss_bytes"]) == 2 and len(m["rank_model_state_bytes"]) == 2
-    assert json.loads((run_dir / "observe.json").read_text())["peak_source"] == "trainer.peak_tflops"
-    trace = json.loads((run_dir / "timeline_trace.json").read_text())
+    assert RunDir(run_dir).observe()["peak_source"] == "trainer.peak_tflops"
+    trace = json.loads(RunDir(run_dir).timeline_trace.read_text())
     fwd = {(e["tid"], e["args"]["micro_batch"]) for e in trace["traceEvents"] if e.get("cat") == "forward"}
     assert fwd == {(r, i) for r in (0, 1) for i in range(6)}  # 12 = 1 x 6 x dp 2
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert not list((run_dir / "wandb").glob("run-*"))  # never an online run
-    assert (run_dir / "report.md").is_file()
+    assert RunDir(run_dir).report_file.is_file()

@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 
+from hybridtrain.rundir import RunDir
 from launch_helpers import compose_config, losses, metrics, run_cli
 
 
@@ -40,7 +41,7 @@ def _assert_export_reproduces_last_step(recipe: str, run_dir, out_dir) -> None:
 
     from hybridtrain.export import check_logits, export
 
-    checkpoint = run_dir / "checkpoints" / f"step_{STEPS - 1}"
+    checkpoint = RunDir(run_dir).checkpoints / f"step_{STEPS - 1}"
     export(checkpoint, out_dir)
     diff, scale = check_logits(checkpoint, out_dir)
     assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"{recipe} export logits differ by {diff} (max |logit| {scale})"

@@ -6,12 +6,12 @@ default with one replica);
 one more launch adds (2, 1, 1) ZeRO-1, where the optimizer state is partitioned over dp."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from hybridtrain.rundir import RunDir
 from launch_helpers import REPO, metrics, run_cli
 
 
@@ -29,9 +29,9 @@ def test_verify_3d_plan_trains_like_one_process(verified):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "OK, the plan trains like one process" in proc.stdout
     assert proc.stdout.count("verify: step ") == 2
-    twin = json.loads((out / "plan" / "plan.json").read_text())
+    twin = RunDir(out / "plan").plan_record()
     assert (twin["dp"], twin["tp"], twin["pp"], twin["num_layers"]) == (2, 2, 2, 2)
-    single = json.loads((out / "single" / "plan.json").read_text())
+    single = RunDir(out / "single").plan_record()
     assert (single["dp"], single["tp"], single["pp"]) == (1, 1, 1)
     assert single["global_batch_size"] == twin["global_batch_size"]  # the same batches
 

@@ -9,13 +9,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from hybridtrain import cli
+from hybridtrain.rundir import RunDir
 from launch_helpers import REPO, losses, metrics, run_cli
 
 
@@ -70,9 +71,8 @@ class Background:
     """``python -m hybridtrain ...`` in the background, its output collected line by line."""
 
     def __init__(self, run_dir: Path, *overrides: str, env: dict | None = None):
-        cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = cli.start(run_dir, overrides, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -105,12 +105,12 @@ class Background:
 
 
 def _logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics_file
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def _slurm_log(run_dir: Path) -> str:
-    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
+    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob(RunDir(run_dir).slurm_log("*").name)))
 
 
 def test_two_node_slurm_job_matches_the_local_run(slurm_cluster, reference, tmp_path):
@@ -123,7 +123,7 @@ def test_two_node_slurm_job_matches_the_local_run(slurm_cluster, reference, tmp_
                  "rank    2  node node2        dp 0  tp 0  pp 1", "rank    3  node node2        dp 1  tp 0  pp 1",
                  "groups crossing nodes: pp"]:
         assert line in log, log[-3000:]
-    assert (tmp_path / "job.sbatch").is_file() and (tmp_path / "config.yaml").is_file()
+    assert RunDir(tmp_path).job_script.is_file() and RunDir(tmp_path).config_file.is_file()
 
 
 SITECUSTOMIZE = """
@@ -142,7 +142,7 @@ def test_slurm_job_whose_rank_fails_reports_status_and_log(slurm_cluster, tmp_pa
                    env={"PYTHONPATH": f"{inject}:{REPO}", "HT_TEST_FAIL_RANK": "1"})
     assert proc.returncode != 0, proc.stdout[-3000:]
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    log = run_dir / f"slurm-{job}.out"
+    log = RunDir(run_dir).slurm_log(job)
     assert f"job {job} failed with exit code {proc.returncode}" in proc.stderr, proc.stderr[-3000:]
     assert f"log {log}" in proc.stderr and log.is_file()
     assert "task 1: Exited with exit code 3" in log.read_text()
@@ -168,7 +168,7 @@ def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_clu
     assert 2 <= stopped < STEPS
     assert f"requeueing job {job}" in log and f"restart 1: resuming from {tmp_path}/checkpoints/step_{stopped}" in log
     assert f"resumed from {tmp_path}/checkpoints/step_{stopped} at step {stopped} (same plan)" in log
-    assert (tmp_path / "checkpoints" / f"step_{stopped}" / "meta.json").is_file()
+    assert (RunDir(tmp_path).checkpoints / f"step_{stopped}" / "meta.json").is_file()
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, STEPS + 1))
     close(losses(tmp_path), reference)
 
@@ -194,8 +194,8 @@ def test_local_sigterm_saves_a_checkpoint_and_exits_cleanly(reference, tmp_path)
     assert run.finish(timeout=200) == 0, run.output[-5000:]
     stopped = int(re.search(r"stopped early after step (\d+)", run.output).group(1))
     assert 2 <= stopped < STEPS and "Traceback" not in run.output
-    assert (tmp_path / "checkpoints" / f"step_{stopped}" / "meta.json").is_file()
-    assert not (tmp_path / "stopped.json").exists()
+    assert (RunDir(tmp_path).checkpoints / f"step_{stopped}" / "meta.json").is_file()
+    assert not RunDir(tmp_path).stop_marker.exists()
     left = subprocess.run(["pgrep", "-f", f"hybridtrain.worker {tmp_path}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "worker processes left behind"
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, stopped + 1))

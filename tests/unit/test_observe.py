@@ -15,6 +15,7 @@ from hybridtrain.observe.peak import gpu_peak_tflops, probe_cpu_tflops, probe_ke
 from hybridtrain.errors import PlanError
 from hybridtrain.report import write_report
 from hybridtrain.report.findings import findings
+from hybridtrain.rundir import RunDir
 
 
 # -- peak ----------------------------------------------------------------------------------------
@@ -139,8 +140,8 @@ def test_chrome_trace_has_a_process_per_stage_and_an_event_per_span():
 def test_timeline_files(tmp_path):
     summary = timeline.write(tmp_path, gpipe_events(2, 3), {1: 0.0}, pp=2, micro_batches=3)
     assert summary["bubble_measured"] == pytest.approx(0.25) and summary["bubble_theory"] == pytest.approx(0.25)
-    assert (tmp_path / "timeline.png").stat().st_size > 5000
-    assert json.loads((tmp_path / "timeline_trace.json").read_text())["otherData"]["steps"] == [1]
+    assert RunDir(tmp_path).timeline_png.stat().st_size > 5000
+    assert json.loads(RunDir(tmp_path).timeline_trace.read_text())["otherData"]["steps"] == [1]
 
 
 # -- findings and the report ---------------------------------------------------------------------
@@ -192,12 +193,12 @@ def test_findings_bubble_data_wait_comm_and_bad_peak():
 
 def test_report_from_a_run_directory(tmp_path):
     recs = [_record(s) for s in range(1, 5)] + [{"step": 4, "val_loss": 4.5, "val_ppl": 90.0}]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    RunDir(tmp_path).metrics_file.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    RunDir(tmp_path).plan_file.write_text(json.dumps(PLAN))
     report = write_report(tmp_path)
     text = report.read_text()
     for png in ("loss", "throughput", "mfu", "memory", "stages"):
-        assert f"(report/{png}.png)" in text and (tmp_path / "report" / f"{png}.png").stat().st_size > 3000
+        assert f"(report/{png}.png)" in text and (RunDir(tmp_path).report_dir / f"{png}.png").stat().st_size > 3000
     assert "| validation loss (last) | 4.5000 |" in text and "## Findings" in text
     assert "| MFU (median) | 30.00% |" in text
 

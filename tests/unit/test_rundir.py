@@ -1,0 +1,117 @@
+"""The run directory (``hybridtrain.rundir.RunDir``) and a checkpoint folder (``CheckpointDir``): the
+file names users and docs rely on, and every reader against what the writers of the run write."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from helpers_unit import compose_config
+from hybridtrain.checkpoint.io import CheckpointDir, finalize, latest_checkpoint, step_dir, tmp_dir
+from hybridtrain.observe import timeline
+from hybridtrain.plan import Machine, resolve
+from hybridtrain.rundir import CONFIG, PLAN, RunDir
+from hybridtrain.train.preempt import take_marker, write_marker
+
+NAMES = {
+    "config_file": "config.yaml", "plan_file": "plan.json", "data_file": "data.json",
+    "metrics_file": "metrics.jsonl", "observe_file": "observe.json", "timeline_png": "timeline.png",
+    "timeline_trace": "timeline_trace.json", "timeline_events": "timeline_events.json",
+    "timeline_summary": "timeline_summary.json", "report_file": "report.md", "report_dir": "report",
+    "checkpoints": "checkpoints", "hf_dir": "hf", "stop_marker": "stopped.json", "job_script": "job.sbatch",
+    "hostfile": "hostfile", "deepspeed_env": ".deepspeed_env", "tensorboard_dir": "tensorboard",
+}
+"""The names docs/training.md, docs/observability.md, docs/checkpoints.md and docs/slurm.md document."""
+
+
+def test_every_file_of_a_run_has_its_documented_name(tmp_path):
+    files = RunDir(str(tmp_path))  # a str is fine: it becomes a Path
+    for attr, name in NAMES.items():
+        assert getattr(files, attr) == tmp_path / name, attr
+    assert files.slurm_log("123") == tmp_path / "slurm-123.out"
+    assert (CONFIG, PLAN) == ("config.yaml", "plan.json")
+    assert not any(tmp_path.iterdir()), "naming a file must not create it"
+
+
+@dataclass
+class _Prepared:
+    """Stands in for :class:`hybridtrain.data.prepare.Prepared` (the writer calls ``to_json``)."""
+
+    text: str
+
+    def to_json(self) -> str:
+        return self.text
+
+
+def test_the_controllers_files_read_back_as_written(tmp_path):
+    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2")
+    cfg.run_dir = str(tmp_path)
+    plan, _ = resolve(cfg, Machine())
+    files = RunDir(tmp_path)
+    files.write_config(cfg)
+    files.write_plan(plan)
+    files.write_data(_Prepared('{"kind": "packed"}'))
+    assert files.config() == cfg
+    assert files.plan() == plan and files.plan_record() == plan.to_dict()
+    assert json.loads(files.plan_file.read_text()) == plan.to_dict()
+    assert json.loads(files.data_file.read_text()) == {"kind": "packed"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "data.json", "plan.json"]  # no temp left
+    cfg.trainer.max_steps = 7  # written again (the SLURM job's first step does): replaced whole
+    files.write_config(cfg)
+    assert files.config().trainer.max_steps == 7
+
+
+def test_metrics_and_losses(tmp_path):
+    files = RunDir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist: give the run directory"):
+        files.metrics()
+    records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}, {"step": 2, "val_loss": 4.8, "val_ppl": 121.5},
+               {"step": 3, "loss": 4.0}]
+    files.metrics_file.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    assert files.metrics() == records
+    assert files.losses() == [5.0, 4.5, 4.0]  # the validation record is not a step's loss
+
+
+def test_optional_files_read_as_none_until_written(tmp_path):
+    files = RunDir(tmp_path)
+    assert files.observe() is None and files.timeline() is None and files.plan_record() is None
+    files.observe_file.write_text(json.dumps({"peak_tflops": 1.5, "peak_source": "trainer.peak_tflops"}))
+    assert files.observe()["peak_tflops"] == 1.5
+    events = [{"rank": r, "stage": r, "dp_rank": 0, "tp_rank": 0, "step": 1, "kind": k, "micro_batch": 0,
+               "start": 0.5 * r + (0.0 if k == "forward" else 1.0), "end": 0.5 * r + (0.5 if k == "forward" else 1.5)}
+              for r in (0, 1) for k in ("forward", "backward")]
+    summary = timeline.write(tmp_path, events, {1: 0.0}, pp=2, micro_batches=1)
+    assert files.timeline() == json.loads(json.dumps(summary)) and files.timeline_spans() == events
+    assert summary["files"] == {"png": files.timeline_png.name, "trace": files.timeline_trace.name}
+    assert files.timeline_png.is_file() and files.timeline_trace.is_file()
+
+
+def test_stop_marker_is_taken_once(tmp_path):
+    files = RunDir(tmp_path)
+    write_marker(tmp_path, 4, step_dir(tmp_path, 4))
+    assert files.stop_marker.is_file()
+    assert take_marker(tmp_path) == {"step": 4, "checkpoint": str(tmp_path / "checkpoints" / "step_4")}
+    assert not files.stop_marker.exists() and take_marker(tmp_path) is None
+
+
+def test_checkpoint_folder_names_and_the_newest_complete_one(tmp_path):
+    final = step_dir(tmp_path, 3)
+    assert final == RunDir(tmp_path).checkpoints / "step_3" and tmp_dir(final).name == ".tmp-step_3"
+    ckpt = CheckpointDir(tmp_dir(final))
+    assert [p.name for p in (ckpt.ds, ckpt.hf, ckpt.optim, ckpt.rng, ckpt.meta_file, ckpt.config_file,
+                             ckpt.plan_file)] == ["ds", "hf", "optim", "rng", "meta.json", "config.yaml", "plan.json"]
+    assert ckpt.hf_part(1) == ckpt.hf / "model-stage001.safetensors"
+    assert ckpt.optim_part(0) == ckpt.optim / "optim-stage000.safetensors"
+    assert ckpt.rng_file(12) == ckpt.rng / "rank_00012.pt"
+    for d in (ckpt.ds, ckpt.hf):
+        d.mkdir(parents=True)
+    for stage in (1, 0):
+        ckpt.hf_part(stage).write_bytes(b"")
+    (ckpt.hf / "config.json").write_text("{}")
+    assert ckpt.hf_parts() == [ckpt.hf_part(0), ckpt.hf_part(1)]  # stage order, nothing else
+    ckpt.meta_file.write_text(json.dumps({"step": 3, "files": {}}))
+    assert latest_checkpoint(tmp_path) is None  # not published yet
+    finalize(ckpt.path, final, keep_last=None)
+    assert latest_checkpoint(tmp_path) == final and CheckpointDir(final).meta()["step"] == 3
+    assert (final.parent / "latest").read_text() == "step_3"
