@@ -1,4 +1,5 @@
-"""Every tensor-parallel layer against its unsharded twin, forward and backward, at tp=2 and tp=3.
+"""Every tensor-parallel layer, and a decoder block of every model family, against its unsharded twin,
+forward and backward, at tp=2 and tp=3.
 
 All cases at both degrees run inside ONE spawned world of 3 gloo ranks (spawning and importing
 torch, DeepSpeed and transformers dominate the cost): first on a TP group of ranks {0, 1, 2},
@@ -226,27 +227,47 @@ def case_loss(tp, vocab: int) -> Checks:
 
 # -- whole HF decoder blocks ------------------------------------------------------------------
 
-_BLOCK_CONFIGS = {
+_BLOCK_CONFIGS = {  # 12 query heads (6 KV heads with grouped-query attention): tp=2 and tp=3 divide them
     "gpt2": dict(n_embd=96, n_head=12, n_layer=1, n_positions=16,
                  resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
     "llama": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
                   num_hidden_layers=1, max_position_embeddings=16, attention_bias=True),
+    "mistral": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                    num_hidden_layers=1, max_position_embeddings=16, sliding_window=4),
+    "qwen2": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16),  # biases on q, k, v
+    "qwen3": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16, attention_bias=True),  # per-head q/k norms
+    "gemma": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16),
+    "gemma2": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16, intermediate_size=192,
+                   num_hidden_layers=1, max_position_embeddings=16, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=1.0),
+    "phi3": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                 num_hidden_layers=1, max_position_embeddings=16, partial_rotary_factor=0.5, resid_pdrop=0.0),
+    "olmo2": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16),  # q/k norm over the full width
+    "gpt_neox": dict(hidden_size=96, num_attention_heads=12, intermediate_size=192, num_hidden_layers=1,
+                     max_position_embeddings=16, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0),
 }
+_EAGER = {"gemma2"}  # attention soft-capping runs only in its eager kernel
 
 
-def _column_index(out: int, fused: int, tp) -> torch.Tensor:
-    """Output rows of a column-parallel weight kept by this rank: its slice of each fused sub-block."""
-    sub = out // fused
-    return torch.cat([torch.arange(i * sub, (i + 1) * sub)[_rows(sub, tp)] for i in range(fused)])
+def _column_index(out: int, fused, tp) -> torch.Tensor:
+    """Output rows of a column-parallel weight kept by this rank: its slice of each fused sub-block
+    (``fused``: n equal blocks or the block sizes)."""
+    sizes = [out // fused] * fused if isinstance(fused, int) else list(fused)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([torch.arange(s, s + n)[_rows(n, tp)] for s, n in zip(starts, sizes)])
 
 
 def case_block(tp, model_type: str) -> Checks:
     from hybridtrain.models.build import hf_config_of, reference_model, shard_block
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.families import fused_sizes, get_family
 
     family = get_family(model_type)
     cfg = hf_config_of(model_type, _BLOCK_CONFIGS[model_type], vocab_size=10,
-                       attn_implementation="sdpa", eos_token_id=0)
+                       attn_implementation="eager" if model_type in _EAGER else "sdpa", eos_token_id=0)
     model = reference_model(cfg, family, seed=7)
     full = model.get_submodule(f"{family.blocks}.0")
     torch.manual_seed(8)
@@ -259,29 +280,39 @@ def case_block(tp, model_type: str) -> Checks:
     hidden = int(getattr(cfg, family.hidden))
     x = torch.randn(B, S, hidden)
     g = torch.randn(B, S, hidden)
-    kwargs: Dict[str, Any] = {"attention_mask": None}  # sdpa + no mask: causal
-    if family.rotary_embed:  # Llama: (cos, sin) from the model's LlamaRotaryEmbedding
+    kwargs: Dict[str, Any] = {"attention_mask": None}  # sdpa + no mask: causal; eager: none (the same for both)
+    if family.rotary_embed:  # (cos, sin) from the model's own rotary embedding
         pos = torch.arange(S).unsqueeze(0)  # [1, S]
         rotary = model.get_submodule(family.rotary_embed)
         kwargs.update(position_ids=pos, position_embeddings=rotary(x, position_ids=pos))
 
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref, **kwargs)
+    y_ref = y_ref[0] if isinstance(y_ref, tuple) else y_ref
     y_ref.backward(g)
     x_par = x.clone().requires_grad_()
     y = sharded(x_par, **kwargs)
+    y = y[0] if isinstance(y, tuple) else y
     y.backward(g)
 
     checks: Checks = {"output": (y.detach(), y_ref.detach()), "input grad": (x_par.grad, x_ref.grad)}
     full_params = dict(full.named_parameters())
     seen = set()
     for module_name, rule in family.tp_plan.items():
+        if rule.style == "grad_sum":  # replicated: checked with the others below (summed over TP)
+            continue
         module = sharded.get_submodule(module_name)
         w_grad = full_params[f"{module_name}.weight"].grad
+        if rule.style == "norm":  # weight split like the column rows it normalises
+            rows = _rows(w_grad.shape[0], tp)
+            checks[f"{module_name}.weight grad rows"] = (module.weight.grad, w_grad[rows])
+            checks[f"{module_name}.weight tags"] = (_tags(module.weight), (True, 0))
+            seen.add(f"{module_name}.weight")
+            continue
         w_grad = w_grad.t() if rule.conv1d else w_grad  # HF Conv1D stores [in, out]
         out_features, in_features = w_grad.shape
         if rule.style == "column":
-            idx = _column_index(out_features, rule.fused, tp)
+            idx = _column_index(out_features, fused_sizes(rule, family, cfg, out_features), tp)
             checks[f"{module_name}.weight grad rows"] = (module.weight.grad, w_grad[idx])
             checks[f"{module_name}.weight tags"] = (_tags(module.weight), (True, 0))
         else:
@@ -315,8 +346,7 @@ CASES: Dict[str, Callable] = {
     **{f"tied_head_V{v}": partial(case_tied_head, vocab=v) for v in (10, 11)},
     **{f"untied_head_V{v}": partial(case_untied_head, vocab=v) for v in (10, 11)},
     **{f"loss_V{v}": partial(case_loss, vocab=v) for v in (10, 11)},
-    "block_gpt2": partial(case_block, model_type="gpt2"),
-    "block_llama": partial(case_block, model_type="llama"),
+    **{f"block_{m}": partial(case_block, model_type=m) for m in _BLOCK_CONFIGS},
 }
 """V=10 is unpadded at tp=2 and padded to 12 at tp=3; V=11 is padded to 12 at both."""
 
