@@ -1,6 +1,7 @@
 """The numerical oracle: plain transformers + ``torch.optim.AdamW`` in one process.
 
-Same initial weights (:func:`~hybridtrain.models.build.reference_model`), same global batches
+Same initial weights (:func:`~hybridtrain.models.build.reference_model`, or the ``model.pretrained``
+folder loaded by ``from_pretrained``), same global batches
 (:mod:`hybridtrain.data.sampler`), same learning-rate schedule, weight-decay
 groups and clipping as a hybridtrain run, but no DeepSpeed, no sharding, no pipeline: what the
 parity tests and the overhead benchmark compare every parallel layout against.
@@ -26,7 +27,12 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
 
     plan, hf_config = resolve(cfg, Machine(cpu_cores=1))
     torch.manual_seed(cfg.trainer.seed)
-    model = reference_model(hf_config, get_family(cfg.model.model_type), cfg.trainer.seed)
+    if cfg.model.pretrained:  # fine-tuning: transformers' own loading of the folder
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, config=hf_config, dtype=torch.float32)
+    else:
+        model = reference_model(hf_config, get_family(cfg.model.model_type), cfg.trainer.seed)
     model.train()
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,

@@ -13,13 +13,13 @@ from hybridtrain.plan.types import Plan
 
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
     """The complete checkpoint ``trainer.resume`` names, checked against this run; ``None`` when
-    ``auto`` finds none (a fresh start)."""
+    ``auto`` finds none (a fresh start).
+
+    With ``model.pretrained`` as well (a fine-tune that is resumed, e.g. after a SLURM requeue), the
+    checkpoint wins: its weights, optimizer state and step; the folder still gives the model's config
+    and tokenizer, and a fresh start loads its weights."""
     from hybridtrain.models.families import get_family
 
-    if cfg.model.pretrained:
-        raise PlanError("trainer.resume", "trainer.resume and model.pretrained are different modes: "
-                        "model.pretrained fine-tunes (weights only, fresh optimizer, step 0), trainer.resume "
-                        "continues a run (weights, optimizer, schedule, step, data position); set only one")
     if cfg.trainer.resume == "auto":
         skipped: list[str] = []
         path = latest_checkpoint(run_dir, skipped)

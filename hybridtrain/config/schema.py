@@ -188,7 +188,7 @@ class TrainerConfig:
     resume: Optional[str] = None
     """Resume everything (weights, optimizer, schedule, step, data position, RNG): ``auto`` takes
     the newest complete checkpoint of the run directory (or starts fresh if there is none), or a
-    ``.../checkpoints/step_N`` path. Not together with ``model.pretrained`` (weights only)."""
+    ``.../checkpoints/step_N`` path. With ``model.pretrained`` too, the checkpoint wins (a resumed fine-tune)."""
     export_hf: bool = False
     """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
     save_logits: bool = False
