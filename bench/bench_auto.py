@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hybridtrain import cli
 from hybridtrain.cli import REPO as ROOT
+from hybridtrain.models.families import get_family
 from hybridtrain.rundir import RunDir
 
 MODEL = ["+recipe=gpt_tiny", "model.config.n_head=4", "parallel.micro_batch_size=1", "parallel.zero_stage=1",
@@ -83,7 +84,7 @@ def predict(layout) -> tuple[float, dict]:
     machine = machine_facts()
     r = rates(1, True, (cfg.data.seq_len, int(hf.n_embd)), WORLD)
     dp, tp, pp = layout
-    facts = model_facts("gpt2", hf, cfg.data.seq_len, tp)
+    facts = model_facts(get_family("gpt2"), hf, cfg.data.seq_len, tp)
     c = estimate(Candidate(dp, tp, pp, 1, 1, False), facts, cfg, r, world_size(cfg, machine), machine.cpu_cores,
                  device_memory_bytes(cfg.plan, machine, WORLD))
     return cfg.trainer.global_batch_size * cfg.data.seq_len / c.step_time, r.__dict__

@@ -38,13 +38,13 @@ def build_layers(cfg, plan, hf_config):
 
     from hybridtrain.engine.pipeline import layer_specs
     from hybridtrain.models.build import ModelBuilder, meta_model
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.families import family_of
     from hybridtrain.models.stages import tied_head
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     tp = TPContext()
-    builder = ModelBuilder(family=get_family(cfg.model.model_type), hf_config=hf_config,
+    builder = ModelBuilder(family=family_of(cfg.model), hf_config=hf_config,
                            hf_model=meta_model(hf_config), seed=cfg.trainer.seed, tp=tp,
                            padded_vocab=plan.padded_vocab_size)
     layers = []
@@ -105,6 +105,7 @@ def main() -> None:
     from bench.bench_data import machine
     from hybridtrain.cli import compose
     from hybridtrain.plan import Machine, resolve
+    from hybridtrain.models.families import family_of
     from hybridtrain.plan.costs import layer_time_costs, model_facts
 
     torch.set_num_threads(1)
@@ -115,7 +116,7 @@ def main() -> None:
     plan, hf_config = plans["balanced"]
     torch.manual_seed(0)
     layers, loss_fn = build_layers(cfg, plan, hf_config)
-    facts = model_facts("gpt2", hf_config, plan.seq_len, 1)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, 1)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, 1)
     ids = torch.randint(0, 8000, (plan.micro_batch_size, plan.seq_len))
     labels = torch.randint(0, 8000, (plan.micro_batch_size, plan.seq_len))

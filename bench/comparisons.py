@@ -100,7 +100,7 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dic
 
 def _stage_flops(run_dir: str) -> list[float]:
     """Forward FLOPs per token of each pipeline stage of a run (plan.json + hybridtrain.plan.flops)."""
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.families import family_of
     from hybridtrain.plan import model_config
     from hybridtrain.models.build import one_layer_model
     from hybridtrain.models.units import model_units
@@ -108,7 +108,7 @@ def _stage_flops(run_dir: str) -> list[float]:
 
     files = RunDir(run_dir)
     cfg, plan = files.config(), files.plan_record()
-    hf, family = model_config(cfg), get_family(cfg.model.model_type)
+    hf, family = model_config(cfg), family_of(cfg.model)
     units, bounds = model_units(family, hf), plan["stage_bounds"]
     block = one_layer_model(family, hf).get_submodule(f"{family.blocks}.0")
     return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], block)

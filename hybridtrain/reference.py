@@ -22,7 +22,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     from hybridtrain.data.prepare import train_samples
     from hybridtrain.engine import lr_lambda, param_groups
     from hybridtrain.models.build import reference_model
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.families import family_of
     from hybridtrain.plan import Machine, resolve
 
     plan, hf_config = resolve(cfg, Machine(cpu_cores=1))
@@ -32,7 +32,7 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
 
         model = AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, config=hf_config, dtype=torch.float32)
     else:
-        model = reference_model(hf_config, get_family(cfg.model.model_type), cfg.trainer.seed)
+        model = reference_model(hf_config, family_of(cfg.model), cfg.trainer.seed)
     model.train()
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,

@@ -53,9 +53,9 @@ def compare(got: list[dict], want: list[dict], precision: str) -> Verdict:
 
 def shrink(cfg, plan, hf_config, steps: int) -> dict:
     """Overrides of the small twin of ``cfg`` under its resolved ``plan`` (see the module docstring)."""
-    from hybridtrain.models.families import get_family, mlp_width_of
+    from hybridtrain.models.families import family_of, mlp_width_of
 
-    family = get_family(cfg.model.model_type)
+    family = family_of(cfg.model)
     heads = int(getattr(hf_config, family.heads))
     kv = int(getattr(hf_config, family.kv_heads, None) or heads) if family.kv_heads else heads
     hidden = int(getattr(hf_config, family.hidden))

@@ -18,7 +18,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
     With ``model.pretrained`` as well (a fine-tune that is resumed, e.g. after a SLURM requeue), the
     checkpoint wins: its weights, optimizer state and step; the folder still gives the model's config
     and tokenizer, and a fresh start loads its weights."""
-    from hybridtrain.models.families import get_family
+    from hybridtrain.models.families import family_of
 
     if cfg.trainer.resume == "auto":
         skipped: list[str] = []
@@ -45,7 +45,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
                         " ".join(_override(k, v) for k, v in saved.items()))
     ckpt_config = json.loads((ckpt.hf / "config.json").read_text())
-    for key in get_family(cfg.model.model_type).shape_keys():
+    for key in family_of(cfg.model).shape_keys():
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
             raise PlanError(f"model.config.{key}", f"the checkpoint {path} has {key}={ckpt_config[key]} but the "
                             f"configured model has {getattr(hf_config, key, None)}; resume with the same model")

@@ -36,6 +36,12 @@ class AttnImplementation(Choice):
     eager = "eager"
 
 
+class FamilyMode(Choice):
+    """``model.family``: ``auto`` derives an adapter from transformers' plans (checked on a tiny twin)."""
+
+    auto = "auto"
+
+
 class Partition(Choice):
     """``parallel.partition``: how pipeline stage boundaries are chosen."""
 

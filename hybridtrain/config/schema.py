@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from hybridtrain.config.choices import (
     AttnImplementation,
+    FamilyMode,
     DataFormat,
     DataSource,
     LauncherName,
@@ -32,6 +33,11 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     """Overrides of the HF config under their HF names (``n_layer``, ``num_key_value_heads``...).
     ``vocab_size`` defaults to the tokenizer's vocabulary."""
+    family: Optional[FamilyMode] = None
+    """``null``: the verified family of ``model.model_type`` (``docs/families.md``); a model type without one
+    is refused. ``auto``: derive the adapter from transformers' ``base_model_tp_plan``/``base_model_pp_plan``
+    and check it first, in seconds, on a tiny random twin of this config (hybridtrain's logits at tp = 1
+    and tp = 2 against transformers' forward); a difference refuses the model with the measured number."""
     attn_implementation: Optional[AttnImplementation] = None
     """HF attention kernel: ``sdpa`` or ``eager``; ``null``: the family's first supported one (sdpa, or eager
     for Gemma 2, whose attention soft-capping transformers runs only there)."""

@@ -159,7 +159,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
     from torch.optim.lr_scheduler import LambdaLR
 
-    from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs, sequential_model
+    from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs
+    from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.layers import VocabParallelLoss

@@ -1,13 +1,12 @@
-"""The model as DeepSpeed pipeline layers (pp > 1) or as one sequential module (pp = 1)."""
+"""The model as DeepSpeed pipeline layers (pp > 1); at pp = 1 the engine takes
+:func:`hybridtrain.models.stages.sequential_model`."""
 from __future__ import annotations
 
-import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
-from hybridtrain.models.stages import (DecoderBlock, FinalNorm, LMHead, PositionEmbedding, SequentialLM,
-                                       TokenEmbedding, tied_head)
+from hybridtrain.models.stages import LAYER_CLASSES, DecoderBlock, TokenEmbedding, tied_head
 from hybridtrain.parallel.context import TPContext
 
 
@@ -48,23 +47,5 @@ def layer_specs(builder: ModelBuilder) -> list:
         elif unit.kind is Kind.BLOCK:
             specs.append(LayerSpec(DecoderBlock, builder, unit.index))
         else:
-            specs.append(LayerSpec(_LAYERS[unit.kind], builder))
+            specs.append(LayerSpec(LAYER_CLASSES[unit.kind], builder))
     return specs
-
-
-def sequential_model(builder: ModelBuilder, loss_fn) -> nn.Module:
-    """All units in this process (pp = 1); a tied head reuses the embedding module."""
-    layers: list[nn.Module] = []
-    head = None
-    for unit in model_units(builder.family, builder.hf_config):
-        if unit.kind is Kind.BLOCK:
-            layers.append(DecoderBlock(builder, unit.index))
-        elif unit.kind is Kind.HEAD:
-            head = None if unit.tied else LMHead(builder)
-        else:
-            layers.append(_LAYERS[unit.kind](builder))
-    return SequentialLM(layers, head, loss_fn)
-
-
-_LAYERS = {Kind.EMBED: TokenEmbedding, Kind.POS_EMBED: PositionEmbedding, Kind.FINAL_NORM: FinalNorm, Kind.HEAD: LMHead}
-"""The layer class of each unit kind but blocks (built with their index)."""

@@ -115,7 +115,7 @@ class ModelBuilder:
     def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None) -> "ModelBuilder":
         """The builder of a run's rank: weights from ``weights_dir`` (HF names, e.g. a checkpoint's
         ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``)."""
-        from hybridtrain.models.families import get_family
+        from hybridtrain.models.families import family_of
 
         folder = weights_dir or cfg.model.pretrained
         weights = None
@@ -123,7 +123,7 @@ class ModelBuilder:
             from hybridtrain.models.weights import SafetensorsWeights
 
             weights = SafetensorsWeights(folder)
-        return cls(family=get_family(cfg.model.model_type), hf_config=hf_config, hf_model=meta_model(hf_config),
+        return cls(family=family_of(cfg.model), hf_config=hf_config, hf_model=meta_model(hf_config),
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights)
 

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybridtrain.checkpoint.hf_state import Split, block_params
 from hybridtrain.models.build import ModelBuilder
+from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
 
 # Every layer below has ``hf_params()``: ``(HF name, parameter, Split)`` for what it holds, so a
@@ -174,3 +175,22 @@ class SequentialLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.logits(input_ids), labels)
+
+
+def sequential_model(builder: ModelBuilder, loss_fn) -> nn.Module:
+    """All units in this process (pp = 1); a tied head reuses the embedding module."""
+    layers: list[nn.Module] = []
+    head = None
+    for unit in model_units(builder.family, builder.hf_config):
+        if unit.kind is Kind.BLOCK:
+            layers.append(DecoderBlock(builder, unit.index))
+        elif unit.kind is Kind.HEAD:
+            head = None if unit.tied else LMHead(builder)
+        else:
+            layers.append(LAYER_CLASSES[unit.kind](builder))
+    return SequentialLM(layers, head, loss_fn)
+
+
+LAYER_CLASSES = {Kind.EMBED: TokenEmbedding, Kind.POS_EMBED: PositionEmbedding, Kind.FINAL_NORM: FinalNorm,
+                 Kind.HEAD: LMHead}
+"""The layer class of each unit kind but blocks (built with their index)."""

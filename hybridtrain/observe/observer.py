@@ -61,11 +61,11 @@ class Observer:
         peak, flops = None, 0.0
         if is_rank0:
             from hybridtrain.data.prepare import cache_root
-            from hybridtrain.models.families import get_family
+            from hybridtrain.models.families import family_of
             from hybridtrain.plan import model_config
             from hybridtrain.plan.flops import model_flops_per_token
 
-            flops = model_flops_per_token(get_family(cfg.model.model_type), model_config(cfg), plan.seq_len,
+            flops = model_flops_per_token(family_of(cfg.model), model_config(cfg), plan.seq_len,
                                           plan.vocab_size)
             device = built.engine.device
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None

@@ -24,6 +24,8 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
 
     machine = machine or machine_facts()
     hf_config = model_config(cfg)
+    if str(cfg.model.family or "") == "auto":
+        check_derived_family(cfg, hf_config, announce)
     world, lau = cfg.plan.world_size, cfg.launcher
     if world is not None and lau.gpus_per_node is None:
         if world < 1 or world % lau.nodes:
@@ -45,3 +47,21 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
     params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
     plan = build_plan(cfg, hf_config, machine, vocab_size(cfg.data), params)
     return plan, hf_config
+
+
+def check_derived_family(cfg: Config, hf_config, announce=None) -> None:
+    """``model.family=auto``: run the self-check (:mod:`hybridtrain.models.selfcheck`) and refuse the
+    model with the measured difference when hybridtrain and transformers disagree."""
+    from hybridtrain.models.families import family_of
+    from hybridtrain.models.selfcheck import TOLERANCE, self_check
+
+    diffs = self_check(family_of(cfg.model), hf_config)
+    measured = ", ".join(f"tp={tp}: {d:.2e}" for tp, d in diffs.items())
+    if max(diffs.values()) > TOLERANCE:
+        raise PlanError("model.family", f"auto: the adapter derived for {cfg.model.model_type!r} from transformers' plans "
+                        f"does not reproduce transformers on a tiny twin of this config (max |logit difference| / "
+                        f"max |logit| = {measured}; tolerance {TOLERANCE:g}): the model does something outside its "
+                        "decoder blocks that the plans do not describe; it needs a verified family (docs/families.md)")
+    if announce is not None:
+        announce(f"[hybridtrain] model.family=auto: the adapter derived for {cfg.model.model_type} matches transformers "
+                 f"on a tiny twin ({measured})")

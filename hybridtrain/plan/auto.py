@@ -183,7 +183,7 @@ def world_size(cfg: Config, machine: Machine) -> int:
 
 def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None) -> Choice:
     """Estimate every candidate for this config; raise :class:`PlanError` when none fits."""
-    from hybridtrain.models.families import get_family, mlp_width_of
+    from hybridtrain.models.families import family_of, mlp_width_of
     from hybridtrain.plan.calibrate import rates as probe
 
     world = world_size(cfg, machine)
@@ -191,14 +191,14 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
         raise PlanError("plan.world_size", f"must be >= 1, got {world}")
     per_node = max(1, world // cfg.launcher.nodes)
     threads = cfg.launcher.threads_per_rank or max(1, machine.cpu_cores // per_node)
-    hidden = int(getattr(hf_config, get_family(cfg.model.model_type).hidden))
+    hidden = int(getattr(hf_config, family_of(cfg.model).hidden))
     if rates is None and not machine.gpus_per_node and cfg.launcher.nodes > 1:
         from hybridtrain.plan.calibrate import builtin  # a cluster plan made here: this CPU says nothing
 
         rates = builtin("cuda")
     rates = rates or probe(threads if not machine.gpus_per_node else 1, cfg.plan.calibrate,
                            (cfg.data.seq_len, hidden), per_node)
-    family = get_family(cfg.model.model_type)
+    family = family_of(cfg.model)
     shape = [getattr(hf_config, family.heads), mlp_width_of(family, hf_config)]
     if family.kv_heads and getattr(hf_config, family.kv_heads, None):
         shape.append(getattr(hf_config, family.kv_heads))
@@ -207,7 +207,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
     def facts_for_tp(tp: int) -> ModelFacts | None:
         if tp not in cache:
             ok = all(int(v) % tp == 0 for v in shape)
-            cache[tp] = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len, tp,
+            cache[tp] = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp,
                                     cfg.model.vocab_pad_multiple) if ok else None
         return cache[tp]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridtrain.models.families import Family, get_family, padded_vocab
+from hybridtrain.models.families import Family, padded_vocab
 from hybridtrain.models.units import Kind, Unit, model_units
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
 
@@ -94,12 +94,11 @@ def _block_split(family: Family, block) -> tuple[list[int], list[int]]:
     return sharded, replicated
 
 
-def model_facts(model_type: str, hf_config, seq_len: int, tp_for_padding: int = 1,
+def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1,
                 vocab_pad_multiple: int = 1) -> ModelFacts:
     """Facts of every pipeline layer of ``hf_config`` (one-block meta model, no memory)."""
     from hybridtrain.models.build import one_layer_model  # torch: only when planning
 
-    family = get_family(model_type)
     layers = int(getattr(hf_config, family.n_layers))
     model = one_layer_model(family, hf_config)  # blocks are alike: one is enough
     block = model.get_submodule(f"{family.blocks}.0")

@@ -7,7 +7,7 @@ import difflib
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.models.families import FAMILIES, get_family
+from hybridtrain.models.families import FAMILIES, family_of
 from hybridtrain.models.units import Kind, Unit, model_units
 
 def check_hf_overrides(model_type: str, overrides: dict) -> None:
@@ -28,7 +28,7 @@ def layer_params(cfg: Config, hf_config) -> list[int]:
     head counts the embedding's weight it reuses."""
     from hybridtrain.models.build import meta_model  # torch: only when counting
 
-    family = get_family(cfg.model.model_type)
+    family = family_of(cfg.model)
     model = meta_model(hf_config)
 
     def count(unit: Unit) -> int:
@@ -57,14 +57,15 @@ def pretrained_config(cfg: Config):
     except ValueError as err:  # unknown model_type, or remote code refused
         raise PlanError("model.pretrained", f"{folder}: {err}".splitlines()[0] +
                         "; only built-in architectures load unless model.trust_remote_code=true") from None
-    if hf.model_type not in FAMILIES:
+    if hf.model_type not in FAMILIES and str(cfg.model.family or "") != "auto":
         raise PlanError("model.pretrained", f"{folder} holds a {hf.model_type!r} model; supported architectures: "
-                        f"{sorted(FAMILIES)}")
+                        f"{sorted(FAMILIES)}; or model.family=auto to derive an adapter from transformers' plans "
+                        "(checked on a tiny twin before training)")
     if hf.model_type != cfg.model.model_type:
         raise PlanError("model.model_type", f"model.pretrained is a {hf.model_type!r} model but "
                         f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type} (or +recipe=finetune, "
                         "which takes the family from the folder)")
-    shape_keys = get_family(hf.model_type).shape_keys()
+    shape_keys = family_of(cfg.model).shape_keys()
     for key, value in cfg.model.config.items():  # overrides on top (dropout and the like)
         if key in shape_keys and getattr(hf, key, None) != value:
             raise PlanError(f"model.config.{key}", f"{value} differs from the checkpoint's {getattr(hf, key, None)} "
@@ -93,6 +94,25 @@ def apply_pretrained_defaults(cfg: Config) -> None:
         cfg.data.tokenizer = str(folder.resolve())
 
 
+def checked_family(cfg: Config):
+    """The run's family (:func:`~hybridtrain.models.families.family_of`), or a :class:`PlanError`: a
+    ``model_type`` without a verified family (unless ``model.family=auto``), or one whose
+    transformers plans cannot give an adapter."""
+    if cfg.model.model_type not in FAMILIES and str(cfg.model.family or "") != "auto":
+        raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}, "
+                        "or model.family=auto to derive an adapter from transformers' plans (checked on a tiny twin "
+                        "before training)")
+    from hybridtrain.models.families.auto import NotDerivable
+
+    try:
+        return family_of(cfg.model)
+    except NotDerivable as err:
+        raise PlanError("model.family", f"auto: {cfg.model.model_type}: {err}; this architecture needs a verified "
+                        "family (docs/families.md, adding a family)") from None
+    except (KeyError, ValueError) as err:  # transformers does not know the model type
+        raise PlanError("model.model_type", f"{cfg.model.model_type!r}: {err}") from None
+
+
 def model_config(cfg: Config):
     """The HF config of this run: ``model.config`` overrides over the family defaults, with the
     tokenizer's vocabulary size and EOS id unless overridden, or the ``model.pretrained`` folder's.
@@ -105,9 +125,7 @@ def model_config(cfg: Config):
     if cfg.model.model_type is None:
         raise PlanError("model.model_type", "null: the family comes from model.pretrained's config.json, but no "
                         f"model.pretrained is set; set model.pretrained=DIR or model=FAMILY ({sorted(FAMILIES)})")
-    if cfg.model.model_type not in FAMILIES:
-        raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
-    family = get_family(cfg.model.model_type)
+    family = checked_family(cfg)
     if cfg.model.attn_implementation is None:
         cfg.model.attn_implementation = family.attn_implementations[0]
     check_hf_overrides(cfg.model.model_type, cfg.model.config)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
 
@@ -143,7 +144,7 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_
                     machine) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
     """Per-layer time costs and the memory constraint for ``parallel.partition=balanced``."""
     par = cfg.parallel
-    facts = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
+    facts = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
     costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
     per_node = max(1, dp * tp * pp // max(1, cfg.launcher.nodes))

@@ -8,9 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridtrain.config.schema import Config
-from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind, block_index, kind_of
-from hybridtrain.plan.costs import ModelFacts, layer_time_costs, model_facts, stage_flops
+from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.plan.costs import (
+    ModelFacts,
+    layer_time_costs,
+    model_facts,
+    stage_flops,
+)
 from hybridtrain.plan.memory import GiB, RankMemory, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Plan
 
@@ -60,7 +66,7 @@ class PlanReport:
 
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
     """Estimate stages and memory of ``plan``; collect the warnings."""
-    facts = model_facts(cfg.model.model_type, hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
     stages = []
     for s in range(plan.pp):

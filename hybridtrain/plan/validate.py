@@ -10,11 +10,12 @@ from typing import Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.models.families import FAMILIES, get_family, padded_vocab, tp_divisible
+from hybridtrain.models.families import padded_vocab, tp_divisible
 from hybridtrain.parallel.dims import data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
 from hybridtrain.plan.data import check_data_config
+from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
 from hybridtrain.plan.partition import manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
@@ -63,9 +64,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
                layer_params: Optional[list[int]] = None) -> Plan:
     """Check every rule and return the resolved :class:`Plan`; raise :class:`PlanError` on the first violation."""
     par, tr, lau = cfg.parallel, cfg.trainer, cfg.launcher
-    _need(cfg.model.model_type in FAMILIES, "model.model_type",
-          f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}")
-    family = get_family(cfg.model.model_type)
+    family = checked_family(cfg)
     _need(cfg.model.attn_implementation in family.attn_implementations, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r}: transformers runs {family.model_type} only with "
           f"{list(family.attn_implementations)}; use model.attn_implementation={family.attn_implementations[0]}")

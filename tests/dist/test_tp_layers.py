@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tp_harness import WorldRun, run_world
+from hybridtrain.parallel.spawn import WorldRun, run_world
 
 TP_DEGREES = (2, 3)
 # fp32 throughout; sharded and full runs differ only in summation order. Tolerances are relative

@@ -25,7 +25,7 @@ def _ids() -> torch.Tensor:
 
 def hybridtrain_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     """Logits of hybridtrain's one-process model (tp = 1) for the checkpoint in ``folder``."""
-    from hybridtrain.engine.pipeline import sequential_model
+    from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.models.families import padded_vocab
     from hybridtrain.parallel.context import TPContext

@@ -11,9 +11,10 @@ import functools
 import itertools
 
 import pytest
-
 from helpers_unit import LLAMA_70B, compose_config
+
 from hybridtrain.config import Config
+from hybridtrain.models.families import get_family
 from hybridtrain.plan import Machine, PlanError, resolve
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import layer_time_costs, model_facts
@@ -45,7 +46,7 @@ def test_balanced_is_the_default_and_minimises_the_slowest_stage():
     cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=3")
     assert cfg.parallel.partition == "balanced"
     plan, hf = resolve(cfg, CPU)
-    facts = model_facts("gpt2", hf, plan.seq_len, plan.tp)
+    facts = model_facts(get_family("gpt2"), hf, plan.seq_len, plan.tp)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
     n = len(costs)
     valid = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), 2)
@@ -81,7 +82,7 @@ def test_a_stage_deepspeed_would_hang_on_is_a_plan_error():
 def test_tied_head_counted_once_and_costs_cover_head_and_loss():
     cfg = cfg_of("+recipe=llama_tiny")  # tied embeddings
     _, hf = resolve(cfg, CPU)
-    facts = model_facts("llama", hf, 32, 1)
+    facts = model_facts(get_family("llama"), hf, 32, 1)
     head = facts.units[-1]
     assert head.tied and head.flops > 0 and head.elementwise >= 4 * facts.padded_vocab
     embed_params = facts.units[0].params(1)

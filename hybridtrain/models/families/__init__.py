@@ -35,3 +35,14 @@ def get_family(model_type: str) -> Family:
     except KeyError:
         raise KeyError(f"model.model_type={model_type!r} is not supported; "
                        f"use one of {sorted(FAMILIES)}") from None
+
+
+def family_of(model) -> Family:
+    """The family of a ``model`` config section (:class:`~hybridtrain.config.schema.ModelConfig`): the
+    verified one of ``model.model_type``, or with ``model.family=auto`` the adapter derived from
+    transformers' plans (:mod:`hybridtrain.models.families.auto`, checked by the plan on a tiny twin)."""
+    if str(getattr(model, "family", None) or "") == "auto":
+        from hybridtrain.models.families.auto import derive
+
+        return derive(model.model_type)
+    return get_family(model.model_type)

@@ -1,4 +1,6 @@
-"""Run one function on ``world`` gloo ranks in spawned processes and collect what each rank emits.
+"""Run one function on ``world`` gloo ranks in spawned processes and collect what each rank emits:
+what the family self-check (:mod:`hybridtrain.models.selfcheck`) and the tensor-parallel layer tests
+(``tests/dist/test_tp_layers.py``) run.
 
 Why by hand: ``torch.multiprocessing.spawn`` re-raises only the first child error and waits
 forever on a rank stuck in a collective; DeepSpeed's runner launches whole scripts. Tests here
