@@ -154,10 +154,14 @@ def _check_builds(family, hf_config) -> None:
 
 def _refused(cfg: Config, err: Exception) -> PlanError:
     """A :class:`PlanError` for a config transformers refuses, naming the override it most likely
-    concerns (one whose value the message quotes)."""
+    concerns: the last given (command-line overrides come after the recipe's) whose value or name the
+    message quotes."""
+    import re
+
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    named = [k for k, v in cfg.model.config.items() if str(v) in message or k in message]
-    key = f"model.config.{named[0]}" if named else "model.config"
+    tokens = set(re.findall(r"[\w.]+", message))
+    named = [k for k, v in cfg.model.config.items() if str(v) in tokens or k in tokens]
+    key = f"model.config.{named[-1]}" if named else "model.config"
     overrides = ", ".join(f"{k}={v}" for k, v in cfg.model.config.items()) or "none"
     return PlanError(key, f"transformers refuses this {cfg.model.model_type} config: {message} "
                           f"(model.config overrides: {overrides}); change the override")

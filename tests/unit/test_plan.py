@@ -243,6 +243,42 @@ def test_tp_divides_mlp_width(family, key, tp):
     plan_error(cfg, "parallel.tp", f"parallel.tp={tp}", f"model.config.{key}={cfg.model.config[key]}", hint)
 
 
+def test_config_transformers_refuses_names_the_override():
+    cfg = tiny()
+    cfg.model.config["n_head"] = 7  # 96 is not divisible by 7: GPT2Attention raises ValueError
+    message = plan_error(cfg, "model.config.n_head", "transformers refuses this gpt2 config", "n_head=7",
+                         "change the override")
+    assert "Traceback" not in message
+
+
+def test_tp_must_divide_every_familys_heads():
+    from hybridtrain.models.families import FAMILIES
+
+    for name in sorted(FAMILIES):
+        cfg = llama() if name != "gpt2" else tiny()
+        cfg.model.model_type = name
+        heads_key = "n_head" if name == "gpt2" else "num_attention_heads"
+        cfg.model.config = {heads_key: 6} if name == "gpt2" else {
+            "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 12,
+            "max_position_embeddings": 256, **({"num_key_value_heads": 6} if name != "gpt_neox" else {})}
+        cfg.model.attn_implementation = None
+        cfg.parallel.tp = 5
+        valid = "[1, 2, 3, 4, 6, 12]" if name == "gpt_neox" else "[1, 2, 3, 6]"  # no KV heads to divide there
+        plan_error(cfg, "parallel.tp", "parallel.tp=5 must divide model.config.", f"use tp in {valid}")
+
+
+def test_attention_kernel_the_family_cannot_run():
+    cfg = llama()
+    cfg.model.model_type = "gemma2"
+    cfg.model.config = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 12,
+                        "num_key_value_heads": 6, "head_dim": 8, "max_position_embeddings": 256}
+    cfg.model.attn_implementation = "sdpa"
+    plan_error(cfg, "model.attn_implementation", "transformers runs gemma2 only with ['eager']",
+               "use model.attn_implementation=eager")
+    cfg.model.attn_implementation = None  # the family's own kernel
+    assert resolve(cfg, CPU)[1]._attn_implementation == "eager"
+
+
 def test_pp_at_most_layers():
     cfg = tiny()
     cfg.parallel.pp = 5
