@@ -36,13 +36,15 @@ def _self_check_tp1(model_type: str, **config) -> float:
     return self_check(family, hf, tps=(1,))[1]
 
 
-def test_self_check_passes_a_model_the_plans_describe():
-    assert _self_check_tp1("helium") <= 1e-5
+@pytest.mark.parametrize("model_type", ["helium", "smollm3", "starcoder2", "olmo"])
+def test_self_check_passes_a_model_the_plans_describe(model_type):
+    assert _self_check_tp1(model_type) <= 1e-5
 
 
 @pytest.mark.parametrize("model_type,config", [
     ("cohere", {}),  # logits scaled in the causal-LM head (logit_scale)
     ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}),  # multipliers outside the blocks
+    ("phi", {}),  # Phi-1/2: an LM head with a bias (Linear(hidden, vocab, bias=True))
 ])
 def test_self_check_catches_model_level_operations(model_type, config):
     from hybridtrain.models.selfcheck import TOLERANCE
