@@ -64,3 +64,17 @@ def test_unverified_model_type_is_refused_naming_the_list_and_auto():
     assert err.value.key == "model.model_type" and "'gpt2'" in str(err.value) and "model.family=auto" in str(err.value)
     cfg.model.family = "auto"
     assert checked_family(cfg).model_type == "helium"
+
+
+def test_a_config_transformers_cannot_run_is_named_not_blessed():
+    """Helium's o_proj maps hidden -> hidden: a head_dim that does not fit hidden / heads breaks
+    transformers' own forward; the twin keeps that ratio, so the check reports it."""
+    from transformers import AutoConfig
+
+    from hybridtrain.models.selfcheck import TwinFailed, self_check
+
+    family = derive("helium")
+    hf = AutoConfig.for_model("helium", hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=128)
+    hf._attn_implementation = "sdpa"
+    with pytest.raises(TwinFailed, match="transformers' own forward fails"):
+        self_check(family, hf, tps=(1,))
