@@ -41,6 +41,7 @@ def run(run_dir: Path) -> int:
     from hybridtrain.config import load_config
     from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
+    from hybridtrain.parallel import collectives
     from hybridtrain.plan import model_config
     from hybridtrain.plan.types import Plan
     from hybridtrain.train.loop import train
@@ -79,7 +80,7 @@ def run(run_dir: Path) -> int:
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
                    stop=stop)
-    torch.distributed.barrier()  # nobody exits while a peer may still be in the last collective
+    collectives.barrier(built.engine.device)  # nobody exits while a peer may still be in the last collective
     if stop.stopped_at is not None:
         if rank == 0:
             _stopped(run_dir, stop)

@@ -16,6 +16,7 @@ from typing import Any
 from hybridtrain.observe import gather, loggers, resources
 from hybridtrain.observe.clock import CATEGORIES, KINDS, StepClock
 from hybridtrain.observe.peak import Peak, resolve_peak
+from hybridtrain.parallel import collectives
 
 
 def _coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
@@ -59,7 +60,6 @@ class Observer:
         """Set up on every rank; rank 0 finds the device peak (on a CPU possibly a 1 s matmul probe,
         run while the other ranks wait at a barrier so they do not load the cores)."""
         import torch
-        import torch.distributed as dist
 
         peak, flops = None, 0.0
         if is_rank0:
@@ -82,8 +82,7 @@ class Observer:
                 "model_flops_per_token": flops, "world_size": plan.world_size, "precision": plan.precision,
                 "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if name else None,
                 "profile_steps": list(cfg.trainer.profile_steps)}, indent=1))
-        if dist.is_initialized():
-            dist.barrier()
+        collectives.barrier(built.engine.device)
         return cls(cfg, plan, built, run_dir, is_rank0, start_step, peak, flops)
 
     # -- per step ---------------------------------------------------------------------------------
@@ -93,10 +92,7 @@ class Observer:
         self._step = step
         profiled = step in self.profile
         if profiled:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.barrier()  # a common time origin for every rank's spans
+            collectives.barrier(self.device)  # a common time origin for every rank's spans
         if log or profiled:
             self.clock.start(record=profiled)
             if profiled:

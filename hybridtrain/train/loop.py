@@ -42,7 +42,8 @@ def _step_pipeline(built: Built, stream) -> float:
 def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer,
                      clock: StepClock) -> float:
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -56,8 +57,7 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
         total += loss.detach().float()
     total /= layout.grad_accum
     if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
-        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
-        total /= layout.dp
+        total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp
     return float(total)
 
 
