@@ -58,6 +58,11 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "zero_optimization": {"stage": plan.zero_stage},
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
+        # bf16 keeps 8 bits of mantissa: summing many micro-batch gradients in it loses the small
+        # ones (llama_7b accumulates 256). fp32 accumulation makes DeepSpeed train ZeRO-1 through
+        # its BF16 optimizer (an fp32 gradient buffer, reduced in fp32; engine.py
+        # _do_optimizer_sanity_check) and ZeRO-2/3 with fp32 gradient partitions.
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if plan.precision == "bf16" else {}),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -180,9 +185,10 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     built = Built(engine=engine, dp_rank=grid.get_data_parallel_rank(), tp_rank=tp.rank,
                   stage=grid.get_stage_id() if plan.pp > 1 else 0, tp=tp)
-    if _own_clipping(plan):
-        from hybridtrain.engine.clip import install_fp32_clipping
+    from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
+    if _own_clipping(plan):
         install_fp32_clipping(engine, tp.rank, cfg.optim.grad_clip)
+    guard_empty_norm(engine.optimizer, engine.device)
     built.watch_model_state()
     return built

@@ -56,3 +56,28 @@ def install_fp32_clipping(engine: Any, tp_rank: int, max_norm: float) -> None:
         engine._global_grad_norm = norm  # what get_global_grad_norm() returns (DeepSpeed leaves it None)
 
     torch_optimizer(engine.optimizer).register_step_pre_hook(clip)
+
+
+def guard_empty_norm(optimizer: Any, device: Any) -> None:
+    """Let DeepSpeed's BF16 optimizer (bf16 with ZeRO-1) run on a rank with no gradient to count.
+
+    Its gradient norm stacks the norms of the gradients this rank counts (replicated ones on TP
+    rank 0 only, a tied copy never); a TP rank > 0 of a pipeline stage that holds only replicated
+    or tied parameters (``[final_norm, head]`` with a tied head) counts none, and ``torch.stack([])``
+    raises before the model-parallel all-reduce its peers wait in (deepspeed 0.19.8,
+    ``runtime/utils.py`` ``get_global_norm_of_tensors``). Such a rank now offers one zero on the
+    device: the norm is unchanged and the all-reduce has every rank. A no-op for other optimizers.
+    """
+    import torch
+
+    if type(optimizer).__name__ != "BF16_Optimizer":
+        return
+    counted = optimizer.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping: bool = False):
+        out = counted(for_clipping=for_clipping)
+        if for_clipping or out[0]:
+            return out
+        return [torch.zeros(1, dtype=torch.float32, device=device)], out[1]
+
+    optimizer.get_grads_for_norm = get_grads_for_norm

@@ -176,11 +176,14 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(tr.precision in PRECISIONS, "trainer.precision", f"{tr.precision!r} is not one of {list(PRECISIONS)}")
     _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
           "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
-    # DeepSpeed's BF16_Optimizer (ZeRO-0 in bf16/fp16) stacks an empty list of gradient norms on a
-    # TP rank > 0 whose parameter group holds only replicated tensors (norms, biases) and crashes.
-    _need(zero != 0 or tr.precision == "fp32" or par.tp == 1, "parallel.zero_stage",
-          f"zero_stage=0 with trainer.precision={tr.precision} and parallel.tp={par.tp}: DeepSpeed's bf16 "
-          "optimizer fails on tensor-parallel ranks; use parallel.zero_stage=1 (or leave it null)")
+    # 16-bit ZeRO-0 is DeepSpeed's unpartitioned fp16/bf16 optimizer (about 20 bytes per parameter on
+    # every rank) or, with fp32 gradient accumulation, no optimizer at all (NotImplementedError); its
+    # checkpoints lack the fp32 master weights and the AdamW moments hybridtrain saves and re-shards.
+    # ZeRO-1 holds the same state at dp = 1 and partitions it at dp > 1.
+    _need(zero != 0 or tr.precision == "fp32", "parallel.zero_stage",
+          f"zero_stage=0 with trainer.precision={tr.precision}: DeepSpeed trains 16-bit ZeRO-0 with an "
+          "unpartitioned optimizer whose checkpoints cannot be saved, resumed or re-sharded; use "
+          "parallel.zero_stage=1 (the same memory with one replica) or leave it null")
     _need(par.partition in METHODS, "parallel.partition",
           f"{par.partition!r} is not a method; use one of {list(METHODS)}")
 
