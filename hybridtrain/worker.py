@@ -49,6 +49,8 @@ def run(run_dir: Path) -> int:
     cfg = load_config(run_dir / "config.yaml")
     plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
     on_cpu = get_accelerator().device_name() == "cpu"
+    if not on_cpu:
+        _setup_gpu(cfg)
     if on_cpu:
         # DeepSpeed JIT-compiles a shared-memory op (25 s on a fresh machine) that only serves
         # inference all-reduce; training never calls it.
@@ -87,7 +89,32 @@ def run(run_dir: Path) -> int:
         return 0
     if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    if rank == 0 and cfg.trainer.export_hf:
+        # after the last barrier: the other ranks have left and wait in no collective (whose timeout a
+        # long export of a large model would exceed); the export reads only the final checkpoint
+        _export(run_dir, cfg.trainer.max_steps)
     return 0
+
+
+def _setup_gpu(cfg) -> None:
+    """Bind this rank to its GPU before the process group starts (NCCL creates its communicator on
+    the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let fp32 matmuls
+    use TF32 tensor cores when ``trainer.tf32``."""
+    import torch
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cfg.trainer.tf32:
+        torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls (cuBLAS); bf16/fp16 unaffected
+
+
+def _export(run_dir: Path, step: int) -> None:
+    """Rank 0, after training: the HF model of the final checkpoint into ``RUN_DIR/hf``."""
+    from hybridtrain.checkpoint.io import checkpoints_dir
+    from hybridtrain.export import export
+
+    t0 = time.perf_counter()
+    export(checkpoints_dir(run_dir) / f"step_{step}", run_dir / "hf")
+    print(f"[hybridtrain] exported the HF model to {run_dir / 'hf'} in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def _stopped(run_dir: Path, stop) -> None:
@@ -130,7 +157,7 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
 
 
 def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
-    """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
+    """The ``save(step)`` callback of the loop: a checkpoint (the HF export follows training, :func:`_export`)."""
     from hybridtrain.checkpoint.save import save_checkpoint
     from hybridtrain.data.tokenizer import tokenizer_file
     from hybridtrain.train.logits import logits_writer
@@ -141,13 +168,25 @@ def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
         path = save_checkpoint(built, cfg, plan, hf_config, step, run_dir, tokenizer_file(cfg.data), extra)
         if rank == 0:
             print(f"[hybridtrain] saved {path} in {time.perf_counter() - t0:.1f}s", flush=True)
-            if cfg.trainer.export_hf and step == cfg.trainer.max_steps:
-                from hybridtrain.export import export
-
-                export(path, run_dir / "hf")
-                print(f"[hybridtrain] exported the HF model to {run_dir / 'hf'}", flush=True)
 
     return save
+
+
+def _slurm_gpus_missing() -> bool:
+    """An ``srun`` task that SLURM gave GPUs but torch sees none (a CPU build on the node): say so."""
+    from hybridtrain.launch.devices import slurm_gpus_expected
+
+    if not slurm_gpus_expected(os.environ):
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"[hybridtrain] config error: launcher.gpus: SLURM gave this task {os.environ.get('SLURM_GPUS_ON_NODE')} "
+          f"GPU(s) but torch {torch.__version__} on {os.uname().nodename} sees no CUDA device; install the CUDA "
+          "build in the job's environment (launcher.setup, docs/gpu.md) or run CPU processes with launcher.gpus=false",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def main() -> None:
@@ -158,7 +197,8 @@ def main() -> None:
             from hybridtrain.launch import env
 
             env.apply(os.environ)
-        code = run(Path(sys.argv[1]))
+        missing = os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm" and _slurm_gpus_missing()
+        code = 2 if missing else run(Path(sys.argv[1]))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
         import traceback
 

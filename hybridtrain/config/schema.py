@@ -27,9 +27,10 @@ class ModelConfig:
     non-shape keys such as dropout); its tokenizer is used unless ``data.tokenizer`` is set."""
     trust_remote_code: bool = False
     """Allow a ``model.pretrained`` folder's custom code. Off: only built-in HF architectures load."""
-    vocab_pad_multiple: int = 1
+    vocab_pad_multiple: Optional[int] = None
     """The embedding and LM head are padded to a multiple of ``vocab_pad_multiple * parallel.tp``
-    rows; the padded logits are masked, so padding never changes the loss."""
+    rows; the padded logits are masked, so padding never changes the loss. ``null``: 64 when the
+    ranks run on GPUs (tensor-core friendly matmul shapes), 1 on CPU processes."""
 
 
 @dataclass
@@ -165,6 +166,10 @@ class TrainerConfig:
     """Write a metrics line every this many steps."""
     precision: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
+    tf32: bool = True
+    """On GPUs, let fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``:
+    10-bit mantissa products, fp32 accumulation; several times the plain fp32 rate); MFU is then
+    measured against the GPU's TF32 peak. False: full fp32 matmuls. No effect on CPU."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only the final save)."""
     keep_last: Optional[int] = None
@@ -238,9 +243,13 @@ class LauncherConfig:
     constraint: Optional[str] = None
     """``slurm``: node features the job needs (``--constraint``, e.g. ``a100``); ``null``: any node."""
     gpus: Optional[bool] = None
-    """``slurm``: ask for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``). ``null``: when
-    ``sinfo`` reports GPUs (GRES ``gpu``) in the partition; without ``sinfo``, or without GPUs, the
-    ranks are CPU processes."""
+    """Whether the ranks run on GPUs. ``true``: they must (GPU recipes set it): on a machine where
+    torch sees no CUDA device the job stops before launching (exit code 2) instead of training on
+    CPU cores; ``slurm`` asks for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``) and
+    each rank checks on its node. ``false``: CPU processes. ``null``: GPUs when torch sees any; an
+    error when the NVIDIA driver lists GPUs here that torch cannot see (a CPU build of torch) unless
+    ``CUDA_VISIBLE_DEVICES`` hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in
+    the partition."""
     sbatch: List[str] = field(default_factory=list)
     """``slurm``: extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
     the ``#SBATCH`` prefix is optional."""

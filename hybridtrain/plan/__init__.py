@@ -4,7 +4,7 @@ from __future__ import annotations
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
-from hybridtrain.plan.validate import build_plan, check_hf_overrides
+from hybridtrain.plan.validate import build_plan, check_hf_overrides, vocab_pad_multiple
 
 __all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
            "pretrained_config", "resolve", "layer_params"]
@@ -132,6 +132,7 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
 
     machine = machine or machine_facts()
     hf_config = model_config(cfg)
+    cfg.model.vocab_pad_multiple = vocab_pad_multiple(cfg, machine)  # null: 64 on GPUs, 1 on CPU
     world, lau = cfg.plan.world_size, cfg.launcher
     if world is not None and lau.gpus_per_node is None:
         if world < 1 or world % lau.nodes:

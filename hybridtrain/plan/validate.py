@@ -33,6 +33,26 @@ def zero_stage_for(asked: int | None, dp: int, precision: str) -> int:
     return 0 if dp == 1 and precision == "fp32" else 1
 
 
+GPU_VOCAB_PAD_MULTIPLE = 64
+"""``model.vocab_pad_multiple: null`` on GPUs: vocabulary rows a multiple of 64 x tp keep the
+embedding and LM-head matmuls on tensor-core friendly shapes."""
+
+
+def uses_gpus(launcher, machine: Machine) -> bool:
+    """Whether the ranks run on GPUs: ``launcher.gpus`` when set, else this node's CUDA devices
+    (``slurm``: only ``launcher.gpus=true`` says so at planning time)."""
+    if launcher.gpus is not None:
+        return bool(launcher.gpus)
+    return launcher.name != "slurm" and machine.gpus_per_node > 0
+
+
+def vocab_pad_multiple(cfg: Config, machine: Machine) -> int:
+    """``model.vocab_pad_multiple``, or for ``null`` 64 on GPUs and 1 on CPU processes."""
+    if cfg.model.vocab_pad_multiple is not None:
+        return cfg.model.vocab_pad_multiple
+    return GPU_VOCAB_PAD_MULTIPLE if uses_gpus(cfg.launcher, machine) else 1
+
+
 def _need(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise PlanError(key, message)
@@ -87,8 +107,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     family = get_family(cfg.model.model_type)
     _need(cfg.model.attn_implementation in ATTN_IMPLEMENTATIONS, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
-    _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
-          f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
+    pad_multiple = vocab_pad_multiple(cfg, machine)
+    _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
+    cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     _need(lau.name in LAUNCHERS, "launcher.name", f"{lau.name!r} is not one of {list(LAUNCHERS)}")
     from hybridtrain.plan.data import check_data_config  # imports this module: import here
 
@@ -205,7 +226,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
     names = layer_names(family, num_layers)
     n_pre = 2 if family.position_embed else 1
-    padded = padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple)
+    padded = padded_vocab(model_vocab, par.tp, pad_multiple)
     if par.stage_layers is not None:
         try:
             bounds = manual(par.stage_layers, len(names), par.pp)
