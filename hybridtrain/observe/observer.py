@@ -73,7 +73,8 @@ class Observer:
             device = built.engine.device
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None
             peak = resolve_peak(cfg.trainer.peak_tflops, plan.precision, name,
-                                cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads())
+                                cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads(),
+                                tf32=cfg.trainer.tf32)
             print("[hybridtrain] MFU peak: "
                   + (f"{peak.tflops:.3g} TFLOP/s per device ({peak.source})" if peak.tflops else peak.source)
                   + f"; {flops / 1e6:.2f} MFLOP per token (model FLOPs, forward + backward)", flush=True)
@@ -101,8 +102,7 @@ class Observer:
     def throughput(self, step_time_s: float) -> tuple[float, float | None]:
         """``(model TFLOP/s per device, MFU or None)`` of a step of ``step_time_s`` (rank 0)."""
         tflops = self.flops_per_token * self.plan.tokens_per_step / step_time_s / self.plan.world_size / 1e12
-        mfu = tflops / self.peak.tflops if self.peak is not None and self.peak.tflops else None
-        return tflops, mfu
+        return tflops, self.peak.mfu(tflops) if self.peak is not None else None
 
     def postfix(self, step_time_s: float) -> dict[str, str]:
         """Progress-bar fields (rank 0): MFU when the peak is known."""
