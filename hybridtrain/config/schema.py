@@ -246,10 +246,11 @@ class LauncherConfig:
     """Whether the ranks run on GPUs. ``true``: they must (GPU recipes set it): on a machine where
     torch sees no CUDA device the job stops before launching (exit code 2) instead of training on
     CPU cores; ``slurm`` asks for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``) and
-    each rank checks on its node. ``false``: CPU processes. ``null``: GPUs when torch sees any; an
-    error when the NVIDIA driver lists GPUs here that torch cannot see (a CPU build of torch) unless
-    ``CUDA_VISIBLE_DEVICES`` hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in
-    the partition."""
+    each rank checks on its node. ``false``: none asked for (``slurm`` requests none; CPU processes
+    where torch sees no GPU; to use CPU processes on a GPU machine hide its GPUs with
+    ``CUDA_VISIBLE_DEVICES=``). ``null``: GPUs when torch sees any; an error when the NVIDIA driver
+    lists GPUs here that torch cannot see (a CPU build of torch) unless ``CUDA_VISIBLE_DEVICES``
+    hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in the partition."""
     sbatch: List[str] = field(default_factory=list)
     """``slurm``: extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
     the ``#SBATCH`` prefix is optional."""

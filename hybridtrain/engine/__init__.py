@@ -43,9 +43,13 @@ def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
-    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written)."""
+def ds_config(cfg: Config, plan: Plan, gpu: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written);
+    ``gpu``: the ranks run on CUDA devices."""
     o = cfg.optim
+    # torch.optim.AdamW through DeepSpeed's torch_adam (engine.py get_optimizer_configuration passes the
+    # params on); on CUDA its fused kernel (one launch for all tensors). CPU keeps the default (foreach).
+    fused = {"fused": True} if gpu else {}
     conf: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -54,7 +58,7 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "gradient_clipping": 0.0 if _own_clipping(plan) else o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-            "torch_adam": True}},
+            "torch_adam": True, **fused}},
         "zero_optimization": {"stage": plan.zero_stage},
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
@@ -171,7 +175,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
                            weights=_weights(weights_dir or cfg.model.pretrained))
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
-    conf = ds_config(cfg, plan)
+    conf = ds_config(cfg, plan, gpu=torch.cuda.is_available())
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,

@@ -38,7 +38,8 @@ class Observer:
         self.cfg, self.plan, self.built, self.run_dir, self.is_rank0 = cfg, plan, built, Path(run_dir), is_rank0
         self.device = built.engine.device
         on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
-        self.clock = StepClock(sync=torch.cuda.synchronize if on_gpu else None)
+        # GPU spans are CUDA events, read once per measured step (StepClock.stop): no per-span stall
+        self.clock = StepClock(events=(lambda: torch.cuda.Event(enable_timing=True)) if on_gpu else None)
         self.peak, self.flops_per_token = peak, flops_per_token
         self.profile = sorted({s for s in cfg.trainer.profile_steps if start_step < s <= cfg.trainer.max_steps})
         self._rows: list[list[float]] = []  # recorded spans: step, kind index, micro-batch, start, end

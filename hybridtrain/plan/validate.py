@@ -39,9 +39,10 @@ embedding and LM-head matmuls on tensor-core friendly shapes."""
 
 
 def uses_gpus(launcher, machine: Machine) -> bool:
-    """Whether the ranks run on GPUs: ``launcher.gpus`` when set, else this node's CUDA devices
-    (``slurm``: only ``launcher.gpus=true`` says so at planning time)."""
-    if launcher.gpus is not None:
+    """Whether the ranks run on GPUs: ``launcher.gpus=true``, or, unless ``launcher.gpus=false`` on
+    ``slurm``, this node's CUDA devices (a cluster's nodes are not this one: ``slurm`` counts only
+    ``launcher.gpus=true``)."""
+    if launcher.gpus is not None and (launcher.gpus or launcher.name == "slurm"):
         return bool(launcher.gpus)
     return launcher.name != "slurm" and machine.gpus_per_node > 0
 

@@ -130,7 +130,7 @@ def _plan(world: int):
 
 @pytest.mark.parametrize("machine,gpus,multiple", [(Machine(gpus_per_node=8), None, 64),
                                                    (Machine(gpus_per_node=0), None, 1),
-                                                   (Machine(gpus_per_node=8), False, 1),
+                                                   (Machine(gpus_per_node=0), False, 1),
                                                    (Machine(gpus_per_node=0), True, 64)])
 def test_vocab_pads_to_64_on_gpus_by_default(machine, gpus, multiple):
     cfg = compose_config("+recipe=gpt_tiny", "parallel.dp=1", "parallel.tp=3", "launcher.dry_run=true")

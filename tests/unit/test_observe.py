@@ -266,3 +266,54 @@ def test_profile_steps_and_peak_are_checked():
     check_observe(compose_config("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
 
 
+
+
+def test_gpu_spans_are_events_resolved_once_per_step():
+    """On a GPU every span is a pair of CUDA events; nothing waits for the device until the step's
+    end, where one synchronize on the last event resolves them all (a stand-in event here)."""
+    from hybridtrain.observe.clock import StepClock
+
+    synced = []
+
+    class Event:
+        clock = iter(range(0, 1000, 10))  # the device time each record() lands on, in ms
+
+        def record(self):
+            self.at = next(Event.clock)
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+        def synchronize(self):
+            synced.append(self.at)
+
+    clock = StepClock(events=Event)
+    clock.start(record=True)  # origin event at 0 ms
+    with clock.span("forward"):
+        pass  # 10 .. 20 ms
+    with clock.span("backward"):
+        pass  # 30 .. 40 ms
+    assert clock.totals["forward"] == 0.0 and not synced  # nothing read while the step runs
+    clock.stop()
+    assert synced == [40]  # one wait, on the last span's end
+    assert clock.totals["forward"] == pytest.approx(0.01) and clock.totals["backward"] == pytest.approx(0.01)
+    assert clock.events == [("forward", 0, pytest.approx(0.01), pytest.approx(0.02)),
+                            ("backward", 0, pytest.approx(0.03), pytest.approx(0.04))]
+    with clock.span("forward"):  # inactive: not measured
+        pass
+    assert len(clock.events) == 2
+
+
+def test_nvml_samples_the_gpu_by_uuid_not_by_index():
+    from hybridtrain.observe.resources import nvml_handle
+
+    class Nvml:
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return ("handle", uuid)
+
+        def nvmlDeviceGetHandleByIndex(self, index):  # pragma: no cover - must not be used
+            raise AssertionError("NVML index: another job's GPU under CUDA_VISIBLE_DEVICES")
+
+    assert nvml_handle(Nvml(), "8a1b2c3d-0000-1111-2222-333344445555") == (
+        "handle", "GPU-8a1b2c3d-0000-1111-2222-333344445555")  # torch prints it without NVML's prefix
+    assert nvml_handle(Nvml(), "MIG-1234")[1] == "MIG-1234"
