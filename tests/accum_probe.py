@@ -1,4 +1,4 @@
-"""Gradient accumulation precision probe for ``tests/dist/test_bf16_accum.py`` (run as a script, one
+"""bf16 precision probe for ``tests/dist/test_bf16_accum.py`` (run as a script, one
 rank on gloo): ``python tests/accum_probe.py MICRO_BATCHES`` prints one JSON object.
 
 It builds hybridtrain's engine for ``gpt_tiny`` three times from the same seeded weights: fp32,
@@ -7,7 +7,8 @@ bf16 as shipped (fp32 gradient accumulation) and bf16 with DeepSpeed's default a
 ``MICRO_BATCHES`` micro-batches of the same random tokens (one optimizer step's worth); after the
 last backward (accumulated and reduced, not yet applied) DeepSpeed's ``safe_get_full_grad`` reads
 the gradient of every parameter. Printed per bf16 mode: the optimizer DeepSpeed chose and the
-relative L2 distance of its gradient from the fp32 one.
+relative L2 distance of its gradient from the fp32 one. Then ``llama_tiny`` in bf16: the dtypes of its
+parameters and of its RoPE ``inv_freq`` buffers (DeepSpeed >= 0.19.2 leaves buffers in fp32).
 """
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def main(micro_batches: int) -> dict:
         grads[mode] = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
         out[mode] = {"zero_stage": plan.zero_stage, "optimizer": type(engine.optimizer).__name__,
                      "grad_accum_dtype": str(engine.get_data_types()[1]), "loss": total / micro_batches}
+    # DeepSpeed >= 0.19.2 keeps buffers in their own dtype under bf16: Llama's RoPE inv_freq stays fp32
+    cfg = compose_config(["+recipe=llama_tiny", "trainer.precision=bf16", "parallel.dp=1", "plan.calibrate=false"])
+    plan, hf = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=1))
+    engine_mod.ds_config = shipped
+    module = engine_mod.build(cfg, plan, hf).engine.module
+    out["llama_buffers"] = {n: str(b.dtype) for n, b in module.named_buffers() if n.endswith("inv_freq")}
+    out["llama_params"] = sorted({str(p.dtype) for p in module.parameters()})
     ref = grads["fp32"]
     for mode in ("bf16", "bf16_accum_bf16"):
         num = sum(float((grads[mode][n] - ref[n]).square().sum()) for n in ref)

@@ -30,6 +30,9 @@ def test_bf16_gradient_of_many_micro_batches_stays_close_to_fp32():
     assert before["optimizer"] == "DeepSpeedZeroOptimizer" and before["grad_accum_dtype"] == "torch.bfloat16"
     assert shipped["grad_rel_error"] < TOLERANCE < before["grad_rel_error"], out
     assert before["grad_rel_error"] > 2 * shipped["grad_rel_error"], out
+    # pyproject's deepspeed>=0.19.2: bf16 parameters, RoPE inv_freq buffers still fp32
+    assert out["llama_params"] == ["torch.bfloat16"]
+    assert out["llama_buffers"] and set(out["llama_buffers"].values()) == {"torch.float32"}, out["llama_buffers"]
 
 
 def test_bf16_zero1_trains_a_tp_rank_with_no_gradient_to_count(tmp_path):
