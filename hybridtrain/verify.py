@@ -86,6 +86,19 @@ def shrink(cfg, plan, hf_config, steps: int) -> dict:
             "global_batch_size": plan.micro_batch_size * plan.dp * micro_batches, "steps": steps}
 
 
+def fit_devices(plan, gpus: int) -> tuple[int, bool]:
+    """``(dp, on_cpu)`` of the twin on this machine, which has ``gpus`` CUDA devices (0: CPU
+    processes). The twin keeps tp, pp and ZeRO (what the check is about) and drops replicas until
+    it fits the local GPUs; when even one replica (tp x pp ranks) needs more GPUs than there are,
+    both runs use CPU processes (the twin is small; fp16 then needs CPU fp16 kernels)."""
+    if gpus == 0 or plan.world_size <= gpus:
+        return plan.dp, False
+    model_ranks = plan.tp * plan.pp
+    if model_ranks <= gpus:
+        return gpus // model_ranks, False
+    return plan.dp, True
+
+
 def _value(v) -> str:
     """A Hydra override value."""
     if v is None:
@@ -101,8 +114,9 @@ def _value(v) -> str:
     return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def overrides(cfg, twin: dict, layout: dict) -> list[str]:
-    """Hydra overrides reproducing ``cfg`` with the twin model and ``layout`` (every leaf spelled out)."""
+def overrides(cfg, twin: dict, layout: dict, on_cpu: bool = False) -> list[str]:
+    """Hydra overrides reproducing ``cfg`` with the twin model and ``layout`` (every leaf spelled out),
+    run here by the local launcher (``on_cpu``: as CPU processes)."""
     from dataclasses import asdict
 
     # one ``++`` per HF key: the config dict is open (struct) only to keys that exist, ``++`` adds them
@@ -118,7 +132,8 @@ def overrides(cfg, twin: dict, layout: dict) -> list[str]:
     tree["data"]["val_fraction"] = 0.0
     tree["data"]["val_path"] = tree["data"]["val_split"] = None
     tree["optim"]["warmup_steps"] = min(tree["optim"]["warmup_steps"], twin["steps"])
-    tree["launcher"].update(nodes=1, gpus_per_node=None, dry_run=False, master_port=None)
+    tree["launcher"].update(name="local", nodes=1, gpus_per_node=None, dry_run=False, master_port=None,
+                            gpus=False if on_cpu else None)
     tree["plan"]["world_size"] = None
     for group, values in tree.items():
         for key, value in values.items():
@@ -162,7 +177,10 @@ def load(args: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """Verify one config; return 0 (agree), 1 (differ or a run failed) or 2 (config error)."""
-    from hybridtrain.plan import PlanError, apply_pretrained_defaults, resolve
+    import dataclasses
+    import os
+
+    from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
 
     args, steps, out = _parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -172,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
-    twin = shrink(cfg, plan, hf_config, steps)
-    layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
+    dp, on_cpu = fit_devices(plan, machine_facts().gpus_per_node)  # the plan may be for a bigger cluster
+    if dp != plan.dp or on_cpu:
+        print(f"[hybridtrain] verify: the plan's {plan.world_size} ranks do not fit this machine's GPUs: the twin "
+              + ("runs as CPU processes" if on_cpu else f"runs dp={dp}"), flush=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if on_cpu else None
+    twin = shrink(cfg, dataclasses.replace(plan, dp=dp), hf_config, steps)
+    layout = {"dp": dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
     base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": None,
             "stage_layers": None, "activation_checkpointing": False}
@@ -182,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     out = (out or Path("runs") / "verify" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     print(f"[hybridtrain] verify: {cfg.model.model_type} twin with {twin['layers']} layers, "
           f"{twin['model']}, seq {twin['seq_len']}, global batch {twin['global_batch_size']}, {steps} steps; "
-          f"plan dp={plan.dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
+          f"plan dp={dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
           f"runs in {out}", flush=True)
     records = {}
     for name, lay in (("plan", layout), ("single", base)):
         run_dir = out / name
-        cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides(cfg, twin, lay)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides(cfg, twin, lay, on_cpu)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
             print(f"[hybridtrain] verify: the {name} run failed (exit {proc.returncode}); its output is above",

@@ -138,3 +138,27 @@ def test_vocab_pads_to_64_on_gpus_by_default(machine, gpus, multiple):
     plan, _ = resolve(cfg, machine)
     assert cfg.model.vocab_pad_multiple == multiple  # resolved into the config the workers read
     assert plan.padded_vocab_size == {64: 8064, 1: 8001}[multiple]  # a multiple of 64 x tp, or of tp
+
+
+@pytest.mark.parametrize("world,dp,tp,pp,gpus,fit", [
+    (64, 2, 8, 4, 0, (2, False)),   # a laptop: CPU processes, the plan's dp
+    (4, 2, 2, 1, 8, (2, False)),    # fits
+    (64, 8, 8, 1, 8, (1, False)),   # one replica of tp=8 fits an 8-GPU node: fewer replicas
+    (64, 2, 8, 4, 8, (2, True)),    # one replica needs 32 GPUs: the twin runs on CPU processes
+])
+def test_verify_twin_fits_the_local_gpus(world, dp, tp, pp, gpus, fit):
+    from types import SimpleNamespace
+
+    from hybridtrain.verify import fit_devices
+
+    assert fit_devices(SimpleNamespace(world_size=world, dp=dp, tp=tp, pp=pp), gpus) == fit
+
+
+def test_verify_twin_runs_here_with_the_local_launcher():
+    from hybridtrain.verify import overrides, shrink
+
+    cfg = compose_config("+recipe=llama_7b", "launcher=slurm")
+    plan, hf = resolve(cfg, Machine(gpus_per_node=0, cpu_cores=2))
+    args = overrides(cfg, shrink(cfg, plan, hf, 2), {"dp": 1}, on_cpu=True)
+    assert "launcher.name='local'" in args and "launcher.nodes=1" in args and "launcher.gpus=false" in args
+    assert "launcher.gpus_per_node=null" in args
