@@ -49,8 +49,6 @@ def run(run_dir: Path) -> int:
     cfg = load_config(run_dir / "config.yaml")
     plan = Plan(**json.loads((run_dir / "plan.json").read_text()))
     on_cpu = get_accelerator().device_name() == "cpu"
-    if not on_cpu:
-        _setup_gpu(cfg)
     if on_cpu:
         # DeepSpeed JIT-compiles a shared-memory op (25 s on a fresh machine) that only serves
         # inference all-reduce; training never calls it.
@@ -58,6 +56,8 @@ def run(run_dir: Path) -> int:
 
         # (``import deepspeed.comm.torch as m`` would bind the torch package re-exported there)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    else:
+        _setup_gpu(cfg)
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None,
                                timeout=timedelta(minutes=cfg.launcher.timeout_minutes))
     rank = int(os.environ.get("RANK", "0"))
