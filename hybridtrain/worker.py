@@ -64,7 +64,7 @@ def run(run_dir: Path) -> int:
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
-    reshard = resume is not None and _saved_plan(resume) != plan.layout()
+    reshard = resume is not None and (_saved_plan(resume) != plan.layout() or _saved_vocab(resume) != plan.padded_vocab_size)
     built = build(cfg, plan, hf_config, weights_dir=str(resume / "hf") if reshard else None)
     samples = open_samples(run_dir / "data.json", "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
@@ -130,6 +130,12 @@ def _stopped(run_dir: Path, stop) -> None:
 
 def _saved_plan(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "meta.json").read_text())["plan"]
+
+
+def _saved_vocab(checkpoint: Path) -> int:
+    """The padded vocabulary the checkpoint was trained with (64 x tp rows on GPUs, tp on CPUs by
+    default): a resume on the other kind of device goes through the HF names, like a plan change."""
+    return int(json.loads((checkpoint / "plan.json").read_text())["padded_vocab_size"])
 
 
 def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
