@@ -17,8 +17,8 @@ AdamW, alternately (A B A B), measuring the median step time after 3 warm-up ste
   ``torch.optim.AdamW(fused=True)``, ``torch.cuda.synchronize()`` around each step, random tokens.
 
 MFU = tokens/s x model FLOPs per token (``hybridtrain.plan.flops.model_flops_per_token``: 6 x
-parameters of the matmuls plus attention, no recomputation) / the GPU's dense bf16 peak (table
-below, or ``--peak-tflops``). Results go to ``bench/results/gpu_mfu_DATE.md`` and ``.json``.
+parameters of the matmuls plus attention, no recomputation) / the GPU's dense bf16 peak (the table
+of ``hybridtrain/observe/peak.py``, as training reports it, or ``--peak-tflops``). Results go to ``bench/results/gpu_mfu_DATE.md`` and ``.json``.
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from pathlib import Path
 
 from bench.common import ROOT, alternate, check, machine, machine_line, run_hybridtrain, steady_step_time
 
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "4090": 165.2}
-"""Dense bf16 tensor-core peak (TFLOP/s) by a substring of ``torch.cuda.get_device_name()`` (SXM parts)."""
 SKIP = 3
 
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
@@ -120,7 +118,10 @@ def main() -> int:
     params = _params(shape)
     info = machine()
     name = info["gpu"]
-    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    from hybridtrain.observe.peak import gpu_peak_tflops  # the table training's MFU uses
+
+    hit = gpu_peak_tflops(name, "bf16") if name else None
+    peak = args.peak_tflops or (hit[1] if hit else None)
     os.environ.setdefault("HYBRIDTRAIN_CACHE", str(Path(tempfile.gettempdir()) / "hybridtrain-bench-cache"))
     work = Path(tempfile.mkdtemp(prefix="gpu_mfu_"))
     use_gpu = gpu and not args.cpu_smoke

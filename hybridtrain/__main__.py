@@ -85,7 +85,7 @@ def run(cfg: DictConfig) -> int:
               "validate a multi-node plan here", file=sys.stderr)
         return 2
     try:
-        check(typed.launcher, plan)
+        check(typed.launcher, plan, machine)
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2

@@ -84,6 +84,19 @@ def shrink(cfg, plan, hf_config, steps: int) -> dict:
             "global_batch_size": plan.micro_batch_size * plan.dp * micro_batches, "steps": steps}
 
 
+def fit_devices(plan, gpus: int) -> tuple[int, bool]:
+    """``(dp, on_cpu)`` of the twin on this machine, which has ``gpus`` CUDA devices (0: CPU
+    processes). The twin keeps tp, pp and ZeRO (what the check is about) and drops replicas until
+    it fits the local GPUs; when even one replica (tp x pp ranks) needs more GPUs than there are,
+    both runs use CPU processes (the twin is small; fp16 then needs CPU fp16 kernels)."""
+    if gpus == 0 or plan.world_size <= gpus:
+        return plan.dp, False
+    model_ranks = plan.tp * plan.pp
+    if model_ranks <= gpus:
+        return gpus // model_ranks, False
+    return plan.dp, True
+
+
 def _value(v) -> str:
     """A Hydra override value."""
     if v is None:
@@ -99,16 +112,23 @@ def _value(v) -> str:
     return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def overrides(cfg, twin: dict, layout: dict) -> list[str]:
-    """Hydra overrides reproducing ``cfg`` with the twin model and ``layout`` (every leaf spelled out)."""
+def overrides(cfg, twin: dict, layout: dict, on_cpu: bool = False) -> list[str]:
+    """Hydra overrides reproducing ``cfg`` with the twin model and ``layout`` (every leaf spelled out),
+    run here by the local launcher (``on_cpu``: as CPU processes)."""
     from dataclasses import asdict
 
     # one ``++`` per HF key: the config dict is open (struct) only to keys that exist, ``++`` adds them
-    out = [f"model={cfg.model.model_type}", f"launcher={cfg.launcher.name}"]  # the group brings its launcher's keys
+    from dataclasses import fields
+
+    from hybridtrain.config.schema import LauncherConfig
+
+    # the twin runs here, by the local launcher: only the keys every launcher has
+    out = [f"model={cfg.model.model_type}", "launcher=local"]
     out += [f"++model.config.{k}={_value(v)}" for k, v in twin["model"].items()]
     tree = asdict(cfg)
     tree.pop("run_dir", None)
-    tree["launcher"].pop("name")
+    common = {f.name for f in fields(LauncherConfig)} - {"name"}
+    tree["launcher"] = {k: v for k, v in tree["launcher"].items() if k in common}
     tree["model"].pop("config")
     tree["model"]["pretrained"] = None  # the twin has other shapes: seeded weights
     tree["parallel"].update(layout, auto=False)
@@ -118,7 +138,8 @@ def overrides(cfg, twin: dict, layout: dict) -> list[str]:
     tree["data"]["val_fraction"] = 0.0
     tree["data"]["val_path"] = tree["data"]["val_split"] = None
     tree["optim"]["warmup_steps"] = min(tree["optim"]["warmup_steps"], twin["steps"])
-    tree["launcher"].update(nodes=1, gpus_per_node=None, dry_run=False, master_port=None)
+    tree["launcher"].update(nodes=1, gpus_per_node=None, dry_run=False, master_port=None,
+                            gpus=False if on_cpu else None)
     tree["plan"]["world_size"] = None
     for group, values in tree.items():
         for key, value in values.items():
@@ -159,11 +180,12 @@ def load(args: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """Verify one config; return 0 (agree), 1 (differ or a run failed) or 2 (config error)."""
-    from hybridtrain import cli
-    from hybridtrain.plan import PlanError, apply_pretrained_defaults, resolve
-    from hybridtrain.rundir import RunDir
+    import dataclasses
 
+    from hybridtrain import cli
     from hybridtrain.config.explain import explain
+    from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
+    from hybridtrain.rundir import RunDir
 
     args, steps, out = _parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -178,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"[hybridtrain] config error: {explain(err)}", file=sys.stderr)
         return 2
-    twin = shrink(cfg, plan, hf_config, steps)
-    layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
+    dp, on_cpu = fit_devices(plan, machine_facts().gpus_per_node)  # the plan may be for a bigger cluster
+    if dp != plan.dp or on_cpu:
+        print(f"[hybridtrain] verify: the plan's {plan.world_size} ranks do not fit this machine's GPUs: the twin "
+              + ("runs as CPU processes" if on_cpu else f"runs dp={dp}"), flush=True)
+    env = {"CUDA_VISIBLE_DEVICES": ""} if on_cpu else None
+    twin = shrink(cfg, dataclasses.replace(plan, dp=dp), hf_config, steps)
+    layout = {"dp": dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
     base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": None,
             "stage_layers": None, "activation_checkpointing": False}
@@ -188,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     out = (out or Path("runs") / "verify" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     print(f"[hybridtrain] verify: {cfg.model.model_type} twin with {twin['layers']} layers, "
           f"{twin['model']}, seq {twin['seq_len']}, global batch {twin['global_batch_size']}, {steps} steps; "
-          f"plan dp={plan.dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
+          f"plan dp={dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
           f"runs in {out}", flush=True)
     records = {}
     for name, lay in (("plan", layout), ("single", base)):
         run_dir = out / name
-        proc = cli.run(run_dir, overrides(cfg, twin, lay))
+        proc = cli.run(run_dir, overrides(cfg, twin, lay, on_cpu), env=env, check=False)
         if proc.returncode != 0:
             print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
             print(f"[hybridtrain] verify: the {name} run failed (exit {proc.returncode}); its output is above",

@@ -40,6 +40,7 @@ def run(run_dir: Path) -> int:
     from hybridtrain.checkpoint.io import CheckpointDir
     from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
+    from hybridtrain.parallel import collectives
     from hybridtrain.plan import model_config
     from hybridtrain.rundir import RunDir
     from hybridtrain.train.loop import train
@@ -55,13 +56,15 @@ def run(run_dir: Path) -> int:
 
         # (``import deepspeed.comm.torch as m`` would bind the torch package re-exported there)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    else:
+        _setup_gpu(cfg)
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None,
                                timeout=timedelta(minutes=cfg.launcher.timeout_minutes))
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
-    reshard = resume is not None and _saved_plan(resume) != plan.layout()
+    reshard = resume is not None and (_saved_plan(resume) != plan.layout() or _saved_vocab(resume) != plan.padded_vocab_size)
     built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None)
     samples = open_samples(files.data_file, "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
@@ -79,14 +82,41 @@ def run(run_dir: Path) -> int:
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
                    stop=stop)
-    torch.distributed.barrier()  # nobody exits while a peer may still be in the last collective
+    collectives.barrier(built.engine.device)  # nobody exits while a peer may still be in the last collective
     if stop.stopped_at is not None:
         if rank == 0:
             _stopped(run_dir, stop)
         return 0
     if rank == 0 and losses:
         print(f"[hybridtrain] done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    if rank == 0 and cfg.trainer.export_hf:
+        # after the last barrier: the other ranks have left and wait in no collective (whose timeout a
+        # long export of a large model would exceed); the export reads only the final checkpoint
+        _export(run_dir, cfg.trainer.max_steps)
     return 0
+
+
+def _setup_gpu(cfg) -> None:
+    """Bind this rank to its GPU before the process group starts (NCCL creates its communicator on
+    the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let fp32 matmuls
+    use TF32 tensor cores when ``trainer.tf32``."""
+    import torch
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cfg.trainer.tf32:
+        torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls (cuBLAS); bf16/fp16 unaffected
+
+
+def _export(run_dir: Path, step: int) -> None:
+    """Rank 0, after training: the HF model of the final checkpoint into ``RUN_DIR/hf``."""
+    from hybridtrain.checkpoint.io import step_dir
+    from hybridtrain.export import export
+    from hybridtrain.rundir import RunDir
+
+    t0 = time.perf_counter()
+    out = RunDir(run_dir).hf_dir
+    export(step_dir(run_dir, step), out)
+    print(f"[hybridtrain] exported the HF model to {out} in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def _stopped(run_dir: Path, stop) -> None:
@@ -104,6 +134,16 @@ def _saved_plan(checkpoint: Path) -> dict:
     from hybridtrain.checkpoint.io import CheckpointDir
 
     return CheckpointDir(checkpoint).meta()["plan"]
+
+
+def _saved_vocab(checkpoint: Path) -> int:
+    """The padded vocabulary the checkpoint was trained with (64 x tp rows on GPUs, tp on CPUs by
+    default): a resume on the other kind of device goes through the HF names, like a plan change."""
+    import json
+
+    from hybridtrain.checkpoint.io import CheckpointDir
+
+    return int(json.loads(CheckpointDir(checkpoint).plan_file.read_text())["padded_vocab_size"])
 
 
 def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
@@ -132,10 +172,9 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
 
 
 def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
-    """The ``save(step)`` callback of the loop: a checkpoint, then the HF export if asked for."""
+    """The ``save(step)`` callback of the loop: a checkpoint (the HF export follows training, :func:`_export`)."""
     from hybridtrain.checkpoint.save import save_checkpoint
     from hybridtrain.data.tokenizer import tokenizer_file
-    from hybridtrain.rundir import RunDir
     from hybridtrain.train.logits import logits_writer
 
     def save(step: int) -> None:
@@ -144,14 +183,25 @@ def _saver(cfg, plan, built, hf_config, run_dir: Path, rank: int, samples):
         path = save_checkpoint(built, cfg, plan, hf_config, step, run_dir, tokenizer_file(cfg.data), extra)
         if rank == 0:
             print(f"[hybridtrain] saved {path} in {time.perf_counter() - t0:.1f}s", flush=True)
-            if cfg.trainer.export_hf and step == cfg.trainer.max_steps:
-                from hybridtrain.export import export
-
-                out = RunDir(run_dir).hf_dir
-                export(path, out)
-                print(f"[hybridtrain] exported the HF model to {out}", flush=True)
 
     return save
+
+
+def _slurm_gpus_missing() -> bool:
+    """An ``srun`` task that SLURM gave GPUs but torch sees none (a CPU build on the node): say so."""
+    from hybridtrain.launch.devices import slurm_gpus_expected
+
+    if not slurm_gpus_expected(os.environ):
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"[hybridtrain] config error: launcher.gpus: SLURM gave this task {os.environ.get('SLURM_GPUS_ON_NODE')} "
+          f"GPU(s) but torch {torch.__version__} on {os.uname().nodename} sees no CUDA device; install the CUDA "
+          "build in the job's environment (launcher.setup, docs/gpu.md) or run CPU processes with launcher.gpus=false",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def main() -> None:
@@ -162,7 +212,8 @@ def main() -> None:
             from hybridtrain.launch import env
 
             env.apply(os.environ)
-        code = run(Path(sys.argv[1]))
+        missing = os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm" and _slurm_gpus_missing()
+        code = 2 if missing else run(Path(sys.argv[1]))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
         import traceback
 

@@ -1,10 +1,11 @@
 """Gather this rank's shards back into HF-named, unpadded, unsharded tensors.
 
 Each pipeline layer knows the HF name of every parameter it holds and how that parameter was
-split (:class:`Split`); :func:`gather_stage` undoes ZeRO partitioning (DeepSpeed's
+split (:class:`Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
 ``safe_get_full_fp32_param``), then tensor parallelism (an all-gather over the TP group,
 fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The result is what
-``save_pretrained`` would have written for this stage.
+``save_pretrained`` would have written for this stage. Tensors stay on the engine's device
+through both collectives (NCCL gathers only device tensors) and reach the host at the end.
 """
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> It
 
 
 def _full_over_dp(param: nn.Parameter) -> torch.Tensor:
-    """The fp32 master value of ``param`` with ZeRO partitions reassembled (collective over DP)."""
+    """The fp32 master value of ``param`` with ZeRO partitions reassembled (collective over DP),
+    on the parameter's device."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = safe_get_full_fp32_param(param)
-    return (full if full is not None else param.detach()).float().cpu()
+    return (full if full is not None else param.detach()).float()
 
 
 def unshard(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
@@ -78,31 +80,33 @@ def to_hf(tensor: torch.Tensor, split: Split) -> torch.Tensor:
 
 
 def full_moment(engine, param: nn.Parameter, key: str) -> torch.Tensor:
-    """AdamW state ``key`` of ``param`` with ZeRO partitions reassembled (collective over DP)."""
+    """AdamW state ``key`` of ``param`` with ZeRO partitions reassembled (collective over DP), on
+    the device."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     full = safe_get_full_optimizer_state(param, key)
     if full is None:  # ZeRO-0: the torch optimizer holds the parameter itself
         base = getattr(engine.optimizer, "optimizer", engine.optimizer)
         full = base.state[param][key]
-    return full.float().cpu()
+    return full.float()
 
 
-def gather(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext,
+def gather(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext, device,
            value: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """HF-named full fp32 tensors of ``named`` (every rank of the stage must call this together).
+    """HF-named full fp32 tensors of ``named`` on the host (every rank of the stage must call this
+    together).
 
     ``value(param)`` gives the tensor to gather (default: the fp32 master weight); each rank passes
-    its own shard, reassembled over DP already.
+    its own shard, reassembled over DP already. The TP all-gather runs on ``device`` (the engine's);
+    each tensor is copied to the host after it, one at a time, so device memory holds one full
+    tensor at most.
     """
-    import torch.distributed as dist
+    from hybridtrain.parallel import collectives
 
     out: dict[str, torch.Tensor] = {}
     for name, param, split in named:
         local = (value or _full_over_dp)(param)
         if split.dim is not None and tp.size > 1:
-            shards = [torch.empty_like(local) for _ in range(tp.size)]
-            dist.all_gather(shards, local.contiguous(), group=tp.group)
-            local = unshard(shards, split)
-        out[name] = to_hf(local, split)
+            local = unshard(collectives.all_gather(local, device, group=tp.group), split)
+        out[name] = to_hf(local.cpu(), split)
     return out

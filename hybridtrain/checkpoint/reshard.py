@@ -55,7 +55,8 @@ def _prepare_zero_states(engine, step: int) -> None:
     base = getattr(zero, "optimizer", zero)
     for group in base.param_groups:
         for flat in group["params"]:
-            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+            # the step on the parameter's device: torch's fused AdamW (CUDA) requires it there
+            base.state[flat] = {"step": torch.tensor(float(step), device=flat.device), "exp_avg": torch.zeros_like(flat),
                                 "exp_avg_sq": torch.zeros_like(flat)}
     relink_zero_state(zero)
 

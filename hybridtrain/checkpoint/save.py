@@ -27,10 +27,11 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     ``extra(tmp_dir)``, called on every rank before the checkpoint is sealed, may add files (such as
     :mod:`hybridtrain.train.logits`); they are size-checked like the rest.
     """
-    import numpy as np
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
+
+    from hybridtrain.parallel import collectives
 
     final = step_dir(run_dir, step)
     tmp = tmp_dir(final)
@@ -41,26 +42,26 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         ckpt.hf.mkdir(parents=True)
         ckpt.rng.mkdir()
         ckpt.optim.mkdir()
-    dist.barrier()
+    device = built.engine.device
+    collectives.barrier(device)
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
     built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
     named = stage_hf_params(built.engine.module)
-    tensors = gather(named, built.tp)  # collective over TP and DP
+    tensors = gather(named, built.tp, device)  # collective over TP and DP
     moments = {}
     if plan.zero_stage <= 2:  # AdamW moments under HF names: what a resume under another plan reads
         relink_zero_state(built.engine.optimizer)
         for key in MOMENTS:
             value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
-            moments.update({f"{key}.{n}": t for n, t in gather(named, built.tp, value).items()})
+            moments.update({f"{key}.{n}": t for n, t in gather(named, built.tp, device, value).items()})
     if built.tp_rank == 0 and built.dp_rank == 0 and tensors:
         save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
         if moments:
             save_file(moments, str(ckpt.optim_part(built.stage)), metadata={"format": "pt"})
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               ckpt.rng_file(rank))
+    torch.save(rng_state(), ckpt.rng_file(rank))
     if extra is not None:
         extra(tmp)
-    dist.barrier()
+    collectives.barrier(device)
     if rank == 0:
         write_hf_metadata(ckpt.hf, hf_config, tokenizer_path)
         run = RunDir(run_dir)
@@ -71,18 +72,36 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
                 "files": file_sizes(tmp)}  # lets a resume detect a truncated or missing file
         ckpt.meta_file.write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)
-    dist.barrier()
+    collectives.barrier(device)
     return final
+
+
+def rng_state() -> dict:
+    """This rank's RNG states: torch's CPU generator, its CUDA device's (dropout on a GPU draws
+    from that one), numpy's and Python's."""
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what :func:`rng_state` returned; a CUDA state is restored only where CUDA runs."""
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
 
 
 def restore_rng(path: Path, rank: int) -> None:
     """Put back the RNG states rank ``rank`` saved in checkpoint ``path`` (if it saved any)."""
-    import numpy as np
     import torch
 
     f = CheckpointDir(path).rng_file(rank)
     if f.is_file():
-        state = torch.load(f, weights_only=False)  # our own file: numpy/python states are not tensors
-        torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
+        set_rng_state(torch.load(f, weights_only=False))  # our own file: numpy/python states are not tensors

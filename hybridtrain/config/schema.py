@@ -47,9 +47,10 @@ class ModelConfig:
     non-shape keys such as dropout); its tokenizer is used unless ``data.tokenizer`` is set."""
     trust_remote_code: bool = False
     """Allow a ``model.pretrained`` folder's custom code. Off: only built-in HF architectures load."""
-    vocab_pad_multiple: int = 1
+    vocab_pad_multiple: Optional[int] = None
     """The embedding and LM head are padded to a multiple of ``vocab_pad_multiple * parallel.tp``
-    rows; the padded logits are masked, so padding never changes the loss."""
+    rows; the padded logits are masked, so padding never changes the loss. ``null``: 64 when the
+    ranks run on GPUs (tensor-core friendly matmul shapes), 1 on CPU processes."""
 
 
 @dataclass
@@ -185,6 +186,10 @@ class TrainerConfig:
     """Write a metrics line every this many steps."""
     precision: Precision = Precision.fp32
     """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
+    tf32: bool = True
+    """On GPUs, let fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``:
+    10-bit mantissa products, fp32 accumulation; several times the plain fp32 rate); MFU is then
+    measured against the GPU's TF32 peak. False: full fp32 matmuls. No effect on CPU."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only the final save)."""
     keep_last: Optional[int] = None
@@ -247,6 +252,15 @@ class LauncherConfig:
     dry_run: bool = False
     """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
     without preparing data or starting workers (also for cluster recipes on a laptop)."""
+    gpus: Optional[bool] = None
+    """Whether the ranks run on GPUs. ``true``: they must (GPU recipes set it): on a machine where
+    torch sees no CUDA device the job stops before launching (exit code 2) instead of training on
+    CPU cores; ``slurm`` asks for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``) and
+    each rank checks on its node. ``false``: none asked for (``slurm`` requests none; CPU processes
+    where torch sees no GPU; to use CPU processes on a GPU machine hide its GPUs with
+    ``CUDA_VISIBLE_DEVICES=``). ``null``: GPUs when torch sees any; an error when the NVIDIA driver
+    lists GPUs here that torch cannot see (a CPU build of torch) unless ``CUDA_VISIBLE_DEVICES``
+    hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in the partition."""
 
 
 @dataclass
@@ -266,10 +280,6 @@ class SlurmLauncherConfig(LauncherConfig):
     partition's default."""
     constraint: Optional[str] = None
     """Node features the job needs (``--constraint``, e.g. ``a100``); ``null``: any node."""
-    gpus: Optional[bool] = None
-    """Ask for ``launcher.gpus_per_node`` GPUs per node (``--gpus-per-node``). ``null``: when
-    ``sinfo`` reports GPUs (GRES ``gpu``) in the partition; without ``sinfo``, or without GPUs, the
-    ranks are CPU processes."""
     sbatch: List[str] = field(default_factory=list)
     """Extra ``#SBATCH`` options, one per entry (``--exclusive``, ``--mem=0``, ``--mail-type=END``);
     the ``#SBATCH`` prefix is optional."""

@@ -44,9 +44,13 @@ def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
-    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written)."""
+def ds_config(cfg: Config, plan: Plan, gpu: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written);
+    ``gpu``: the ranks run on CUDA devices."""
     o = cfg.optim
+    # torch.optim.AdamW through DeepSpeed's torch_adam (engine.py get_optimizer_configuration passes the
+    # params on); on CUDA its fused kernel (one launch for all tensors). CPU keeps the default (foreach).
+    fused = {"fused": True} if gpu else {}
     conf: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -55,10 +59,15 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "gradient_clipping": 0.0 if _own_clipping(plan) else o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-            "torch_adam": True}},
+            "torch_adam": True, **fused}},
         "zero_optimization": {"stage": plan.zero_stage},
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
+        # bf16 keeps 8 bits of mantissa: summing many micro-batch gradients in it loses the small
+        # ones (llama_7b accumulates 256). fp32 accumulation makes DeepSpeed train ZeRO-1 through
+        # its BF16 optimizer (an fp32 gradient buffer, reduced in fp32; engine.py
+        # _do_optimizer_sanity_check) and ZeRO-2/3 with fp32 gradient partitions.
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if plan.precision == "bf16" else {}),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -171,7 +180,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
-    conf = ds_config(cfg, plan)
+    conf = ds_config(cfg, plan, gpu=torch.cuda.is_available())
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,
@@ -184,9 +193,10 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp))
-    if _own_clipping(plan):
-        from hybridtrain.engine.clip import install_fp32_clipping
+    from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
+    if _own_clipping(plan):
         install_fp32_clipping(engine, tp.rank, cfg.optim.grad_clip)
+    guard_empty_norm(engine.optimizer, engine.device)
     built.watch_model_state()
     return built

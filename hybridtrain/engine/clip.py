@@ -13,20 +13,25 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 
-def global_grad_norm(params: Iterable[Any], tp_rank: int, group: Any) -> Any:
-    """The L2 norm of the gradients of the whole model (all stages, all TP shards) of one replica.
+def global_grad_norm(params: Iterable[Any], tp_rank: int, group: Any, device: Any) -> Any:
+    """The L2 norm of the gradients of the whole model (all stages, all TP shards) of one replica,
+    on ``device`` (the engine's: the all-reduce runs there).
 
     ``group`` is the model-parallel group (pipe x tensor ranks of this data-parallel replica).
     """
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     grads = [p.grad for p in params
              if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)  # tied copy: counted once
              and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]  # replicated over TP: once
-    squares = torch.nn.utils.get_total_norm(grads).double().square()  # 0 for an empty list
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
+    # No gradient of its own (a TP rank > 0 of a stage holding only replicated or tied parameters):
+    # torch's norm of an empty list is a CPU tensor, so start from a zero on the device instead.
+    squares = (torch.nn.utils.get_total_norm(grads).double().square() if grads
+               else torch.zeros((), dtype=torch.float64, device=device))
+    if group is not None:
+        squares = collectives.all_reduce(squares, device, group=group)
     return squares.sqrt().float()
 
 
@@ -45,9 +50,34 @@ def install_fp32_clipping(engine: Any, tp_rank: int, max_norm: float) -> None:
 
     def clip(*_):
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(params, tp_rank, group)
+        norm = global_grad_norm(params, tp_rank, group, engine.device)
         if max_norm > 0:  # torch's coefficient: max_norm / (norm + 1e-6), at most 1
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         engine._global_grad_norm = norm  # what get_global_grad_norm() returns (DeepSpeed leaves it None)
 
     torch_optimizer(engine.optimizer).register_step_pre_hook(clip)
+
+
+def guard_empty_norm(optimizer: Any, device: Any) -> None:
+    """Let DeepSpeed's BF16 optimizer (bf16 with ZeRO-1) run on a rank with no gradient to count.
+
+    Its gradient norm stacks the norms of the gradients this rank counts (replicated ones on TP
+    rank 0 only, a tied copy never); a TP rank > 0 of a pipeline stage that holds only replicated
+    or tied parameters (``[final_norm, head]`` with a tied head) counts none, and ``torch.stack([])``
+    raises before the model-parallel all-reduce its peers wait in (deepspeed 0.19.8,
+    ``runtime/utils.py`` ``get_global_norm_of_tensors``). Such a rank now offers one zero on the
+    device: the norm is unchanged and the all-reduce has every rank. A no-op for other optimizers.
+    """
+    import torch
+
+    if type(optimizer).__name__ != "BF16_Optimizer":
+        return
+    counted = optimizer.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping: bool = False):
+        out = counted(for_clipping=for_clipping)
+        if for_clipping or out[0]:
+            return out
+        return [torch.zeros(1, dtype=torch.float32, device=device)], out[1]
+
+    optimizer.get_grads_for_norm = get_grads_for_norm

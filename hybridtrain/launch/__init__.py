@@ -8,12 +8,23 @@ from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.plan.types import Machine, Plan
 
 
-def check(launcher: LauncherConfig, plan: Plan) -> None:
-    """Launcher checks that read files (the multinode hostfile); raise ``PlanError`` before anything starts."""
+def check(launcher: LauncherConfig, plan: Plan, machine: Machine | None = None) -> None:
+    """Launcher checks that read files or devices (the multinode hostfile; GPUs asked for but not seen
+    by torch, :func:`hybridtrain.launch.devices.check_gpus`); raise ``PlanError`` before anything starts."""
+    import os
+
+    from hybridtrain.launch.devices import check_gpus, driver_gpus, runner_devices
+
     if launcher.name == "multinode":
         from hybridtrain.launch.multinode import hosts
 
         hosts(launcher, plan)
+    if machine is not None and not launcher.dry_run:
+        import torch
+
+        check_gpus(launcher, machine.gpus_per_node, os.environ, driver_gpus(), torch.__version__)
+        if launcher.name == "local":
+            runner_devices(plan.world_size, os.environ, machine.gpus_per_node)  # CUDA_VISIBLE_DEVICES usable
 
 
 def start(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:

@@ -3,7 +3,8 @@
 ``srun`` starts one task per rank and tells each its place (``SLURM_PROCID``, ``SLURM_LOCALID``,
 ``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST``); ``torch.distributed``'s ``env://``
 rendezvous (what ``deepspeed.init_distributed`` uses) wants ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. :func:`rank_env` is the translation, a pure
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``LOCAL_RANK`` is the CUDA device index:
+``SLURM_LOCALID``, or 0 when SLURM binds each task its own GPU). :func:`rank_env` is the translation, a pure
 function of the environment; :func:`apply` runs it at the worker's launch boundary.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 from typing import Callable, Mapping, MutableMapping, Optional, Sequence
+
+from hybridtrain.launch.devices import slurm_device_index
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -46,7 +49,9 @@ def rank_env(environ: Mapping[str, str], expand: Callable[[str], Sequence[str]] 
         raise RuntimeError(f"SLURM placed rank {rank} of {world} on node {node_id} of {n_nodes}; hybridtrain needs "
                            f"{per_node} consecutive ranks per node (srun --distribution=block, --ntasks-per-node)")
     port = master_port or job_port(int(environ["SLURM_JOB_ID"]))
-    return {"RANK": str(rank), "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(world),
+    # DeepSpeed takes LOCAL_RANK as the CUDA device index; with GPUs bound per task it is 0
+    local = slurm_device_index(environ, int(environ["SLURM_LOCALID"]), per_node)
+    return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port),
             "HYBRIDTRAIN_NODES": ",".join(nodes)}
 

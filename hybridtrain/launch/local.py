@@ -27,10 +27,15 @@ def threads_per_rank(launcher: LauncherConfig, plan: Plan, machine: Machine) -> 
     return max(1, machine.cpu_cores // local_ranks)
 
 
-def command(run_dir: Path, plan: Plan, port: int) -> list[str]:
-    """The deepspeed runner command line that starts every rank of this node."""
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner",
-            "--num_gpus", str(plan.world_size), "--master_port", str(port),
+def command(run_dir: Path, plan: Plan, port: int, devices: list[int] | None = None) -> list[str]:
+    """The deepspeed runner command line that starts every rank of this node.
+
+    ``devices`` (:func:`hybridtrain.launch.devices.runner_devices`): the GPUs to use, given as
+    ``--include localhost:i,j`` because the runner's ``--num_gpus`` drops ``CUDA_VISIBLE_DEVICES``
+    and takes GPUs ``0..N-1``; ``None``: ``--num_gpus`` (CPU processes, or every GPU visible)."""
+    which = (["--include", "localhost:" + ",".join(map(str, devices))] if devices
+             else ["--num_gpus", str(plan.world_size)])
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *which, "--master_port", str(port),
             "--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
 
 
@@ -47,7 +52,9 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     threads = threads_per_rank(launcher, plan, machine)
     env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                PYTHONUNBUFFERED="1")
-    cmd = command(run_dir, plan, port)
+    from hybridtrain.launch.devices import runner_devices
+
+    cmd = command(run_dir, plan, port, runner_devices(plan.world_size, os.environ, machine.gpus_per_node))
     print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
     return run_runner(cmd, env, run_dir)
 

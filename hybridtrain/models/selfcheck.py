@@ -123,11 +123,9 @@ def _logits(folder: Path, family: Any, ids, tp, attn: str) -> Any:
     with torch.no_grad():
         shard = model.logits(ids).float()  # [B, S, V_pad / tp]
     if tp.size > 1:
-        import torch.distributed as dist
+        from hybridtrain.parallel import collectives
 
-        parts = [torch.empty_like(shard) for _ in range(tp.size)]
-        dist.all_gather(parts, shard.contiguous(), group=tp.group)
-        shard = torch.cat(parts, dim=-1)
+        shard = torch.cat(collectives.all_gather(shard, shard.device, group=tp.group), dim=-1)
     return shard[..., :int(config.vocab_size)]
 
 

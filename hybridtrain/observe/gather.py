@@ -20,31 +20,23 @@ EVENT_WIDTH = 5
 def all_ranks(values: Sequence[float], device) -> list[list[float]]:
     """``values`` of every rank, indexed by global rank (the same list on every rank)."""
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine.tolist()]
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
+    return [t.tolist() for t in collectives.all_gather(mine, device)]
 
 
 def all_rows(rows: Sequence[Sequence[float]], width: int, device) -> list[list[list[float]]]:
     """Every rank's list of ``width``-long rows (lengths may differ), indexed by global rank."""
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     n = torch.tensor([len(rows)], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    longest = int(n.item())
+    longest = int(collectives.all_reduce(n, device, op="max").item())
     padded = torch.full((longest, width), float("nan"), dtype=torch.float64, device=device)
     if rows:
         padded[:len(rows)] = torch.tensor([list(map(float, r)) for r in rows], dtype=torch.float64, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        gathered = [padded]
-    else:
-        gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, padded)
+    gathered = collectives.all_gather(padded, device)
     return [[r for r in g.tolist() if r[0] == r[0]] for g in gathered]  # drop NaN padding rows

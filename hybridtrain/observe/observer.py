@@ -16,6 +16,7 @@ from typing import Any
 from hybridtrain.observe import gather, loggers, resources
 from hybridtrain.observe.clock import CATEGORIES, KINDS, StepClock
 from hybridtrain.observe.peak import Peak, resolve_peak
+from hybridtrain.parallel import collectives
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.rundir import RunDir
 
@@ -34,7 +35,8 @@ class Observer:
         self.cfg, self.plan, self.built, self.run_dir, self.is_rank0 = cfg, plan, built, Path(run_dir), is_rank0
         self.device = built.engine.device
         on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
-        self.clock = StepClock(sync=torch.cuda.synchronize if on_gpu else None)
+        # GPU spans are CUDA events, read once per measured step (StepClock.stop): no per-span stall
+        self.clock = StepClock(events=(lambda: torch.cuda.Event(enable_timing=True)) if on_gpu else None)
         self.peak, self.flops_per_token = peak, flops_per_token
         self.profile = sorted({s for s in cfg.trainer.profile_steps if start_step < s <= cfg.trainer.max_steps})
         self._rows: list[list[float]] = []  # recorded spans: step, kind index, micro-batch, start, end
@@ -56,7 +58,6 @@ class Observer:
         """Set up on every rank; rank 0 finds the device peak (on a CPU possibly a 1 s matmul probe,
         run while the other ranks wait at a barrier so they do not load the cores)."""
         import torch
-        import torch.distributed as dist
 
         peak, flops = None, 0.0
         if is_rank0:
@@ -70,7 +71,8 @@ class Observer:
             device = built.engine.device
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None
             peak = resolve_peak(cfg.trainer.peak_tflops, plan.precision, name,
-                                cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads())
+                                cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads(),
+                                tf32=cfg.trainer.tf32)
             print("[hybridtrain] MFU peak: "
                   + (f"{peak.tflops:.3g} TFLOP/s per device ({peak.source})" if peak.tflops else peak.source)
                   + f"; {flops / 1e6:.2f} MFLOP per token (model FLOPs, forward + backward)", flush=True)
@@ -79,8 +81,7 @@ class Observer:
                 "model_flops_per_token": flops, "world_size": plan.world_size, "precision": plan.precision,
                 "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if name else None,
                 "profile_steps": list(cfg.trainer.profile_steps)}, indent=1))
-        if dist.is_initialized():
-            dist.barrier()
+        collectives.barrier(built.engine.device)
         return cls(cfg, plan, built, run_dir, is_rank0, start_step, peak, flops)
 
     # -- per step ---------------------------------------------------------------------------------
@@ -90,10 +91,7 @@ class Observer:
         self._step = step
         profiled = step in self.profile
         if profiled:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.barrier()  # a common time origin for every rank's spans
+            collectives.barrier(self.device)  # a common time origin for every rank's spans
         if log or profiled:
             self.clock.start(record=profiled)
             if profiled:
@@ -102,8 +100,7 @@ class Observer:
     def throughput(self, step_time_s: float) -> tuple[float, float | None]:
         """``(model TFLOP/s per device, MFU or None)`` of a step of ``step_time_s`` (rank 0)."""
         tflops = self.flops_per_token * self.plan.tokens_per_step / step_time_s / self.plan.world_size / 1e12
-        mfu = tflops / self.peak.tflops if self.peak is not None and self.peak.tflops else None
-        return tflops, mfu
+        return tflops, self.peak.mfu(tflops) if self.peak is not None else None
 
     def postfix(self, step_time_s: float) -> dict[str, str]:
         """Progress-bar fields (rank 0): MFU when the peak is known."""

@@ -1,11 +1,13 @@
 """Peak FLOP/s of one device, for MFU: a table of known GPUs, or a measured and cached CPU probe.
 
-The GPU numbers are NVIDIA's dense (no sparsity) tensor-core figures from the data sheets; fp32
-is the plain (non-TF32) rate, because torch leaves TF32 matmuls off by default. fp16 uses the
-bf16 rate on every GPU listed (they are equal). On a CPU there is no data sheet worth trusting
-(clock, SIMD width and threads vary), so :func:`probe_cpu_tflops` times large matmuls with the
-rank's thread count and caches the result on disk, once it has run on a quiet machine (a probe
-that other processes slowed down is repeated next time); ``trainer.peak_tflops`` overrides both.
+The GPU numbers are NVIDIA's dense (no sparsity) figures from the data sheets: bf16 (also serving
+fp16: equal on every GPU listed) and TF32 on the tensor cores, plain fp32 on the CUDA cores. An
+fp32 run is measured against the TF32 rate when ``trainer.tf32`` lets its matmuls use TF32 (the
+default on GPUs), else against plain fp32. On a CPU there is no data sheet worth trusting (clock,
+SIMD width and threads vary), so :func:`probe_cpu_tflops` times large matmuls with the rank's
+thread count and caches the result on disk; a probe slowed down by other processes is scaled up
+by the share of the cores it got and repeated next time, and :meth:`Peak.mfu` never reports more
+than 100% (a step faster than the peak raises the peak). ``trainer.peak_tflops`` overrides both.
 """
 from __future__ import annotations
 
@@ -17,22 +19,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # name fragment (matched against torch.cuda.get_device_name(), longest first): dense TFLOP/s
-    "B200": {"bf16": 2250.0, "fp32": 80.0},
-    "H200": {"bf16": 989.4, "fp32": 66.9},
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp32": 66.9},  # SXM
-    "H800": {"bf16": 989.4, "fp32": 66.9},
-    "GH200": {"bf16": 989.4, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp32": 30.3},
-    "A10": {"bf16": 125.0, "fp32": 31.2},
-    "V100": {"bf16": 125.0, "fp32": 15.7},  # no bf16 units: the fp16 tensor-core rate
+    # name fragment (matched against torch.cuda.get_device_name(), longest first): dense TFLOP/s.
+    # Sources: NVIDIA data sheets, which print tensor-core rates "with sparsity"; the dense rate is
+    # half of that. H100/H200 SXM and NVL: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor
+    # Core GPU" data sheets (SXM: TF32 989, BF16 1,979 sparse; FP32 67. NVL: TF32 835, BF16 1,671
+    # sparse; FP32 60. H100 PCIe: TF32 756, BF16 1,513 sparse; FP32 51). HGX B200: TF32 18 PF,
+    # BF16 36 PF sparse for 8 GPUs. GB200 NVL72: TF32 180 PF, BF16 360 PF sparse for 72 GPUs (its
+    # plain FP32 is not printed: B200's figure). A100: TF32 156, BF16 312 dense; FP32 19.5. L40S:
+    # TF32 183, BF16 362 dense; FP32 91.6. L40: TF32 90.5, BF16 181 dense; FP32 90.5. L4: TF32 60,
+    # BF16 121 dense; FP32 30.3. A10: TF32 62.5, BF16 125 dense; FP32 31.2. V100 has no bf16
+    # and no TF32: its fp16 tensor-core rate (125) and plain FP32 (15.7).
+    "GB200": {"bf16": 2500.0, "tf32": 1250.0, "fp32": 80.0},
+    "B200": {"bf16": 2250.0, "tf32": 1125.0, "fp32": 80.0},
+    "H200 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "H100 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "H800": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "GH200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"bf16": 125.0, "tf32": 15.7, "fp32": 15.7},  # no bf16, no TF32: fp16 tensor cores, plain fp32
 }
-"""Dense peak TFLOP/s per GPU model and precision (``bf16`` also serves ``fp16``)."""
+"""Dense peak TFLOP/s per GPU model and rate (``bf16`` also serves ``fp16``; ``tf32``: fp32 runs
+with ``trainer.tf32``)."""
 
 
 @dataclass
@@ -43,18 +58,36 @@ class Peak:
     """Peak TFLOP/s of one device (one rank); ``None`` when unknown (no MFU is reported)."""
     source: str
     """``trainer.peak_tflops``, ``table: <GPU>``, ``cpu probe (...)`` or why it is unknown."""
+    probed: bool = False
+    """Measured by the CPU probe (a lower bound of the real peak when other processes competed)."""
+
+    def mfu(self, tflops: float) -> float | None:
+        """``tflops / peak`` (``None`` without a peak). A probed CPU peak below a step's achieved rate
+        was measured too low (other processes slowed the probe down): the peak is raised to that
+        rate, so the MFU shown never exceeds 100%. Table and configured peaks are kept as given."""
+        if not self.tflops:
+            return None
+        if self.probed and tflops > self.tflops:
+            if "raised" not in self.source:
+                self.source += "; raised to a step's measured rate (the probe ran slowed down)"
+            self.tflops = tflops
+        return tflops / self.tflops
 
 
-def _precision_key(precision: str) -> str:
-    return "fp32" if precision == "fp32" else "bf16"
+def rate_key(precision: str, tf32: bool = False) -> str:
+    """The table column a run's matmuls reach: ``bf16`` (bf16, fp16), ``tf32`` (fp32 with
+    ``trainer.tf32``) or ``fp32``."""
+    if precision != "fp32":
+        return "bf16"
+    return "tf32" if tf32 else "fp32"
 
 
-def gpu_peak_tflops(device_name: str, precision: str) -> tuple[str, float] | None:
+def gpu_peak_tflops(device_name: str, precision: str, tf32: bool = False) -> tuple[str, float] | None:
     """``(table key, TFLOP/s)`` of the first table entry whose name occurs in ``device_name``
     (longest names first, so ``H100 PCIe`` wins over ``H100``); ``None`` for an unknown GPU."""
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in device_name.lower():
-            return key, GPU_PEAK_TFLOPS[key][_precision_key(precision)]
+            return key, GPU_PEAK_TFLOPS[key][rate_key(precision, tf32)]
     return None
 
 
@@ -122,16 +155,20 @@ CONTENDED = 0.1
 """A probe during which other processes ran more than this share of its cores x seconds is
 *contended*: kept (the largest rate measured so far counts) but measured again by the next run,
 until one probe runs on a quiet machine."""
+MAX_OTHERS = 0.75
+"""The largest share of the cores a probe is assumed to have lost to other processes when its rate
+is scaled up (at most 4x)."""
 
 
 def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[float, bool]:
     """``(TFLOP/s, from_cache)``: the cached probe of this CPU, thread count and dtype, or a new
     measurement (:func:`measure_matmul_tflops`) added to ``cache_file``.
 
-    A cache entry is ``{"tflops", "quiet"}``. A probe taken while other processes competed for
-    the cores (``quiet: false``, or an entry of an older format) is repeated by the next run, and
-    the entry keeps the largest rate measured: a busy machine can only make a probe too slow,
-    which would make MFU too high."""
+    A cache entry is ``{"tflops", "quiet"}``. A busy machine can only make a probe too slow, which
+    would make MFU too high (a new user's first run showed 143%), so a probe's rate is divided by
+    the share of the cores it got (``1 - others``, :func:`measure_matmul_tflops`); a probe taken
+    while other processes competed (``quiet: false``, or an entry of an older format) is repeated
+    by the next run, and the entry keeps the largest rate measured."""
     key = probe_key(threads, precision)
     try:
         cache = json.loads(cache_file.read_text())
@@ -144,6 +181,7 @@ def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[fl
         return float(entry["tflops"]), True
     tflops, others = measure_matmul_tflops(threads, precision)
     quiet = others <= CONTENDED
+    tflops /= 1.0 - min(others, MAX_OTHERS)  # the rate the probe would have had with its cores to itself
     if entry is not None:
         tflops = max(tflops, float(entry["tflops"]))
     cache[key] = {"tflops": tflops, "quiet": quiet}
@@ -155,16 +193,17 @@ def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[fl
 
 
 def resolve_peak(override: float | None, precision: str, device_name: str | None, cache_file: Path,
-                 threads: int) -> Peak:
+                 threads: int, tf32: bool = False) -> Peak:
     """The peak of one rank's device: ``override`` (``trainer.peak_tflops``), else the GPU table for
-    ``device_name`` (``None`` on CPU), else the cached CPU probe with ``threads`` threads."""
+    ``device_name`` (``None`` on CPU; ``tf32``: an fp32 run's matmuls use TF32), else the cached CPU
+    probe with ``threads`` threads."""
     if override:
         return Peak(float(override), "trainer.peak_tflops")
     if device_name is not None:
-        hit = gpu_peak_tflops(device_name, precision)
+        hit = gpu_peak_tflops(device_name, precision, tf32)
         if hit is None:
             return Peak(None, f"unknown GPU {device_name!r}: set trainer.peak_tflops for MFU")
-        return Peak(hit[1], f"table: {hit[0]} {_precision_key(precision)}")
+        return Peak(hit[1], f"table: {hit[0]} {rate_key(precision, tf32)}")
     tflops, cached = probe_cpu_tflops(cache_file, threads, precision)
     how = "cached in" if cached else "measured now, cached in"
-    return Peak(tflops, f"cpu matmul probe, {threads} thread(s), {precision} ({how} {cache_file})")
+    return Peak(tflops, f"cpu matmul probe, {threads} thread(s), {precision} ({how} {cache_file})", probed=True)

@@ -9,7 +9,6 @@ metrics and the timeline instead.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from hybridtrain.observe.clock import StepClock
@@ -25,14 +24,11 @@ def _timed(kind: str, handler: Callable[..., Any], clock: StepClock) -> Callable
     def run(engine, **kwargs):
         if not clock.active:
             return handler(engine, **kwargs)
-        mb = clock.next_index(kind)
-        t0 = time.perf_counter()
+        span = clock.open(kind)
         try:
             return handler(engine, **kwargs)
         finally:
-            if clock.sync is not None:
-                clock.sync()
-            clock.add(kind, mb, t0, time.perf_counter())
+            clock.close(span)
 
     run.__name__ = getattr(handler, "__name__", kind)
     return run

@@ -51,7 +51,7 @@ class NvmlSampler:
 
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
+            handle = nvml_handle(pynvml, str(torch.cuda.get_device_properties(index).uuid))
         except Exception:  # noqa: BLE001 - NVML errors (no driver access): simply no utilization
             return None
         return cls(handle, pynvml)
@@ -85,12 +85,13 @@ class NvmlSampler:
         self._thread.join(timeout=1.0)
 
 
-def _physical_index(index: int) -> int:
-    """The NVML index of torch's CUDA device ``index`` under ``CUDA_VISIBLE_DEVICES``."""
-    import os
+def nvml_handle(nvml, uuid: str):
+    """The NVML handle of the GPU whose UUID torch reports (``get_device_properties(i).uuid``).
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if ids and index < len(ids) and ids[index].isdigit():
-        return int(ids[index])
-    return index
+    By UUID, not by index: NVML numbers every GPU of the machine in its own order, while torch's
+    index counts only the devices ``CUDA_VISIBLE_DEVICES`` shows (possibly given as UUIDs, or
+    reordered by ``CUDA_DEVICE_ORDER``), so an index can name another job's GPU. torch prints the
+    UUID without NVML's ``GPU-`` prefix (MIG devices carry ``MIG-``)."""
+    if not uuid.startswith(("GPU-", "MIG-")):
+        uuid = "GPU-" + uuid
+    return nvml.nvmlDeviceGetHandleByUUID(uuid)

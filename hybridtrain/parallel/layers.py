@@ -189,11 +189,9 @@ def sum_grad_over_tp(param: nn.Parameter, tp: TPContext) -> None:
         return
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        from hybridtrain.parallel import collectives
 
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=tp.group)
-        return total
+        return collectives.all_reduce(grad.clone(), grad.device, group=tp.group)  # grads live on the device
 
     param.register_hook(reduce)
 

@@ -6,7 +6,7 @@ from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.plan.hf import apply_pretrained_defaults, layer_params, model_config, pretrained_config
 from hybridtrain.plan.machine import machine_facts
-from hybridtrain.plan.validate import build_plan
+from hybridtrain.plan.validate import build_plan, vocab_pad_multiple
 
 __all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
            "pretrained_config", "resolve", "layer_params"]
@@ -24,6 +24,7 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
 
     machine = machine or machine_facts()
     hf_config = model_config(cfg)
+    cfg.model.vocab_pad_multiple = vocab_pad_multiple(cfg, machine)  # null: 64 on GPUs, 1 on CPU
     if str(cfg.model.family or "") == "auto":
         check_derived_family(cfg, hf_config, announce)
     world, lau = cfg.plan.world_size, cfg.launcher

@@ -29,6 +29,7 @@ from hybridtrain.plan.memory import device_memory_bytes, rank_memory, stage_para
 from hybridtrain.plan.partition import balanced
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine
+from hybridtrain.plan.validate import vocab_pad_multiple
 
 DP_VOLUME = {0: 1.0, 1: 1.5, 2: 1.5, 3: 2.5}
 """Data-parallel traffic per step in all-reduces of the gradients: ZeRO-1/2 add the all-gather of
@@ -208,7 +209,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
         if tp not in cache:
             ok = all(int(v) % tp == 0 for v in shape)
             cache[tp] = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp,
-                                    cfg.model.vocab_pad_multiple) if ok else None
+                                    vocab_pad_multiple(cfg, machine)) if ok else None
         return cache[tp]
 
     budget = device_memory_bytes(cfg.plan, machine, per_node)

@@ -9,8 +9,7 @@ a parameter (4 fp32, 2 bf16/fp16), AdamW moments and master weights in fp32:
 ZeRO    parameters                     gradients (peak)                   optimizer state
 ======= ============================== ================================== =====================================
 0 fp32  ``4P``                         ``4P``                             ``8P`` (moments)
-0 16b   ``2P``                         ``2P``                             ``16P/d`` (BF16 optimizer: fp32 master,
-                                                                          moments, fp32 gradient shards)
+1 bf16  ``2P``                         ``6P`` (bf16 + fp32 buffer)        ``12P/d`` (BF16 optimizer)
 1       ``wP``                         ``max(wP, (w+4)P/d)``              ``12P/d`` (fp32 master + moments)
 2       ``wP``                         ``bucket + 4P/d``                  ``12P/d``
 3       ``w min(P, P/d + small + 1e9)`` ``bucket + 4P/d``                 ``16P/d``
@@ -21,7 +20,10 @@ whole by ZeRO-2/3 at the first backward; ``small`` are ZeRO-3's persistent param
 elements), and up to 1e9 gathered parameters stay live.
 
 ZeRO-1 gradients peak either after the backward (every parameter's full gradient, ``wP``) or
-inside the step (this rank's averaged partition and its fp32 copy, ``(w+4)P/d``).
+inside the step (this rank's averaged partition and its fp32 copy, ``(w+4)P/d``). In bf16 the
+gradients accumulate in fp32 (:func:`hybridtrain.engine.ds_config`), which DeepSpeed runs through
+its BF16 optimizer: every parameter's bf16 gradient plus a full fp32 gradient buffer, reduced over
+dp in fp32. ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validate.py``).
 
 Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
 sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
@@ -73,11 +75,11 @@ def model_state(sizes: list[int], zero: int, dp: int, precision: str) -> tuple[i
     n = sum(sizes)
     w = 4 if precision == "fp32" else 2
     part = -(-n // dp)  # ZeRO pads the flat buffer to a multiple of dp
-    if zero == 0:
-        if precision == "fp32":
-            return 4 * n, 4 * n, 8 * n
-        return 2 * n, 2 * n, 16 * part  # BF16 optimizer: fp32 master, moments, fp32 gradient shards
+    if zero == 0:  # fp32 only: the plan refuses ZeRO-0 in 16 bits
+        return 4 * n, 4 * n, 8 * n
     if zero == 1:
+        if precision == "bf16":  # BF16 optimizer: bf16 gradients and the fp32 accumulation buffer
+            return 2 * n, 6 * n, 12 * part
         return w * n, max(w * n, (w + 4) * part), 12 * part
     bucket = w * REDUCE_BUCKET_SIZE  # allocated whole, whatever the model's size
     if zero == 2:

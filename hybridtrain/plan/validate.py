@@ -34,13 +34,30 @@ def zero_stage_for(asked: int | None, dp: int, precision: str) -> int:
     return 0 if dp == 1 and precision == "fp32" else 1
 
 
+GPU_VOCAB_PAD_MULTIPLE = 64
+"""``model.vocab_pad_multiple: null`` on GPUs: vocabulary rows a multiple of 64 x tp keep the
+embedding and LM-head matmuls on tensor-core friendly shapes."""
+
+
+def uses_gpus(launcher, machine: Machine) -> bool:
+    """Whether the ranks run on GPUs: ``launcher.gpus=true``, or, unless ``launcher.gpus=false`` on
+    ``slurm``, this node's CUDA devices (a cluster's nodes are not this one: ``slurm`` counts only
+    ``launcher.gpus=true``)."""
+    if launcher.gpus is not None and (launcher.gpus or launcher.name == "slurm"):
+        return bool(launcher.gpus)
+    return launcher.name != "slurm" and machine.gpus_per_node > 0
+
+
+def vocab_pad_multiple(cfg: Config, machine: Machine) -> int:
+    """``model.vocab_pad_multiple``, or for ``null`` 64 on GPUs and 1 on CPU processes."""
+    if cfg.model.vocab_pad_multiple is not None:
+        return cfg.model.vocab_pad_multiple
+    return GPU_VOCAB_PAD_MULTIPLE if uses_gpus(cfg.launcher, machine) else 1
+
+
 def _need(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise PlanError(key, message)
-
-
-def _divisors(n: int, limit: int = 64) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _check_cluster_launcher(lau) -> None:
@@ -68,8 +85,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.model.attn_implementation in family.attn_implementations, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r}: transformers runs {family.model_type} only with "
           f"{list(family.attn_implementations)}; use model.attn_implementation={family.attn_implementations[0]}")
-    _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
-          f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
+    pad_multiple = vocab_pad_multiple(cfg, machine)
+    _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
+    cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
 
     for key in ("tp", "pp", "micro_batch_size"):
@@ -136,11 +154,14 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           "ZeRO 0 and 1 only; use parallel.zero_stage=1, or pp=1 for ZeRO-2/3")
     _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
           "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
-    # DeepSpeed's BF16_Optimizer (ZeRO-0 in bf16/fp16) stacks an empty list of gradient norms on a
-    # TP rank > 0 whose parameter group holds only replicated tensors (norms, biases) and crashes.
-    _need(zero != 0 or tr.precision == "fp32" or par.tp == 1, "parallel.zero_stage",
-          f"zero_stage=0 with trainer.precision={tr.precision} and parallel.tp={par.tp}: DeepSpeed's bf16 "
-          "optimizer fails on tensor-parallel ranks; use parallel.zero_stage=1 (or leave it null)")
+    # 16-bit ZeRO-0 is DeepSpeed's unpartitioned fp16/bf16 optimizer (about 20 bytes per parameter on
+    # every rank) or, with fp32 gradient accumulation, no optimizer at all (NotImplementedError); its
+    # checkpoints lack the fp32 master weights and the AdamW moments hybridtrain saves and re-shards.
+    # ZeRO-1 holds the same state at dp = 1 and partitions it at dp > 1.
+    _need(zero != 0 or tr.precision == "fp32", "parallel.zero_stage",
+          f"zero_stage=0 with trainer.precision={tr.precision}: DeepSpeed trains 16-bit ZeRO-0 with an "
+          "unpartitioned optimizer whose checkpoints cannot be saved, resumed or re-sharded; use "
+          "parallel.zero_stage=1 (the same memory with one replica) or leave it null")
 
     # Loop.
     _need(tr.max_steps >= 1, "trainer.max_steps", f"must be >= 1, got {tr.max_steps}")
@@ -160,7 +181,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
     names = unit_names(model_units(family, hf_config))
     n_pre, _, n_post = split_around_blocks(names)
-    padded = padded_vocab(model_vocab, par.tp, cfg.model.vocab_pad_multiple)
+    padded = padded_vocab(model_vocab, par.tp, pad_multiple)
     if par.stage_layers is not None:
         try:
             bounds = manual(par.stage_layers, len(names), par.pp)

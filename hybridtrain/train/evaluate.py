@@ -29,7 +29,8 @@ def _loss_pipeline(built: Built, micro: list[tuple], layout: BatchLayout) -> flo
 
 def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> float:
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -38,8 +39,7 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
             total += engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device))).float()
     total /= layout.grad_accum
     if layout.dp > 1:
-        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
-        total /= layout.dp
+        total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp
     return float(total)
 
 

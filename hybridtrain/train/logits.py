@@ -17,7 +17,8 @@ def micro_batch_logits(built, plan, input_ids, labels):
     """Logits ``[batch, seq, vocab]`` (fp32, unpadded) of one micro-batch on the last pipeline stage,
     ``None`` on other stages. Every rank must call it (the pipeline forward is collective)."""
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     engine = built.engine
     if plan.pp > 1:
@@ -37,10 +38,8 @@ def micro_batch_logits(built, plan, input_ids, labels):
         finally:
             module.train()
     shard = shard.detach().float()
-    if built.tp.size > 1:  # vocabulary-parallel shards -> full vocabulary
-        parts = [torch.empty_like(shard) for _ in range(built.tp.size)]
-        dist.all_gather(parts, shard.contiguous(), group=built.tp.group)
-        shard = torch.cat(parts, dim=-1)
+    if built.tp.size > 1:  # vocabulary-parallel shards -> full vocabulary (gathered on the device)
+        shard = torch.cat(collectives.all_gather(shard, engine.device, group=built.tp.group), dim=-1)
     return shard[..., :plan.vocab_size].cpu()
 
 

@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
 from hybridtrain.data.sampler import BatchLayout, Samples
-from hybridtrain.engine import Built, lr_lambda
+from hybridtrain.engine import Built
 from hybridtrain.observe.clock import StepClock
 from hybridtrain.plan.types import Plan
 from hybridtrain.rundir import RunDir
 from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
+from hybridtrain.train.prefetch import DeviceBatches
 from hybridtrain.train.preempt import StopRequest
 from hybridtrain.train.watchdog import Watchdog
 
@@ -26,8 +28,13 @@ class MetricsWriter:
         self._also = also  # the logger (TensorBoard, W&B) gets every record too
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record``; a non-finite number (an fp16 overflow's infinite gradient norm) is written
+        as ``null`` and its key listed under ``nonfinite``: JSON has no ``Infinity`` or ``NaN``."""
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            record = {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
             if self._also is not None:
                 self._also(record)
 
@@ -43,11 +50,13 @@ def _step_pipeline(built: Built, stream) -> float:
 def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLayout, timer: DataTimer,
                      clock: StepClock) -> float:
     import torch
-    import torch.distributed as dist
+
+    from hybridtrain.parallel import collectives
 
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for input_ids, (labels, weight) in timer.wrap(samples.micro_batches(step, layout, built.dp_rank, weighted=True)):
+    batches = DeviceBatches(samples.micro_batches(step, layout, built.dp_rank, weighted=True), engine.device)
+    for input_ids, (labels, weight) in timer.wrap(batches):
         with clock.span("forward"):  # spans feed stage times and the timeline (hybridtrain/observe)
             loss = engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device)))
         with clock.span("backward"):
@@ -57,8 +66,7 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
         total += loss.detach().float()
     total /= layout.grad_accum
     if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
-        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
-        total /= layout.dp
+        total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp
     return float(total)
 
 
@@ -76,7 +84,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     engine = built.engine
     timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
     evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
-    stream = timer.wrap(samples.stream(start_step, layout, built.dp_rank, weighted=True)) if plan.pp > 1 else None
+    stream = (timer.wrap(DeviceBatches(samples.stream(start_step, layout, built.dp_rank, weighted=True), engine.device))
+              if plan.pp > 1 else None)
     from hybridtrain.observe.observer import Observer
 
     obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
@@ -86,13 +95,13 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.trainer.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-    lr_at = lr_lambda(cfg.optim, cfg.trainer.max_steps)
     losses: list[float] = []
     start = time.perf_counter()
     watchdog = Watchdog(cfg.trainer.hang_timeout_s).start()  # no step for hang_timeout_s: stacks, exit
     for step in range(start_step, cfg.trainer.max_steps):
         log_now = (step + 1) % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps
         obs.begin_step(step + 1, log_now)
+        lr = engine.get_lr()[0]  # this step's: an fp16 step skipped on overflow does not advance the schedule
         t0, wait0 = time.perf_counter(), timer.seconds
         loss = (_step_pipeline(built, stream) if plan.pp > 1
                 else _step_sequential(built, samples, step, layout, timer, obs.clock))
@@ -108,8 +117,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         if log_now:
             norm = engine.get_global_grad_norm()
             writer.write({
-                "step": step + 1, "loss": loss, "lr": cfg.optim.lr * lr_at(step),
+                "step": step + 1, "loss": loss, "lr": lr,
                 "grad_norm": float(norm) if norm is not None else None,
+                **({"skipped_steps": int(engine.skipped_steps)} if plan.precision != "fp32" else {}),
                 "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
                 "elapsed_s": time.perf_counter() - start,
                 "model_state_bytes": built.model_state_bytes, "data_wait_s": timer.seconds - wait0,

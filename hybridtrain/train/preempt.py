@@ -49,11 +49,11 @@ class StopRequest:
     def agreed(self, device) -> bool:
         """Whether any rank has been signalled; a collective every rank must call at the same step."""
         import torch
-        import torch.distributed as dist
+
+        from hybridtrain.parallel import collectives
 
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return bool(collectives.all_reduce(flag, device, op="max").item() > 0)
 
 
 def write_marker(run_dir: Path, step: int, checkpoint: Path) -> None:

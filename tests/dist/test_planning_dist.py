@@ -56,3 +56,14 @@ def test_model_state_estimate_within_10_percent_of_real_allocations(verified, tm
         assert abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (run_dir.name, est, measured)
         checked.append(run_dir.name)
     assert checked == ["plan", "single", "dp2"]
+
+
+def test_bf16_model_state_estimate_follows_the_bf16_optimizer(tmp_path):
+    """bf16 with ZeRO-1 runs DeepSpeed's BF16 optimizer (fp32 gradient accumulation): bf16 gradients
+    plus a full fp32 gradient buffer, master weights and moments partitioned over dp."""
+    run_cli(tmp_path, "+recipe=gpt_tiny", "parallel.dp=2", "trainer.precision=bf16", "trainer.max_steps=2",
+            "optim.warmup_steps=1", "trainer.save_final=false")
+    est, measured = _estimate_and_measurement(tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text())["zero_stage"] == 1
+    assert abs(est.grads - measured["grads"]) <= 0.02 * measured["grads"], (est, measured)
+    assert abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (est, measured)

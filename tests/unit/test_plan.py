@@ -485,12 +485,15 @@ def test_zero_stage_default_follows_dp_and_precision(dp, precision, asked, used)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_zero_0_in_half_precision_needs_tp_1(precision):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_zero_0_in_half_precision_is_refused(precision, tp, pp):
     cfg = tiny()
-    cfg.parallel.tp, cfg.parallel.zero_stage, cfg.trainer.precision = 2, 0, precision
-    plan_error(cfg, "parallel.zero_stage", "zero_stage=0", f"trainer.precision={precision}", "parallel.tp=2",
-               "use parallel.zero_stage=1", machine=Machine(fp16_supported=True))
-    cfg.parallel.tp = 1
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage, cfg.trainer.precision = tp, pp, 0, precision
+    plan_error(cfg, "parallel.zero_stage", "zero_stage=0", f"trainer.precision={precision}",
+               "cannot be saved, resumed or re-sharded", "use parallel.zero_stage=1", machine=Machine(fp16_supported=True))
+    cfg.parallel.zero_stage = None  # the default of 16-bit runs: ZeRO-1
+    assert resolve(cfg, Machine(fp16_supported=True))[0].zero_stage == 1
+    cfg.parallel.zero_stage, cfg.trainer.precision = 0, "fp32"
     assert resolve(cfg, Machine(fp16_supported=True))[0].zero_stage == 0
 
 

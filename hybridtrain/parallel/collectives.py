@@ -1,0 +1,74 @@
+"""Every collective hybridtrain calls itself, on the device the backend needs.
+
+NCCL reduces and gathers only CUDA tensors of the rank's own device; gloo takes CPU tensors. A
+tensor that enters a collective on the wrong device (a checkpoint tensor already copied to the
+host, ``torch.nn.utils.get_total_norm([])``, which torch returns on the CPU) crashes only on a GPU
+job: the CPU suite on gloo cannot see it. So the rule lives here, in one place: the caller names
+the device the collective runs on (the engine's device, :func:`comm_device` without an engine),
+a tensor elsewhere is copied there first, and the result comes back on that device; callers move
+it to the host afterwards. ``tests/unit/test_collectives.py`` fails when ``hybridtrain`` calls a
+``torch.distributed`` collective anywhere else.
+
+Not covered, because not ours: DeepSpeed's collectives (ZeRO, the pipeline's sends, the tensor-
+parallel layers of ``deepspeed.module_inject``, whose inputs are activations on the device) and
+the link probe of :mod:`hybridtrain.plan.calibrate` (its own process group, tensors made on
+``cuda:rank``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def comm_device() -> torch.device:
+    """The device the default process group communicates on: the current CUDA device under NCCL,
+    else the CPU (gloo, or no process group)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def on_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """``tensor`` on ``device`` (itself when it is there already), contiguous, as collectives want."""
+    return tensor.to(device).contiguous()
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, device: Any, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """``op`` (``sum``, ``max``, ``min``) of ``tensor`` over ``group``, on ``device``; the input is
+    reduced in place when it is on ``device`` already. Without a process group (or in a group of
+    one) the tensor is returned on ``device`` unchanged."""
+    out = on_device(tensor, device)
+    if _world(group) > 1:
+        dist.all_reduce(out, op=_OPS[op], group=group)
+    return out
+
+
+def all_gather(tensor: torch.Tensor, device: Any, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype on every rank) in group-rank order, on ``device``."""
+    local = on_device(tensor, device)
+    n = _world(group)
+    if n == 1:
+        return [local]
+    out = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(out, local, group=group)
+    return out
+
+
+def barrier(device: Any = None, group: Any = None) -> None:
+    """Wait until every rank of ``group`` arrives (a no-op without a process group). On a CUDA
+    ``device`` NCCL synchronises on that device, never on a guessed one (torch's default)."""
+    if not dist.is_initialized():
+        return
+    device = torch.device(device) if device is not None else comm_device()
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)

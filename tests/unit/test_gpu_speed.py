@@ -1,0 +1,65 @@
+"""Speed and precision settings that differ on a GPU, checked where a CPU can show them: the DeepSpeed
+config (fused AdamW on CUDA, fp32 gradient accumulation in bf16), the device prefetcher's pass-through
+on the CPU and the metrics writer's valid JSON for infinite values."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers_unit import compose_config
+from hybridtrain.engine import ds_config
+from hybridtrain.plan import resolve
+from hybridtrain.plan.types import Machine
+
+
+def _conf(precision: str, gpu: bool) -> dict:
+    cfg = compose_config("+recipe=gpt_tiny", f"trainer.precision={precision}", "parallel.dp=1")
+    plan, _ = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=True, cpu_cores=2))
+    return ds_config(cfg, plan, gpu=gpu)
+
+
+def test_fused_adamw_on_cuda_only():
+    assert _conf("fp32", gpu=True)["optimizer"]["params"]["fused"] is True
+    assert "fused" not in _conf("fp32", gpu=False)["optimizer"]["params"]  # CPU: what runs today
+
+
+def test_deepspeed_hands_fused_to_torch_adamw():
+    """DeepSpeed's torch_adam path (engine.py get_optimizer_configuration) pops its own keys and passes
+    the rest to torch.optim.AdamW, so ``fused`` reaches torch."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    params = dict(_conf("fp32", gpu=True)["optimizer"]["params"])
+    cls, kwargs = DeepSpeedEngine.get_optimizer_configuration(None, params, True)
+    opt = cls([torch.nn.Parameter(torch.zeros(2))], **params, **kwargs)
+    assert cls is torch.optim.AdamW and opt.defaults["fused"] is True
+
+
+@pytest.mark.parametrize("precision,accum", [("bf16", "fp32"), ("fp32", None), ("fp16", None)])
+def test_gradients_accumulate_in_fp32_in_bf16(precision, accum):
+    conf = _conf(precision, gpu=False)
+    assert conf.get("data_types", {}).get("grad_accum_dtype") == accum
+
+
+def test_device_batches_pass_through_on_cpu():
+    import torch
+
+    from hybridtrain.train.prefetch import DeviceBatches
+
+    items = [(torch.ones(2), (torch.zeros(2), torch.tensor(0.5))) for _ in range(3)]
+    assert [x for x in DeviceBatches(items, "cpu")] == items  # the very objects: CPU runs are unchanged
+    assert list(DeviceBatches(iter([]), torch.device("cpu"))) == []
+
+
+def test_non_finite_metrics_are_valid_json(tmp_path):
+    from hybridtrain.train.loop import MetricsWriter
+
+    writer = MetricsWriter(tmp_path / "m.jsonl")
+    writer.write({"step": 1, "loss": 2.5, "grad_norm": float("inf")})
+    writer.write({"step": 2, "loss": float("nan"), "grad_norm": 1.0})
+    writer.close()
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    first, second = (json.loads(ln, parse_constant=lambda c: pytest.fail(f"{c} in {ln}")) for ln in lines)
+    assert first == {"step": 1, "loss": 2.5, "grad_norm": None, "nonfinite": ["grad_norm"]}
+    assert second == {"step": 2, "loss": None, "grad_norm": 1.0, "nonfinite": ["loss"]}
