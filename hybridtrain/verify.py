@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "attention_dropout")
-"""Set to 0 in the twin: dropout masks depend on the layout, so they would make any comparison fail."""
 TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (3e-2, 3e-2), "fp16": (3e-2, 3e-2)}
 """(loss, grad norm) relative tolerance by ``trainer.precision``."""
 
@@ -76,7 +74,7 @@ def shrink(cfg, plan, hf_config, steps: int) -> dict:
         config[family.kv_heads] = kv_small
     if "head_dim" in config or getattr(hf_config, "head_dim", None):
         config["head_dim"] = head_dim
-    for key in DROPOUT_KEYS:
+    for key in family.dropout_keys:  # 0 in the twin: masks depend on the layout, so would any comparison
         if hasattr(hf_config, key):
             config[key] = 0.0
     micro_batches = max(2, plan.pp)  # the pipeline runs more than one micro-batch
