@@ -43,8 +43,10 @@ def compose(overrides: Sequence[str]) -> Config:
 def command(run_dir: Path | str | None, overrides: Sequence[str]) -> list[str]:
     """``python -m hybridtrain [hydra.run.dir=RUN_DIR] OVERRIDES`` with this interpreter (no
     ``hydra.run.dir`` when ``run_dir`` is ``None``: a sweep, or one given in ``overrides``)."""
-    return [sys.executable, "-m", "hybridtrain", *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
-            *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra's options (-m, --cfg) go before any override
+    rest = [o for o in overrides if not o.startswith("-")]
+    return [sys.executable, "-m", "hybridtrain", *flags,
+            *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []), *rest]
 
 
 def environment(env: Mapping[str, str] | None = None, path_first: Sequence[Path | str] = ()) -> dict[str, str]:
