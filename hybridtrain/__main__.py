@@ -46,9 +46,9 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.config import save_config, to_config
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch import check, start
-    from hybridtrain.models.build import meta_model
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
+    from hybridtrain.plan.costs import model_facts
     from hybridtrain.plan.data import check_data_counts
 
     try:
@@ -86,7 +86,7 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
-    params = sum(p.numel() for p in meta_model(hf_config).parameters())
+    params = model_facts(typed.model.model_type, hf_config, plan.seq_len).total_params()  # from shapes, no model
     print(summary(plan, hf_config, params), flush=True)
     prepared = None
     # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
@@ -113,7 +113,8 @@ def run(cfg: DictConfig) -> int:
         _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))
     code = start(run_dir, plan, typed.launcher, machine)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
-        print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
+        log = "" if typed.launcher.verbose else f", DeepSpeed's log is {run_dir / 'launcher.log'}"
+        print(f"[hybridtrain] training failed (exit code {code}); the worker output is above{log}, "
               f"the run directory is {run_dir}", file=sys.stderr)
     return code
 

@@ -74,4 +74,4 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     where = f"node {launcher.node_rank} of {plan.nodes}" if launcher.no_ssh else f"{plan.nodes} hosts over ssh"
     print(f"[hybridtrain] launching {plan.world_size} rank(s) on {where}, {threads} thread(s) each: "
           f"{' '.join(cmd)}", flush=True)
-    return run_runner(cmd, env, run_dir)
+    return run_runner(cmd, env, run_dir, launcher.verbose)

@@ -39,20 +39,12 @@ def machine_facts() -> Machine:
 
 
 def layer_params(cfg: Config, hf_config) -> list[int]:
-    """Parameter count of each pipeline layer (from the meta model; no memory is allocated)."""
-    from hybridtrain.models.build import meta_model
-    from hybridtrain.models.families import get_family
+    """Parameter count of each pipeline layer, unpadded vocabulary, a tied head counted again
+    (from the parameter shapes; no model is built)."""
+    from hybridtrain.plan.costs import model_facts
 
-    family = get_family(cfg.model.model_type)
-    model = meta_model(hf_config)
-
-    def count(path: str) -> int:
-        return sum(p.numel() for p in model.get_submodule(path).parameters())
-
-    counts = [count(family.embed)] + ([count(family.position_embed)] if family.position_embed else [])
-    counts += [count(f"{family.blocks}.{i}") for i in range(getattr(hf_config, family.n_layers))]
-    counts += [count(family.final_norm), count(family.embed if hf_config.tie_word_embeddings else family.head)]
-    return counts
+    facts = model_facts(cfg.model.model_type, hf_config, cfg.data.seq_len)
+    return [u.params(1) for u in facts.units]
 
 
 def pretrained_config(cfg: Config):
@@ -104,7 +96,7 @@ def apply_pretrained_defaults(cfg: Config) -> None:
 def model_config(cfg: Config):
     """The HF config of this run: ``model.config`` overrides over the family defaults, with the
     tokenizer's vocabulary size and EOS id unless overridden. Launcher and workers both call this."""
-    from hybridtrain.data.tokenizer import eos_id, vocab_size
+    from hybridtrain.data.tokenizer import load_tokenizer
     from hybridtrain.models.build import hf_config_of
     from hybridtrain.models.families import FAMILIES
 
@@ -114,7 +106,8 @@ def model_config(cfg: Config):
     if cfg.model.pretrained:
         return pretrained_config(cfg)
     try:
-        vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
+        tokenizer = load_tokenizer(cfg.data)  # once: both numbers
+        vocab, eos = len(tokenizer), tokenizer.eos_token_id
     except FileNotFoundError as err:
         raise PlanError("data.tokenizer", str(err)) from None
     return hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, cfg.model.attn_implementation, eos)

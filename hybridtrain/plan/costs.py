@@ -1,11 +1,13 @@
 """Per-pipeline-layer facts of a model: parameters per TP rank, FLOPs, activation bytes.
 
-Everything is derived from the HF config and a *one-block* meta model (blocks are identical),
-so a 70B model costs the same milliseconds as a tiny one. The balanced partition, the memory
+Everything is derived from the HF config: parameter shapes from :mod:`hybridtrain.models.shapes`
+(a one-block meta model for a family not written down there; blocks are identical), so a 70B
+model costs the same milliseconds as a tiny one. The balanced partition, the memory
 estimate and the automatic plan search all read these numbers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, get_family, padded_vocab
@@ -72,34 +74,49 @@ class ModelFacts:
         return sum(u.params(1) for u in self.units if not u.tied)
 
 
-def _block_split(family: Family, block) -> tuple[list[int], list[int]]:
-    """Parameter element counts of one HF block: (TP-sharded, replicated), by the family's TP plan."""
+def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Parameter element counts of one HF block (name -> shape): (TP-sharded, replicated), by the family's TP plan."""
     sharded, replicated = [], []
-    for name, p in block.named_parameters():
+    for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         rule = family.tp_plan.get(module)
         split = rule is not None and (rule.style == "column" or leaf == "weight")  # row bias: replicated
-        (sharded if split else replicated).append(p.numel())
+        (sharded if split else replicated).append(math.prod(shape))
     return sharded, replicated
 
 
-def model_facts(model_type: str, hf_config, seq_len: int, tp_for_padding: int = 1,
-                vocab_pad_multiple: int = 1) -> ModelFacts:
-    """Facts of every pipeline layer of ``hf_config`` (one-block meta model, no memory)."""
+def _meta_shapes(hf_config, family: Family) -> tuple[dict, dict]:
+    """Shapes of one block and of the final norm from a one-block HF meta model (families that
+    :mod:`hybridtrain.models.shapes` does not cover)."""
     import copy
 
     from hybridtrain.models.build import meta_model
 
-    family = get_family(model_type)
-    layers = int(getattr(hf_config, family.n_layers))
     one = copy.deepcopy(hf_config)
     setattr(one, family.n_layers, 1)
     model = meta_model(one)
+
+    def shapes(path: str) -> dict:
+        return {n: tuple(p.shape) for n, p in model.get_submodule(path).named_parameters()}
+
+    return shapes(f"{family.blocks}.0"), shapes(family.final_norm)
+
+
+def model_facts(model_type: str, hf_config, seq_len: int, tp_for_padding: int = 1,
+                vocab_pad_multiple: int = 1) -> ModelFacts:
+    """Facts of every pipeline layer of ``hf_config`` (parameter shapes from the config, no model)."""
+    from hybridtrain.models.shapes import block_shapes, final_norm_shapes
+
+    family = get_family(model_type)
+    layers = int(getattr(hf_config, family.n_layers))
+    block, final = block_shapes(model_type, hf_config), final_norm_shapes(model_type, hf_config)
+    if block is None or final is None:
+        block, final = _meta_shapes(hf_config, family)
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    sharded, replicated = _block_split(family, model.get_submodule(f"{family.blocks}.0"))
-    norm = tuple(p.numel() for p in model.get_submodule(family.final_norm).parameters())
+    sharded, replicated = _block_split(family, block)
+    norm = tuple(math.prod(shape) for shape in final.values())
     units: list[UnitFacts] = []
     for name in layer_names(family, layers):
         fwd = unit_forward_flops(name, family, hf_config, seq_len, vocab)
