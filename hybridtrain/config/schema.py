@@ -204,7 +204,7 @@ class LauncherConfig:
     """How worker processes are started (``docs/slurm.md`` for ``slurm`` and ``multinode``)."""
 
     name: str = "local"
-    """``local``: the deepspeed runner on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
+    """``local``: DeepSpeed's launcher on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
     starts every rank; ``multinode``: the deepspeed runner over several machines (``launcher.hostfile``,
     or ``launcher.no_ssh`` on each node)."""
     nodes: int = 1
