@@ -102,16 +102,16 @@ class CliRun:
 
 
 def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None, timeout: float = 1800,
-                    inject: bool = False) -> CliRun:
-    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root; stdout lines
-    and the first ``metrics.jsonl`` line are time-stamped. ``inject`` puts ``bench/inject`` first on
-    the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only when ``HT_BENCH_*`` is set)."""
-    paths = ([str(INJECT)] if inject else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
+                    inject: bool = False, root: Path = ROOT) -> CliRun:
+    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root (``root``: another
+    checkout's); stdout lines and the first ``metrics.jsonl`` line are time-stamped. ``inject`` puts
+    ``bench/inject`` first on the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only when ``HT_BENCH_*`` is set)."""
+    paths = ([str(INJECT)] if inject else []) + [str(root), os.environ.get("PYTHONPATH", "")]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p), **(env or {}))
     metrics = run_dir / "metrics.jsonl"
     marks: dict[str, float] = {}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", f"hydra.run.dir={run_dir}", *overrides], cwd=root,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
 
