@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from common import ROOT, check, median_of, run_hybridtrain, steady_step_time
+from common import ROOT, check, median_of, run_hybridtrain, steady_step_time, tree_cpu
 
 # The benchmark model. Full: gpt_tiny widened to 192 so that compute, not per-step bookkeeping, is
 # most of a step (4 layers, 6 heads, MLP 768, vocab 8000, 3.4M parameters), 8 sequences a step.
@@ -261,19 +262,25 @@ def _run_ds_minimal(out: Path, pp: int, quick: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = None
+    first, cpu = None, {}
     marker = out / "first_step.json"
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)  # a full pipe never blocks it
+    reader.start()
     while proc.poll() is None:
         if first is None and marker.exists() and marker.stat().st_size:
             first = time.perf_counter() - t0
+            cpu = tree_cpu(proc.pid)
         time.sleep(0.02)
-    output = proc.stdout.read()  # type: ignore[union-attr]
+    reader.join()
+    output = "".join(output)
     if proc.returncode != 0 or not marker.exists():
         raise RuntimeError(f"minimal DeepSpeed script failed:\n{output[-4000:]}")
     first = first or time.perf_counter() - t0
     own = json.loads(marker.read_text())
     return {"first_step_s": first, "worker_own_s": own["first step"], "imports_s": own["imports"],
-            "build_s": own["engine ready"] - own["init_distributed"], "step_s": own["first step"] - own["engine ready"]}
+            "build_s": own["engine ready"] - own["init_distributed"], "step_s": own["first step"] - own["engine ready"],
+            **{f"cpu_{k}_s": v for k, v in cpu.items()}}
 
 
 def startup_run(run_dir: Path, quick: bool, root: Path = ROOT) -> dict:
@@ -284,7 +291,7 @@ def startup_run(run_dir: Path, quick: bool, root: Path = ROOT) -> dict:
                                                                                 "optim.warmup_steps=0"], root=root))
     m = run.marks
     ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
-    return {"first_step_s": m["first step"], "config_plan_s": m["config + plan"],
+    return {**{f"cpu_{k}_s": v for k, v in run.cpu.items()}, "first_step_s": m["first step"], "config_plan_s": m["config + plan"],
             "data_s": m["data (cached)"] - m["config + plan"],
             "to_runner_s": m["controller to runner"] - m["data (cached)"],
             "runner_to_worker_start_s": m["runner + workers ready"] - ready - m["controller to runner"],
@@ -309,7 +316,16 @@ def startup_rows(sides: dict[str, list[dict]], ds: list[dict]) -> list[list[str]
             row("worker: imports, init, build model + engine (rank 0)", "worker_ready_s",
                 f"{d['worker_own_s'] - d['step_s']:.1f}"),
             row("worker: first step", "first_step_in_worker_s", f"{d['step_s']:.1f}"),
-            row("launch to first step", "first_step_s", f"{d['first_step_s']:.1f}", bold=True)]
+            row("launch to first step", "first_step_s", f"{d['first_step_s']:.1f}", bold=True),
+            row("CPU s to the first step: controller", "cpu_controller_s", "-"),
+            _cpu_row(med, d, "CPU s: DeepSpeed's runner + launcher", ("cpu_runner_s", "cpu_launch_s")),
+            _cpu_row(med, d, "CPU s: the busiest worker", ("cpu_worker_max_s",)),
+            _cpu_row(med, d, "CPU s on the critical path (the sum of the three)", ("cpu_critical_s",), bold=True)]
+
+
+def _cpu_row(med: dict, d: dict, label: str, keys: tuple[str, ...], bold: bool = False) -> list[str]:
+    cells = [f"{sum(m[k] for k in keys):.1f}" for m in med.values()] + [f"{sum(d[k] for k in keys):.1f}"]
+    return [label] + ([f"**{c}**" for c in cells] if bold else cells)
 
 
 def paired_ratio(a: list[dict], b: list[dict], key: str = "first_step_s") -> float:
@@ -330,12 +346,14 @@ def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict
         "what": ("The same plan (pp=2, 2 processes, one thread each, the benchmark model, global batch 8, "
                  "micro-batch 1). hybridtrain: `python -m hybridtrain ... trainer.max_steps=1` until its metrics.jsonl "
                  "gets the first line, phases from the time-stamped output lines and the worker's own "
-                 "`rank 0 ready in` time. Baseline: `bench/startup_deepspeed.py` through the deepspeed runner "
+                 "`rank 0 ready in` time; CPU seconds of each process when the first step is written (`common.tree_cpu`). "
+                 "Baseline: `bench/startup_deepspeed.py` through the deepspeed runner "
                  "(HF GPT2Block layers in a PipelineModule, random tokens) until rank 0 writes its first-step file."),
         "table": rows,
         "summary": f"Launch to first step: hybridtrain **{a:.1f} s**, minimal DeepSpeed {b:.1f} s "
                    f"(difference {a - b:+.1f} s, ratio of the medians {a / b:.2f}x, median of the per-round "
-                   f"ratios {paired_ratio(res['hybridtrain'], res['deepspeed']):.2f}x).",
+                   f"ratios {paired_ratio(res['hybridtrain'], res['deepspeed']):.2f}x; CPU seconds on the critical "
+                   f"path {paired_ratio(res['hybridtrain'], res['deepspeed'], 'cpu_critical_s'):.2f}x).",
         "ratio": a / b, "raw": res,
         "plot": {"labels": ["hybridtrain", "minimal DeepSpeed"], "values": [a, b], "ylabel": "s to first step"},
     }

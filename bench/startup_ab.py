@@ -8,7 +8,8 @@ touched) and run with its own code (``PYTHONPATH`` and working directory); both 
 data cache, and one unrecorded warm-up round runs first. The plan and phases are those of the suite's
 ``startup`` comparison (``bench/comparisons.py``). On a shared machine absolute seconds move with
 the load, so the ratios are the result: the median over rounds of each side's time over the
-baseline's time in the same round. Writes ``bench/results/startup_ab_DATE.md`` / ``.json``.
+baseline's time in the same round, for the wall time and for the CPU seconds on the critical path
+(``common.tree_cpu``), which other processes stretch far less. Writes ``bench/results/startup_ab_DATE.md`` / ``.json``.
 """
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def main() -> None:
     ds = res.pop("deepspeed")
     rows = startup_rows(res, ds)
     ratios = {name: paired_ratio(runs, ds) for name, runs in res.items()}
+    cpu = {name: paired_ratio(runs, ds, "cpu_critical_s") for name, runs in res.items()}
     summary = "; ".join(f"{name}: {median_of(runs, 'first_step_s'):.1f} s, **{ratios[name]:.2f}x** the minimal "
-                        f"script" for name, runs in res.items())
+                        f"script's wall time, {cpu[name]:.2f}x its CPU seconds on the critical path"
+                        for name, runs in res.items())
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     cmd = " ".join(["python", "bench/startup_ab.py", *sys.argv[1:]])
     md = "\n".join([f"# Start-up before and after, {stamp}", "", f"Machine: {machine_line(info)}", "",
@@ -76,7 +79,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"startup_ab_{stamp}.md").write_text(md)
     (args.out / f"startup_ab_{stamp}.json").write_text(json.dumps(
-        {"command": cmd, "machine": info, "rounds": args.rounds, "ratios": ratios, "raw": {**res, "deepspeed": ds}},
+        {"command": cmd, "machine": info, "rounds": args.rounds, "ratios": ratios, "cpu_ratios": cpu, "raw": {**res, "deepspeed": ds}},
         indent=1, default=str))
     print(md)
 
