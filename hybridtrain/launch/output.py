@@ -1,18 +1,22 @@
-"""What the launcher and the workers print: DeepSpeed's chatter to ``RUN_DIR/launcher.log``, the rest
-to the console (``launcher.verbose=false``, the default).
+"""What the ranks (and the deepspeed runner) print: DeepSpeed's chatter to ``RUN_DIR/launcher.log``,
+the rest to the console (``launcher.verbose=false``, the default).
 
-The deepspeed launcher and the ranks share one stdout, which the controller reads line by line
-(:func:`pump`): every line goes to the log file; the console gets all but DeepSpeed's INFO and
-WARNING log lines (its logger writes ``[date] [LEVEL] [file:line:func] message`` to stdout) and its
-start-up prints (:data:`DEEPSPEED_PRINTS`). DeepSpeed's ERROR lines, hybridtrain's lines, anything
-unrecognised, and all of stderr (tracebacks, warnings, the progress bar, stack dumps), which
-is never piped, reach the console as before. DeepSpeed has no switch for this: its launcher's
-``--log_level`` applies only to the launcher process, and the ranks' logger is set up when
-``deepspeed`` is imported.
+The processes the controller starts share one stdout, a pipe the controller reads line by line
+(:class:`Output`, :func:`pump`): every line goes to the log file; the console gets all but
+DeepSpeed's INFO and WARNING log lines (its logger writes ``[date] [LEVEL] [file:line:func] message``
+to stdout) and its start-up prints (:data:`DEEPSPEED_PRINTS`). DeepSpeed's ERROR lines,
+hybridtrain's lines, anything unrecognised, and all of stderr (tracebacks, warnings, the progress
+bar, stack dumps), which is never piped, reach the console as before. DeepSpeed has no switch for
+this: its launchers' ``--log_level`` applies only to their own process, and a rank's logger is set
+up when ``deepspeed`` is imported.
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
+import threading
+from pathlib import Path
 from typing import BinaryIO
 
 LOG_NAME = "launcher.log"
@@ -43,3 +47,34 @@ def pump(stream: BinaryIO, console: BinaryIO, log: BinaryIO) -> None:
         if for_console(line):
             console.write(line)
             console.flush()
+
+
+class Output:
+    """The stdout to give the processes the controller starts: the console's own (``verbose``), or
+    the write end of a pipe that :func:`pump` empties into ``RUN_DIR/launcher.log`` and the console."""
+
+    def __init__(self, run_dir: Path, verbose: bool, command: list[str]):
+        self.log = self._read = self.stdout = self._reader = None
+        if verbose:
+            return
+        self.log = open(Path(run_dir) / LOG_NAME, "ab")
+        self.log.write(f"$ {' '.join(command)}\n".encode())
+        self.log.flush()
+        self._read, self.stdout = os.pipe()
+
+    def started(self) -> None:
+        """The processes hold the pipe now: drop the controller's write end, start pumping."""
+        if self.stdout is None:
+            return
+        os.close(self.stdout)
+        console = getattr(sys.stdout, "buffer", sys.stdout)
+        self._reader = threading.Thread(target=pump, args=(os.fdopen(self._read, "rb"), console, self.log), daemon=True)
+        self._reader.start()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the processes exited: wait for the last lines (not for a straggler that still holds the pipe)."""
+        if self._reader is None:
+            return
+        self._reader.join(timeout)
+        if not self._reader.is_alive():
+            self.log.close()

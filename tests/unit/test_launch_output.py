@@ -1,5 +1,5 @@
-"""The local launcher without processes: its command is what the deepspeed runner would start for
-one node, and what of the ranks' stdout reaches the console (``launcher.verbose``)."""
+"""The local launcher without processes: its ranks get what DeepSpeed's launcher would give them on
+one node, and what of their stdout reaches the console (``launcher.verbose``)."""
 from __future__ import annotations
 
 import io
@@ -9,52 +9,45 @@ from pathlib import Path
 import pytest
 
 from hybridtrain.launch.output import for_console, pump
-from hybridtrain.plan.types import Plan
-
-
-def _plan(world: int) -> Plan:
-    names = ["embed", "block.0", "final_norm", "head"]
-    return Plan(dp=world, tp=1, pp=1, world_size=world, nodes=1, micro_batch_size=1, grad_accum=1,
-                global_batch_size=world, zero_stage=1, precision="fp32", seq_len=8, tokens_per_step=8 * world,
-                vocab_size=10, padded_vocab_size=10, num_layers=1, layer_names=names, stage_bounds=[0, 4])
-
-
-def _launch_args(cmd: list[str], monkeypatch) -> dict:
-    """``cmd`` (``python -u -m deepspeed.launcher.launch ...``) as DeepSpeed's launcher parses it."""
-    from deepspeed.launcher import launch
-
-    assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"], cmd
-    monkeypatch.setattr(sys, "argv", ["launch.py", *cmd[4:]])
-    return vars(launch.parse_args())
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_local_command_is_the_runners_single_node_launch(world, monkeypatch, tmp_path):
-    """The runner (``--num_gpus N``) on one node only builds this command and starts it; started
-    directly, DeepSpeed's launcher receives the same arguments."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.launcher import runner
+def test_ranks_get_the_command_and_environment_deepspeeds_launcher_gives_them(world, monkeypatch, tmp_path):
+    """What the deepspeed runner (``--num_gpus N``) has DeepSpeed's per-node launcher start on one
+    node, captured without starting anything, is what the local launcher starts itself."""
+    import base64
+    import json
+    import os
+
+    from deepspeed.launcher import launch as ds_launch
 
     from hybridtrain.launch.local import command
+    from hybridtrain.launch.ranks import rank_env
 
     started = []
 
-    class Capture:
-        def __init__(self, cmd, env=None):
-            started.append(cmd)
-            self.returncode = 0
+    class Exited:  # a rank that has already exited cleanly
+        returncode = 0
 
-        def wait(self):
+        def __init__(self, cmd, env=None):
+            started.append((list(cmd), dict(env)))  # the launcher reuses one dict for every rank
+            self.pid = 1
+
+        def poll(self):
             return 0
 
-    monkeypatch.setattr(runner.subprocess, "Popen", Capture)  # nothing is started
-    monkeypatch.setattr(type(get_accelerator()), "device_count", lambda self: 8)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    runner.main(["--num_gpus", str(world), "--master_port", "29511", "--no_local_rank", "--module",
-                 "hybridtrain.worker", str(tmp_path)])
-    ours = command(tmp_path, _plan(world), 29511)
-    assert ours[0] == started[0][0] == sys.executable
-    assert _launch_args(ours, monkeypatch) == _launch_args(started[0], monkeypatch)
+    monkeypatch.setattr(ds_launch.subprocess, "Popen", Exited)
+    monkeypatch.setattr(ds_launch.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
+    monkeypatch.setattr(ds_launch.time, "sleep", lambda s: None)
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(world))}).encode()).decode()
+    monkeypatch.setattr(sys, "argv", ["launch.py", f"--world_info={world_info}", "--master_addr=127.0.0.1",
+                                      "--master_port=29511", "--module", "--no_local_rank",
+                                      "hybridtrain.worker", str(tmp_path)])
+    ds_launch.main()
+    assert len(started) == world
+    for rank, (cmd, env) in enumerate(started):
+        assert cmd == command(tmp_path)
+        assert env == rank_env(dict(os.environ), rank, world, 29511, range(world))
 
 
 LINES = [
