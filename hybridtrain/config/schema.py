@@ -204,9 +204,9 @@ class LauncherConfig:
     """How worker processes are started (``docs/slurm.md`` for ``slurm`` and ``multinode``)."""
 
     name: str = "local"
-    """``local``: DeepSpeed's launcher on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
-    starts every rank; ``multinode``: the deepspeed runner over several machines (``launcher.hostfile``,
-    or ``launcher.no_ssh`` on each node)."""
+    """``local``: the ranks on this machine, started by the controller; ``slurm``: an ``sbatch`` job
+    whose ``srun`` starts every rank; ``multinode``: the deepspeed runner over several machines
+    (``launcher.hostfile``, or ``launcher.no_ssh`` on each node)."""
     nodes: int = 1
     """Machines the job spans; the local launcher runs on one."""
     gpus_per_node: Optional[int] = None
