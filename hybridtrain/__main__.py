@@ -113,7 +113,9 @@ def run(cfg: DictConfig) -> int:
         _atomic(run_dir / "data.json", lambda tmp: tmp.write_text(prepared.to_json()))
     code = start(run_dir, plan, typed.launcher, machine)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
-        log = "" if typed.launcher.verbose else f", DeepSpeed's log is {run_dir / 'launcher.log'}"
+        from hybridtrain.launch.output import LOG_NAME
+
+        log = "" if typed.launcher.verbose else f", DeepSpeed's log is {run_dir / LOG_NAME}"
         print(f"[hybridtrain] training failed (exit code {code}); the worker output is above{log}, "
               f"the run directory is {run_dir}", file=sys.stderr)
     return code

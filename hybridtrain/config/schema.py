@@ -226,8 +226,8 @@ class LauncherConfig:
     """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
     without preparing data or starting workers (also for cluster recipes on a laptop)."""
     verbose: bool = False
-    """Show DeepSpeed's own output on the console: its INFO and WARNING lines (accelerator detection,
-    the launcher's commands and world info) and its start-up prints. Off: they go to
+    """Show DeepSpeed's own output on the console: its INFO and WARNING lines (accelerator detection;
+    with ``multinode`` also the runner's commands and world info) and its start-up prints. Off: they go to
     ``RUN_DIR/launcher.log`` and the console shows hybridtrain's lines, the progress bar, everything
     the workers write to stderr (tracebacks, warnings) and DeepSpeed's errors (``local`` and
     ``multinode``; a SLURM job's output is its log file either way)."""
