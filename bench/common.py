@@ -96,27 +96,34 @@ class CliRun:
     """Seconds from the launch to: the end of each of :data:`PHASES`, ``first step`` (the first
     line of ``metrics.jsonl`` appeared) and ``exit``."""
 
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of each kind of process when the first step was written (:func:`tree_cpu`)."""
+
     def metrics(self) -> list[dict]:
         files = RunDir(self.run_dir)
         return files.metrics() if files.metrics_file.exists() else []
 
 
 def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None, timeout: float = 1800,
-                    inject: bool = False) -> CliRun:
-    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root; stdout lines
-    and the first ``metrics.jsonl`` line are time-stamped. ``inject`` puts ``bench/inject`` first on
-    the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only when ``HT_BENCH_*`` is set)."""
+                    inject: bool = False, root: Path = ROOT) -> CliRun:
+    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES`` from the repository root (``root``: another
+    checkout's, first on ``PYTHONPATH``); stdout lines and the first ``metrics.jsonl`` line are time-stamped.
+    ``inject`` puts ``bench/inject`` first on the workers' ``PYTHONPATH`` (its ``sitecustomize`` acts only
+    when ``HT_BENCH_*`` is set)."""
     metrics = RunDir(run_dir).metrics_file
     marks: dict[str, float] = {}
     t0 = time.perf_counter()
-    proc = cli.start(run_dir, overrides, env=env, path_first=[INJECT] if inject else [], cwd=ROOT,
+    proc = cli.start(run_dir, overrides, env=env, path_first=([INJECT] if inject else []) + [root], cwd=root,
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
+
+    cpu: dict[str, float] = {}
 
     def watch_metrics() -> None:
         while not done.is_set():
             if metrics.exists() and metrics.stat().st_size > 0:
                 marks["first step"] = time.perf_counter() - t0
+                cpu.update(tree_cpu(proc.pid))
                 return
             time.sleep(0.02)
 
@@ -128,7 +135,7 @@ def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None
         now = time.perf_counter() - t0
         lines.append(line)
         for name, prefix in PHASES:
-            if name not in marks and line.startswith(prefix):
+            if name not in marks and prefix in line:  # a progress bar on the merged stderr may precede it
                 marks[name] = now
         if time.monotonic() > deadline:
             proc.kill()
@@ -137,7 +144,43 @@ def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None
     marks["exit"] = time.perf_counter() - t0
     done.set()
     watcher.join()
-    return CliRun(run_dir, code, marks["exit"], "".join(lines), marks)
+    return CliRun(run_dir, code, marks["exit"], "".join(lines), marks, cpu)
+
+
+ROLES = [("runner", ("deepspeed.launcher.runner",)), ("launch", ("deepspeed.launcher.launch",)),
+         ("worker", ("hybridtrain.worker", "startup_deepspeed.py"))]
+"""Kinds of process in a launch, by a fragment of their command line, first match (the launcher's
+own command line names the worker's); anything else is the ``controller``."""
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, reaped children included) used so far by process ``pid`` and its
+    descendants, summed per kind (:data:`ROLES`), with ``worker_max`` (the busiest worker) and
+    ``critical``: every process but the workers, plus the busiest worker.
+
+    On an idle machine the start-up is a chain (controller, runner, launcher, then the workers side
+    by side), so ``critical`` approximates its wall time; other processes on a busy machine stretch
+    wall time far more than CPU time, which makes this the steadier number for a ratio there."""
+    import psutil
+
+    out = {"controller": 0.0, "launch": 0.0, "runner": 0.0, "worker": 0.0, "worker_max": 0.0}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    for p in procs:
+        try:
+            t, cmd = p.cpu_times(), " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        used = t.user + t.system + t.children_user + t.children_system
+        role = next((name for name, parts in ROLES if any(x in cmd for x in parts)), "controller")
+        out[role] += used
+        if role == "worker":
+            out["worker_max"] = max(out["worker_max"], used)
+    out["critical"] = out["controller"] + out["launch"] + out["runner"] + out["worker_max"]
+    return out
 
 
 def check(run: CliRun) -> CliRun:

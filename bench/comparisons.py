@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, check, median_of, run_hybridtrain, steady_step_time
+from bench.common import ROOT, check, median_of, run_hybridtrain, steady_step_time, tree_cpu
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
 
@@ -262,60 +263,98 @@ def _run_ds_minimal(out: Path, pp: int, quick: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = None
+    first, cpu = None, {}
     marker = out / "first_step.json"
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)  # a full pipe never blocks it
+    reader.start()
     while proc.poll() is None:
         if first is None and marker.exists() and marker.stat().st_size:
             first = time.perf_counter() - t0
+            cpu = tree_cpu(proc.pid)
         time.sleep(0.02)
-    output = proc.stdout.read()  # type: ignore[union-attr]
+    reader.join()
+    output = "".join(output)
     if proc.returncode != 0 or not marker.exists():
         raise RuntimeError(f"minimal DeepSpeed script failed:\n{output[-4000:]}")
     first = first or time.perf_counter() - t0
     own = json.loads(marker.read_text())
     return {"first_step_s": first, "worker_own_s": own["first step"], "imports_s": own["imports"],
-            "build_s": own["engine ready"] - own["init_distributed"], "step_s": own["first step"] - own["engine ready"]}
+            "build_s": own["engine ready"] - own["init_distributed"], "step_s": own["first step"] - own["engine ready"],
+            **{f"cpu_{k}_s": v for k, v in cpu.items()}}
+
+
+def startup_run(run_dir: Path, quick: bool, root: Path = ROOT) -> dict:
+    """One ``python -m hybridtrain`` pp=2 run of ``root``'s checkout to its first step; seconds per phase."""
+    import re
+
+    run = check(run_hybridtrain(run_dir, _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1",
+                                                                                "optim.warmup_steps=0"], root=root))
+    m = run.marks
+    ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
+    return {**{f"cpu_{k}_s": v for k, v in run.cpu.items()}, "first_step_s": m["first step"], "config_plan_s": m["config + plan"],
+            "data_s": m["data (cached)"] - m["config + plan"],
+            "to_runner_s": m["controller to runner"] - m["data (cached)"],
+            "runner_to_worker_start_s": m["runner + workers ready"] - ready - m["controller to runner"],
+            "worker_ready_s": ready, "first_step_in_worker_s": m["first step"] - m["runner + workers ready"]}
+
+
+def startup_rows(sides: dict[str, list[dict]], ds: list[dict]) -> list[list[str]]:
+    """The phase table: one column per hybridtrain side (``startup_run`` results), then the minimal script."""
+    med = {name: {k: median_of(runs, k) for k in runs[0]} for name, runs in sides.items()}
+    d = {k: median_of(ds, k) for k in ds[0]}
+
+    def row(label: str, key: str, baseline: str, bold: bool = False) -> list[str]:
+        cells = [f"{m[key]:.1f}" for m in med.values()] + [baseline]
+        return [label] + ([f"**{c}**" for c in cells] if bold else cells)
+
+    return [["phase (median s)", *sides, "minimal DeepSpeed"],
+            row("controller: imports, Hydra compose, plan validation", "config_plan_s", "-"),
+            row("controller: data preparation (cache hit)", "data_s", "-"),
+            row("controller: writing the run folder, starting the launcher", "to_runner_s", "-"),
+            row("DeepSpeed's runner / launcher until the worker starts", "runner_to_worker_start_s",
+                f"{d['first_step_s'] - d['worker_own_s']:.1f}"),
+            row("worker: imports, init, build model + engine (rank 0)", "worker_ready_s",
+                f"{d['worker_own_s'] - d['step_s']:.1f}"),
+            row("worker: first step", "first_step_in_worker_s", f"{d['step_s']:.1f}"),
+            row("launch to first step", "first_step_s", f"{d['first_step_s']:.1f}", bold=True),
+            row("CPU s to the first step: controller", "cpu_controller_s", "-"),
+            _cpu_row(med, d, "CPU s: DeepSpeed's runner + launcher", ("cpu_runner_s", "cpu_launch_s")),
+            _cpu_row(med, d, "CPU s: the busiest worker", ("cpu_worker_max_s",)),
+            _cpu_row(med, d, "CPU s on the critical path (the sum of the three)", ("cpu_critical_s",), bold=True)]
+
+
+def _cpu_row(med: dict, d: dict, label: str, keys: tuple[str, ...], bold: bool = False) -> list[str]:
+    cells = [f"{sum(m[k] for k in keys):.1f}" for m in med.values()] + [f"{sum(d[k] for k in keys):.1f}"]
+    return [label] + ([f"**{c}**" for c in cells] if bold else cells)
+
+
+def paired_ratio(a: list[dict], b: list[dict], key: str = "first_step_s") -> float:
+    """Median over rounds of ``a[r][key] / b[r][key]``: each round's two runs met the same load."""
+    import statistics
+
+    return statistics.median(x[key] / y[key] for x, y in zip(a, b))
 
 
 def startup(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     """Launch to first step: hybridtrain pp=2 against a minimal DeepSpeed script of the same plan."""
-    import re
-
-    def ht(r: int) -> dict:
-        run = check(run_hybridtrain(work / f"ht_{r}", _model(quick) + _layout(1, 1, 2, 1, 1) + ["trainer.max_steps=1",
-                                                                                         "optim.warmup_steps=0"]))
-        m = run.marks
-        ready = float(re.search(r"rank 0 ready in ([\d.]+)s", run.output).group(1))
-        return {"first_step_s": m["first step"], "config_plan_s": m["config + plan"],
-                "data_s": m["data (cached)"] - m["config + plan"],
-                "to_runner_s": m["controller to runner"] - m["data (cached)"],
-                "runner_to_worker_start_s": m["runner + workers ready"] - ready - m["controller to runner"],
-                "worker_ready_s": ready, "first_step_in_worker_s": m["first step"] - m["runner + workers ready"]}
-
-    res = alternate({"hybridtrain": ht, "deepspeed": lambda r: _run_ds_minimal(work / f"ds_{r}", 2, quick)}, rounds)
+    res = alternate({"hybridtrain": lambda r: startup_run(work / f"ht_{r}", quick),
+                     "deepspeed": lambda r: _run_ds_minimal(work / f"ds_{r}", 2, quick)}, rounds)
     a, b = median_of(res["hybridtrain"], "first_step_s"), median_of(res["deepspeed"], "first_step_s")
-    med = {k: median_of(res["hybridtrain"], k) for k in res["hybridtrain"][0]}
-    ds = {k: median_of(res["deepspeed"], k) for k in res["deepspeed"][0]}
-    rows = [["phase (median s)", "hybridtrain", "minimal DeepSpeed"],
-            ["controller: imports, Hydra compose, plan validation", f"{med['config_plan_s']:.1f}", "-"],
-            ["controller: data preparation (cache hit)", f"{med['data_s']:.1f}", "-"],
-            ["controller: writing the run folder, starting the runner", f"{med['to_runner_s']:.1f}", "-"],
-            ["runner + launcher until the worker starts", f"{med['runner_to_worker_start_s']:.1f}",
-             f"{ds['first_step_s'] - ds['worker_own_s']:.1f}"],
-            ["worker: imports, init, build model + engine (rank 0)", f"{med['worker_ready_s']:.1f}",
-             f"{ds['worker_own_s'] - ds['step_s']:.1f}"],
-            ["worker: first step", f"{med['first_step_in_worker_s']:.1f}", f"{ds['step_s']:.1f}"],
-            ["**launch to first step**", f"**{a:.1f}**", f"**{b:.1f}**"]]
+    rows = startup_rows({"hybridtrain": res["hybridtrain"]}, res["deepspeed"])
     return {
         "title": "Start-up: launch to first step vs a minimal DeepSpeed script",
         "what": ("The same plan (pp=2, 2 processes, one thread each, the benchmark model, global batch 8, "
                  "micro-batch 1). hybridtrain: `python -m hybridtrain ... trainer.max_steps=1` until its metrics.jsonl "
                  "gets the first line, phases from the time-stamped output lines and the worker's own "
-                 "`rank 0 ready in` time. Baseline: `bench/startup_deepspeed.py` through the same deepspeed runner "
+                 "`rank 0 ready in` time; CPU seconds of each process when the first step is written (`common.tree_cpu`). "
+                 "Baseline: `bench/startup_deepspeed.py` through the deepspeed runner "
                  "(HF GPT2Block layers in a PipelineModule, random tokens) until rank 0 writes its first-step file."),
         "table": rows,
         "summary": f"Launch to first step: hybridtrain **{a:.1f} s**, minimal DeepSpeed {b:.1f} s "
-                   f"(difference {a - b:+.1f} s, ratio {a / b:.2f}x).",
+                   f"(difference {a - b:+.1f} s, ratio of the medians {a / b:.2f}x, median of the per-round "
+                   f"ratios {paired_ratio(res['hybridtrain'], res['deepspeed']):.2f}x; CPU seconds on the critical "
+                   f"path {paired_ratio(res['hybridtrain'], res['deepspeed'], 'cpu_critical_s'):.2f}x).",
         "ratio": a / b, "raw": res,
         "plot": {"labels": ["hybridtrain", "minimal DeepSpeed"], "values": [a, b], "ylabel": "s to first step"},
     }

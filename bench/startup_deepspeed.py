@@ -90,6 +90,7 @@ def main() -> None:
         print(f"[ds-min] rank 0 phases since process start: {json.dumps(phases)}", flush=True)
         with open(os.path.join(out_dir, "first_step.json"), "w") as f:
             json.dump(phases, f)
+        time.sleep(1.0)  # every process still alive while the benchmark reads their CPU times
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)

@@ -48,9 +48,10 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch import check, start
-    from hybridtrain.models.build import meta_model
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
+    from hybridtrain.models.families import family_of
+    from hybridtrain.plan.costs import model_facts
     from hybridtrain.plan.data import check_data_counts
     from hybridtrain.rundir import RunDir
 
@@ -89,7 +90,7 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
-    params = sum(p.numel() for p in meta_model(hf_config).parameters())
+    params = model_facts(family_of(typed.model), hf_config, plan.seq_len).total_params()  # one meta block, not the model
     print(summary(plan, hf_config, params), flush=True)
     prepared = None
     # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
@@ -116,7 +117,10 @@ def run(cfg: DictConfig) -> int:
         files.write_data(prepared)
     code = start(run_dir, plan, typed.launcher, machine)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
-        print(f"[hybridtrain] training failed (exit code {code}); the worker output is above, "
+        from hybridtrain.launch.output import LOG_NAME
+
+        log = "" if typed.launcher.verbose else f", DeepSpeed's log is {run_dir / LOG_NAME}"
+        print(f"[hybridtrain] training failed (exit code {code}); the worker output is above{log}, "
               f"the run directory is {run_dir}", file=sys.stderr)
     return code
 

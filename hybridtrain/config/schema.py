@@ -231,7 +231,7 @@ class LauncherConfig:
     (:class:`SlurmLauncherConfig`, :class:`MultinodeLauncherConfig`; ``docs/slurm.md``)."""
 
     name: LauncherName = LauncherName.local
-    """``local``: the deepspeed runner on this machine; ``slurm``: an ``sbatch`` job whose ``srun``
+    """``local``: the ranks on this machine, started and watched by the controller; ``slurm``: an ``sbatch`` job whose ``srun``
     starts every rank; ``multinode``: the deepspeed runner over several machines (``launcher.hostfile``,
     or ``launcher.no_ssh`` on each node). Set by the group (``launcher=slurm``), not on its own."""
     nodes: int = 1
@@ -252,6 +252,12 @@ class LauncherConfig:
     dry_run: bool = False
     """Validate the plan, print the derived numbers and write ``config.yaml`` and ``plan.json``
     without preparing data or starting workers (also for cluster recipes on a laptop)."""
+    verbose: bool = False
+    """Show DeepSpeed's own output on the console: its INFO and WARNING lines (accelerator detection;
+    with ``multinode`` also the runner's commands and world info) and its start-up prints. Off: they go to
+    ``RUN_DIR/launcher.log`` and the console shows hybridtrain's lines, the progress bar, everything
+    the workers write to stderr (tracebacks, warnings) and DeepSpeed's errors (``local`` and
+    ``multinode``; a SLURM job's output is its log file either way)."""
     gpus: Optional[bool] = None
     """Whether the ranks run on GPUs. ``true``: they must (GPU recipes set it): on a machine where
     torch sees no CUDA device the job stops before launching (exit code 2) instead of training on

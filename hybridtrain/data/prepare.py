@@ -105,7 +105,7 @@ def identify(cfg: DataConfig) -> dict:
     """What the records depend on, computed without loading them (file sizes and mtimes, hashes)."""
     sources.offline()
     if cfg.source == "embedded":
-        return {"train": sources.load_embedded()[1]}
+        return {"train": sources.embedded_identity()}
     if cfg.source == "hf":
         ident = {"train": sources.load_hub(cfg, cfg.split, "data.split")[1]}
         if cfg.val_split:

@@ -165,10 +165,24 @@ class Samples:
             yield list(self._tensors(np.arange(b * gbs, (b + 1) * gbs), layout, dp_rank, weighted))
 
 
+def read_saved_table(folder: Path):
+    """The Arrow table of a dataset folder written by ``Dataset.save_to_disk``, memory-mapped.
+
+    Read as ``datasets.load_from_disk`` reads it (``state.json`` lists the Arrow stream files, each
+    memory-mapped, concatenated; ``save_to_disk`` leaves no index mapping), with pyarrow alone:
+    importing ``datasets`` would cost every rank about a second of start-up.
+    """
+    import pyarrow as pa
+
+    state = json.loads((folder / "state.json").read_text())
+    return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(folder / f["filename"]))).read_all()
+                             for f in state["_data_files"]])
+
+
 class ArrowColumn:
     """One list column of a dataset saved with ``Dataset.save_to_disk``, read in place.
 
-    ``datasets.load_from_disk`` memory-maps the ``.arrow`` files; each record batch's list values are
+    The ``.arrow`` files are memory-mapped; each record batch's list values are
     viewed as a numpy array without copying (a variable-length column as one flat token stream,
     ``fixed_size_list`` as ``[rows, length]``). Reading a slice or a few rows touches only those pages,
     so no rank holds the tokenized dataset in memory. (``Dataset.__getitem__`` would convert rows
@@ -176,10 +190,8 @@ class ArrowColumn:
     """
 
     def __init__(self, folder: str | Path, column: str):
-        from datasets import load_from_disk
-
         self.folder = Path(folder)
-        table = load_from_disk(str(folder)).data.table  # memory-mapped; save_to_disk leaves no index mapping
+        table = read_saved_table(self.folder)
         views = []
         for chunk in table.column(column).chunks:
             if not hasattr(chunk, "flatten"):  # a scalar column (``num_labels``)

@@ -34,14 +34,19 @@ class Raw:
 
 
 def offline() -> None:
-    """Put the HF libraries in offline mode (before and after they are imported): no network attempt."""
+    """Put the HF libraries in offline mode (before and after they are imported): no network attempt.
+
+    A library imported later reads the variables; one already imported gets its flag set. Nothing
+    is imported here (``datasets`` takes about a second, which a cached run never needs)."""
+    import sys
+
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets
-    import huggingface_hub.constants as hub
-
-    datasets.config.HF_DATASETS_OFFLINE = True
-    hub.HF_HUB_OFFLINE = True
+    if "datasets.config" in sys.modules:
+        sys.modules["datasets.config"].HF_HUB_OFFLINE = True
+        sys.modules["datasets.config"].HF_DATASETS_OFFLINE = True
+    if "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
 
 
 def expand(pattern: str, key: str) -> list[Path]:
@@ -156,16 +161,22 @@ def load_hub(cfg: DataConfig, split: str, key: str):
     return ds, {"hub": cfg.name, "subset": cfg.subset, "split": split, "fingerprint": ds._fingerprint}
 
 
-def load_embedded():
-    """The embedded corpus: one record per chapter in a ``text`` field; identity = the corpus hash."""
+def embedded_identity() -> dict:
+    """The identity of the embedded corpus: its hash."""
     import hashlib
 
+    from hybridtrain.data.embedded import CORPUS
+
+    return {"embedded": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+
+
+def load_embedded():
+    """The embedded corpus: one record per chapter in a ``text`` field; identity = the corpus hash."""
     from datasets import Dataset
 
-    from hybridtrain.data.embedded import CORPUS, documents
+    from hybridtrain.data.embedded import documents
 
-    ds = Dataset.from_dict({"text": documents()})
-    return ds, {"embedded": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+    return Dataset.from_dict({"text": documents()}), embedded_identity()
 
 
 def load_raw(cfg: DataConfig, cache: Path) -> Raw:

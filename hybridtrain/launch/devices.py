@@ -3,8 +3,8 @@
 Pure functions of the environment (and of what torch and the NVIDIA driver report, passed in), so
 each rule is unit-tested without a GPU:
 
-* :func:`runner_devices`: the ``--include localhost:...`` of the deepspeed runner, so that a
-  user's ``CUDA_VISIBLE_DEVICES`` is honoured (the runner's ``--num_gpus`` ignores and drops it:
+* :func:`local_devices`: the devices the ranks of this node get, so that a user's
+  ``CUDA_VISIBLE_DEVICES`` is honoured (the deepspeed runner's ``--num_gpus`` ignores and drops it:
   ``deepspeed/launcher/runner.py`` ``main``).
 * :func:`check_gpus`: a job that asked for GPUs (see :func:`asked_for_gpus`) on a machine where
   torch sees none stops before launching with exit code 2, instead of training on CPU cores.
@@ -67,22 +67,19 @@ def check_gpus(launcher: LauncherConfig, torch_gpus: int, environ: Mapping[str, 
                     "processes with launcher.gpus=false")
 
 
-def runner_devices(world_size: int, environ: Mapping[str, str], torch_gpus: int) -> Optional[list[int]]:
-    """The GPU indices for the runner's ``--include localhost:...``: the first ``world_size`` entries
-    of ``CUDA_VISIBLE_DEVICES``; ``None`` to let ``--num_gpus`` take GPUs ``0..world_size-1``
-    (no GPUs, or ``CUDA_VISIBLE_DEVICES`` unset)."""
+def local_devices(world_size: int, environ: Mapping[str, str], torch_gpus: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` entries the ranks of this node use, rank ``i`` the ``i``-th: the first
+    ``world_size`` of the user's ``CUDA_VISIBLE_DEVICES`` (indices, UUIDs or MIG ids alike: the controller
+    passes them on, :mod:`hybridtrain.launch.ranks`), else ``0..world_size-1`` (CPU processes, or every GPU
+    visible). The deepspeed runner's ``--num_gpus`` would drop the user's list and take GPUs ``0..N-1``."""
     visible = visible_devices(environ)
     if torch_gpus == 0 or not visible:
-        return None
-    if not all(v.isdigit() for v in visible):
-        raise PlanError("launcher.gpus_per_node", f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} names GPUs "
-                        "by UUID or MIG id; the deepspeed runner selects GPUs by index (--include localhost:0,1): "
-                        "give CUDA_VISIBLE_DEVICES as indices (nvidia-smi -L lists them)")
+        return [str(i) for i in range(world_size)]
     if len(visible) < world_size:
         raise PlanError("launcher.gpus_per_node", f"{world_size} ranks but CUDA_VISIBLE_DEVICES="
                         f"{environ['CUDA_VISIBLE_DEVICES']} shows {len(visible)} GPU(s); show more GPUs or plan "
                         f"for {len(visible)} (launcher.gpus_per_node={len(visible)})")
-    return [int(v) for v in visible[:world_size]]
+    return visible[:world_size]
 
 
 def slurm_device_index(environ: Mapping[str, str], local_id: int, tasks_on_node: int) -> int:

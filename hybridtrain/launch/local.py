@@ -1,14 +1,16 @@
-"""The local launcher: the deepspeed runner on this machine, one process per rank."""
+"""The local launcher: one process per rank on this machine, started and watched by the controller
+(:mod:`hybridtrain.launch.ranks`); the deepspeed runner for ``launcher=multinode``."""
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
+from hybridtrain.launch.output import LOG_NAME, Output
+from hybridtrain.launch.ranks import Ranks, rank_env
 from hybridtrain.plan.types import Machine, Plan
 
 
@@ -27,23 +29,18 @@ def threads_per_rank(launcher: LauncherConfig, plan: Plan, machine: Machine) -> 
     return max(1, machine.cpu_cores // local_ranks)
 
 
-def command(run_dir: Path, plan: Plan, port: int, devices: list[int] | None = None) -> list[str]:
-    """The deepspeed runner command line that starts every rank of this node.
-
-    ``devices`` (:func:`hybridtrain.launch.devices.runner_devices`): the GPUs to use, given as
-    ``--include localhost:i,j`` because the runner's ``--num_gpus`` drops ``CUDA_VISIBLE_DEVICES``
-    and takes GPUs ``0..N-1``; ``None``: ``--num_gpus`` (CPU processes, or every GPU visible)."""
-    which = (["--include", "localhost:" + ",".join(map(str, devices))] if devices
-             else ["--num_gpus", str(plan.world_size)])
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *which, "--master_port", str(port),
-            "--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
+def command(run_dir: Path) -> list[str]:
+    """The command of every rank (its place comes from the environment, :func:`~hybridtrain.launch.ranks.rank_env`)."""
+    return [sys.executable, "-u", "-m", "hybridtrain.worker", str(run_dir)]
 
 
 def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
-    """Start ``plan.world_size`` workers through the deepspeed runner; return the job's exit code.
+    """Start ``plan.world_size`` workers on this machine and watch them (:mod:`hybridtrain.launch.ranks`);
+    return the job's exit code.
 
-    Workers find everything in ``run_dir`` (``config.yaml``, ``plan.json``, ``data.json``). The runner
-    kills every rank when one fails, so a dead rank ends the job with a non-zero code.
+    Workers find everything in ``run_dir`` (``config.yaml``, ``plan.json``, ``data.json``). A rank
+    that fails ends every other rank, so a dead rank ends the job with a non-zero code. Ctrl-C and
+    SIGTERM are forwarded to the ranks (:meth:`~hybridtrain.launch.ranks.Ranks.forward`).
     """
     if launcher.nodes != 1:
         raise SystemExit(f"launcher.nodes={launcher.nodes}: the local launcher runs on one machine; "
@@ -52,60 +49,28 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     threads = threads_per_rank(launcher, plan, machine)
     env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                PYTHONUNBUFFERED="1")
-    from hybridtrain.launch.devices import runner_devices
+    world, cmd = plan.world_size, command(run_dir)
+    from hybridtrain.launch.devices import local_devices
 
-    cmd = command(run_dir, plan, port, runner_devices(plan.world_size, os.environ, machine.gpus_per_node))
-    print(f"[hybridtrain] launching {plan.world_size} rank(s), {threads} thread(s) each: {' '.join(cmd)}", flush=True)
-    return run_runner(cmd, env, run_dir)
-
-
-def run_runner(cmd: list[str], env: dict, run_dir: Path) -> int:
-    """Run the deepspeed runner ``cmd`` in its own session, forwarding Ctrl-C and SIGTERM
-    (:func:`forwarder`); return its exit code as :func:`report_stop` reads it."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
+    devices = local_devices(world, os.environ, machine.gpus_per_node)  # the user's CUDA_VISIBLE_DEVICES kept
+    where = f": {' '.join(cmd)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"
+    print(f"[hybridtrain] launching {world} rank(s), {threads} thread(s) each{where}", flush=True)
+    out, ranks = Output(run_dir, launcher.verbose, cmd), Ranks()
+    old = {s: signal.signal(s, ranks.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        try:
+            ranks.start(cmd, [rank_env(env, r, world, port, devices) for r in range(world)], out.stdout)
+        finally:
+            out.started()
+        code = ranks.wait()
+    except BaseException:  # the controller itself failed: leave no rank behind
+        ranks.terminate(grace=0)
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        out.finish()
     return report_stop(run_dir, code)
-
-
-def forwarder(proc: subprocess.Popen):
-    """A signal handler for the controller: Ctrl-C ends the runner and its ranks at once; SIGTERM goes
-    to the ranks only, which checkpoint and exit (:mod:`hybridtrain.train.preempt`).
-
-    DeepSpeed's per-node launcher answers SIGTERM by terminating its ranks and killing them 30 s
-    later, too soon for a large checkpoint; so it is left out, and exits by itself once its ranks
-    have exited cleanly.
-    """
-    def forward(signum, _frame):
-        workers = worker_processes(proc.pid) if signum == signal.SIGTERM else []
-        if not workers:  # Ctrl-C, or the ranks are not started yet
-            os.killpg(proc.pid, signum)
-        for p in workers:
-            p.send_signal(signum)
-
-    return forward
-
-
-def worker_processes(pid: int) -> list:
-    """The ``hybridtrain.worker`` processes under process ``pid`` (psutil, a DeepSpeed dependency)."""
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for p in children:
-        try:
-            if "hybridtrain.worker" in p.cmdline():
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
 
 
 def report_stop(run_dir: Path, code: int) -> int:

@@ -15,11 +15,14 @@ every machine (a shared filesystem): checkpoints are written there by every rank
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 from hybridtrain.config.schema import MultinodeLauncherConfig
-from hybridtrain.launch.local import run_runner, threads_per_rank
+from hybridtrain.launch.local import report_stop, threads_per_rank
+from hybridtrain.launch.output import Output
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.rundir import RunDir
@@ -75,4 +78,59 @@ def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine
     where = f"node {launcher.node_rank} of {plan.nodes}" if launcher.no_ssh else f"{plan.nodes} hosts over ssh"
     print(f"[hybridtrain] launching {plan.world_size} rank(s) on {where}, {threads} thread(s) each: "
           f"{' '.join(cmd)}", flush=True)
-    return run_runner(cmd, env, run_dir)
+    return run_runner(cmd, env, run_dir, launcher.verbose)
+
+
+def run_runner(cmd: list[str], env: dict, run_dir: Path, verbose: bool = True) -> int:
+    """Run the deepspeed runner ``cmd`` (``launcher=multinode``) in its own session, forwarding Ctrl-C
+    and SIGTERM (:func:`forwarder`); return its exit code as :func:`report_stop` reads it. Its
+    stdout, which the ranks share, goes through :class:`~hybridtrain.launch.output.Output`."""
+    out = Output(run_dir, verbose, cmd)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out.stdout)
+    finally:
+        out.started()
+    old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        out.finish()
+    return report_stop(run_dir, code)
+
+
+def forwarder(proc: subprocess.Popen):
+    """A signal handler for the controller of a runner job: Ctrl-C ends the runner and its ranks at
+    once; SIGTERM goes to the ranks only, which checkpoint and exit (:mod:`hybridtrain.train.preempt`).
+
+    DeepSpeed's per-node launcher answers SIGTERM by terminating its ranks and killing them 30 s
+    later, too soon for a large checkpoint; so it is left out, and exits by itself once its ranks
+    have exited cleanly.
+    """
+    def forward(signum, _frame):
+        workers = worker_processes(proc.pid) if signum == signal.SIGTERM else []
+        if not workers:  # Ctrl-C, or the ranks are not started yet
+            os.killpg(proc.pid, signum)
+        for p in workers:
+            p.send_signal(signum)
+
+    return forward
+
+
+def worker_processes(pid: int) -> list:
+    """The ``hybridtrain.worker`` processes under process ``pid`` (psutil, a DeepSpeed dependency)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in children:
+        try:
+            if "hybridtrain.worker" in p.cmdline():
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out

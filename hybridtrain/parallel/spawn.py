@@ -136,7 +136,9 @@ def _child(target: Target, rank: int, world: int, port: int, out: str, deepspeed
             tmp.rename(rank_dir / f"{key}.pt")  # the parent never reads a half-written file
 
         target(rank, world, emit)
-        torch.distributed.barrier()  # no rank tears gloo down while a peer still sends to it
+        from hybridtrain.parallel.collectives import barrier
+
+        barrier("cpu")  # no rank tears gloo down while a peer still sends to it
         (rank_dir / _DONE).touch()
         torch.distributed.destroy_process_group()
     except BaseException:

@@ -119,7 +119,7 @@ def model_config(cfg: Config):
     ``model.attn_implementation: null`` becomes the family's first kernel (sdpa where transformers
     supports it). A config transformers itself refuses is a :class:`PlanError` naming the
     ``model.config`` key. Launcher and workers both call this."""
-    from hybridtrain.data.tokenizer import eos_id, vocab_size
+    from hybridtrain.data.tokenizer import load_tokenizer
     from hybridtrain.models.build import hf_config_of
 
     if cfg.model.model_type is None:
@@ -132,7 +132,8 @@ def model_config(cfg: Config):
     if cfg.model.pretrained:
         return pretrained_config(cfg)
     try:
-        vocab, eos = vocab_size(cfg.data), eos_id(cfg.data)
+        tokenizer = load_tokenizer(cfg.data)  # once: both numbers
+        vocab, eos = len(tokenizer), tokenizer.eos_token_id
     except FileNotFoundError as err:
         raise PlanError("data.tokenizer", str(err)) from None
     try:

@@ -40,7 +40,7 @@ class StopRequest:
             self.signal_name = signal.Signals(signum).name
             # os.write, not print: a handler that prints while the main thread is printing raises
             # "reentrant call" inside the buffered stream
-            # The deepspeed runner also sends SIGTERM to the survivors when a rank has died: they
+            # The launcher also sends SIGTERM to the survivors when a rank has died: they
             # never reach the step's end, so the message must not promise a checkpoint outright.
             os.write(2, f"[hybridtrain] {self.signal_name} received: every rank stops after this step "
                         "and saves a checkpoint (unless the job is being torn down because a rank "

@@ -140,12 +140,13 @@ def test_verify_on_a_node_smaller_than_the_plan(tmp_path):
 
 
 def test_cuda_visible_devices_is_honoured(tmp_path):
-    """The runner gets --include localhost:K for CUDA_VISIBLE_DEVICES=K (its --num_gpus would drop it)."""
+    """A rank started under CUDA_VISIBLE_DEVICES=K trains on GPU K (the controller passes the user's list
+    on; tests/unit/test_devices.py pins the mapping)."""
     need_gpus(1)
     last = str(torch.cuda.device_count() - 1)
     proc = run_cli(tmp_path, "+recipe=gpt_tiny", "trainer.max_steps=1", "trainer.save_final=false",
                    env={"CUDA_VISIBLE_DEVICES": last})
-    assert f"--include localhost:{last}" in proc.stdout and "--num_gpus" not in proc.stdout
+    assert proc.returncode == 0 and "launching 1 rank(s)" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_single_gpu_mfu_benchmark(tmp_path):

@@ -203,12 +203,14 @@ def test_load_config_checks_the_schema(tmp_path):
 
 
 def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
+    import subprocess
+
     import hybridtrain.launch.local as local
 
     def no_workers(*args, **kwargs):
         raise AssertionError("the local launcher started workers for a 4-node plan")
 
-    monkeypatch.setattr(local.subprocess, "Popen", no_workers)  # never start 32 ranks here
+    monkeypatch.setattr(subprocess, "Popen", no_workers)  # never start 32 ranks here
     cfg = compose_config("+recipe=llama_7b")
     plan, _ = resolve(cfg, Machine())
     with pytest.raises(SystemExit) as info:

@@ -9,10 +9,10 @@ import pytest
 from helpers_unit import compose_config
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.errors import PlanError
-from hybridtrain.launch.devices import (asked_for_gpus, check_gpus, driver_gpus, runner_devices, slurm_device_index,
+from hybridtrain.launch.devices import (asked_for_gpus, check_gpus, driver_gpus, local_devices, slurm_device_index,
                                         slurm_gpus_expected, visible_devices)
 from hybridtrain.launch.env import rank_env
-from hybridtrain.launch.local import command
+from hybridtrain.launch.ranks import rank_env as local_rank_env
 from hybridtrain.plan import resolve
 from hybridtrain.plan.types import Machine
 
@@ -23,16 +23,15 @@ def test_visible_devices(value, devices):
     assert visible_devices({} if value is None else {"CUDA_VISIBLE_DEVICES": value}) == devices
 
 
-def test_runner_includes_the_users_visible_gpus():
-    """The runner's --num_gpus drops CUDA_VISIBLE_DEVICES and takes GPUs 0..N-1; --include keeps them."""
+def test_local_ranks_keep_the_users_visible_gpus():
+    """Rank i gets the i-th entry of the user's CUDA_VISIBLE_DEVICES (UUIDs too), not GPU i."""
     env = {"CUDA_VISIBLE_DEVICES": "2,3,5"}
-    assert runner_devices(2, env, torch_gpus=3) == [2, 3]
-    assert runner_devices(2, {}, torch_gpus=8) is None  # nothing restricted: --num_gpus
-    assert runner_devices(2, {"CUDA_VISIBLE_DEVICES": ""}, torch_gpus=0) is None  # CPU processes
-    cmd = command(Path("/run"), _plan(world=2), 1234, [2, 3])
-    assert cmd[cmd.index("--include") + 1] == "localhost:2,3" and "--num_gpus" not in cmd
-    cmd = command(Path("/run"), _plan(world=2), 1234, None)
-    assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--include" not in cmd
+    assert local_devices(2, env, torch_gpus=3) == ["2", "3"]
+    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": "GPU-8a1b,GPU-77ff"}, torch_gpus=2) == ["GPU-8a1b", "GPU-77ff"]
+    assert local_devices(2, {}, torch_gpus=8) == ["0", "1"]  # nothing restricted
+    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}, torch_gpus=0) == ["0", "1"]  # CPU processes
+    ranks = [local_rank_env({}, r, 2, 1234, local_devices(2, env, torch_gpus=3)) for r in range(2)]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in ranks} == {"2,3"} and [e["LOCAL_RANK"] for e in ranks] == ["0", "1"]
 
 
 def test_runner_include_selects_those_gpus_in_deepspeed():
@@ -44,10 +43,10 @@ def test_runner_include_selects_those_gpus_in_deepspeed():
     assert dict(parse_inclusion_exclusion({"localhost": 4}, "localhost:2,3", "")) == {"localhost": [2, 3]}
 
 
-@pytest.mark.parametrize("value,fragment", [("GPU-8a1b,GPU-77ff", "by UUID"), ("3", "shows 1 GPU(s)")])
+@pytest.mark.parametrize("value,fragment", [("3", "shows 1 GPU(s)")])
 def test_unusable_visible_devices_are_config_errors(value, fragment):
     with pytest.raises(PlanError) as info:
-        runner_devices(2, {"CUDA_VISIBLE_DEVICES": value}, torch_gpus=2)
+        local_devices(2, {"CUDA_VISIBLE_DEVICES": value}, torch_gpus=2)
     assert info.value.key == "launcher.gpus_per_node" and fragment in str(info.value)
 
 

@@ -1,0 +1,63 @@
+"""The local launcher's rank supervision (``hybridtrain.launch.ranks``) with tiny Python processes:
+a failing rank ends the others, signals reach every rank, a clean finish returns 0."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+
+from hybridtrain.launch.ranks import Ranks, rank_env
+
+SLEEPER = "import time\ntime.sleep(60)\n"
+
+
+def _start(scripts: list[str], tmp_path) -> Ranks:
+    ranks = Ranks()
+    envs = [rank_env(os.environ, r, len(scripts), 29999, range(len(scripts))) for r in range(len(scripts))]
+    for env, script in zip(envs, scripts):
+        path = tmp_path / f"rank{env['RANK']}.py"
+        path.write_text(script)
+        ranks.start([sys.executable, str(path)], [env])
+    return ranks
+
+
+def test_a_failing_rank_ends_the_others_and_its_code_is_the_jobs(tmp_path):
+    child = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)\n"
+    ranks = _start([child, "import sys, time\ntime.sleep(0.5)\nsys.exit(3)\n"], tmp_path)
+    time.sleep(0.3)
+    tree = [q for p in ranks.procs for q in psutil.Process(p.pid).children(recursive=True)]
+    t0 = time.monotonic()
+    assert ranks.wait() == 3
+    assert time.monotonic() - t0 < 10
+    assert all(p.poll() is not None for p in ranks.procs)
+    assert tree and not any(q.is_running() and q.status() != psutil.STATUS_ZOMBIE for q in tree), "a rank's child left behind"
+
+
+def test_a_rank_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
+    ranks = _start([SLEEPER, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"], tmp_path)
+    assert ranks.wait() == 128 + signal.SIGKILL
+
+
+def test_sigterm_reaches_every_rank_which_exits_in_its_own_time(tmp_path):
+    """Like a rank that checkpoints on SIGTERM: each catches it, works 2 s more, exits 0."""
+    graceful = ("import signal, sys, time\nstop = []\nsignal.signal(signal.SIGTERM, lambda *a: stop.append(1))\n"
+                "while not stop:\n    time.sleep(0.05)\ntime.sleep(2)\nsys.exit(0)\n")
+    ranks = _start([graceful, graceful], tmp_path)
+    time.sleep(1.0)  # both have installed their handler
+    threading.Timer(0.2, ranks.forward, args=(signal.SIGTERM,)).start()
+    assert ranks.wait() == 0
+
+
+def test_sigint_ends_every_rank(tmp_path):
+    ranks = _start([SLEEPER, SLEEPER], tmp_path)
+    time.sleep(0.5)
+    ranks.forward(signal.SIGINT)
+    assert ranks.wait() != 0 and all(p.poll() is not None for p in ranks.procs)
+
+
+def test_every_rank_exiting_cleanly_is_a_clean_job(tmp_path):
+    assert _start(["pass\n", "import time\ntime.sleep(0.3)\n"], tmp_path).wait() == 0
