@@ -206,7 +206,7 @@ QUICK_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2
 def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
     """Model-state bytes of rank 0 for every layout up to 8 ranks: measured by the worker, estimated
     by the plan command's memory model, and the ideal split."""
-    from hybridtrain.plan.memory import estimate_for_run
+    from hybridtrain.plan.estimate import estimate_for_run
 
     layouts = QUICK_LAYOUTS if quick else _all_layouts()
     for layout in layouts:

@@ -37,7 +37,7 @@ def test_verify_3d_plan_trains_like_one_process(verified):
 
 
 def _estimate_and_measurement(run_dir):
-    from hybridtrain.plan.memory import estimate_for_run
+    from hybridtrain.plan.estimate import estimate_for_run
 
     est = estimate_for_run(run_dir)
     measured = metrics(run_dir)[-1]["model_state_bytes"]  # rank 0 = stage 0, tp rank 0, dp rank 0

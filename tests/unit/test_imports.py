@@ -16,7 +16,8 @@ def _module_name(path: Path) -> str:
 
 def import_graph() -> dict[str, set[str]]:
     """``module -> hybridtrain modules it imports`` (``from pkg import name`` counts as ``pkg.name`` when
-    that is a module, else ``pkg``)."""
+    that is a module, else ``pkg``). Importing ``a.b.c`` also runs the ``__init__`` of the packages
+    ``a.b`` and ``a`` first, so those count too, except the importer's own packages (already running)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
@@ -33,11 +34,16 @@ def import_graph() -> dict[str, set[str]]:
                 else:
                     mod = node.module or ""
                 targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+            if is_pkg:
+                own.add(name)
             for t in targets:
                 while t and t not in modules:  # a name inside a module: the module
                     t = t.rpartition(".")[0]
-                if t and t != name and t.startswith("hybridtrain"):
-                    graph[name].add(t)
+                while t and t.startswith("hybridtrain"):  # the module, then the packages it runs first
+                    if t != name and t not in own:
+                        graph[name].add(t)
+                    t = t.rpartition(".")[0]
     return graph
 
 
@@ -68,6 +74,13 @@ def test_the_graph_is_read():
     graph = import_graph()
     assert "hybridtrain.plan" in graph["hybridtrain.__main__"]
     assert "hybridtrain.config.schema" in graph["hybridtrain.config"]
+
+
+def test_a_package_init_counts_for_its_submodules():
+    graph = import_graph()
+    # rundir imports hybridtrain.plan.types, which runs hybridtrain/plan/__init__.py first
+    assert "hybridtrain.plan" in graph["hybridtrain.rundir"]
+    assert "hybridtrain.plan" not in graph["hybridtrain.plan.validate"]  # its own package is already running
 
 
 def test_find_cycle_finds_one():

@@ -1,0 +1,19 @@
+"""The plan's memory estimate for an existing run directory: what a worker's measured
+``model_state_bytes`` (``metrics.jsonl``) is compared with in the tests and ``bench/``."""
+from __future__ import annotations
+
+from hybridtrain.plan.costs import model_facts
+from hybridtrain.plan.hf import model_config
+from hybridtrain.plan.memory import RankMemory, rank_memory
+from hybridtrain.rundir import RunDir
+
+
+def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
+    """The estimate for a rank of ``stage`` of the run in ``run_dir`` (its ``config.yaml`` and
+    ``plan.json``): what the worker's measured ``model_state_bytes`` is compared with."""
+    files = RunDir(run_dir)
+    cfg, plan = files.config(), files.plan()
+    facts = model_facts(cfg.model.model_type, model_config(cfg), plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
+    return rank_memory(facts, plan.stage_bounds, stage, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
+                       precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
+                       checkpointing=cfg.parallel.activation_checkpointing)
