@@ -14,7 +14,7 @@ from hybridtrain.models.families import FAMILIES, get_family, padded_vocab, tp_d
 from hybridtrain.parallel.dims import data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
-from hybridtrain.plan.data import check_data_config
+from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.memory import balanced_inputs
 from hybridtrain.plan.partition import manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
@@ -72,6 +72,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.model.vocab_pad_multiple >= 1, "model.vocab_pad_multiple",
           f"must be >= 1, got {cfg.model.vocab_pad_multiple}")
     check_data_config(cfg.data, tr)
+    check_packing_kernel(cfg.data, cfg.model.attn_implementation)
 
     for key in ("tp", "pp", "micro_batch_size"):
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
