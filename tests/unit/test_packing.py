@@ -258,3 +258,72 @@ def test_two_identical_records_each_get_their_own_loss_and_stream_packing_does_n
         assert close is same, f"{family}: second copy {'differs' if same else 'equals'} with positions {positions}"
         if not same:
             assert float((second - alone).abs().max()) > 1e-3  # not a rounding difference
+
+
+# --- plan rules and the memory estimate -------------------------------------------------------------
+
+def test_flash_attention_without_the_package_is_a_plan_error(monkeypatch):
+    import importlib.util
+
+    from hybridtrain.plan import Machine, resolve
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    with pytest.raises(PlanError, match=r"^model.attn_implementation: flash_attention_2 needs the flash-attn package"):
+        resolve(compose_config("+recipe=gpt_tiny", "model.attn_implementation=flash_attention_2"), Machine())
+
+
+def test_documents_needs_a_kernel_that_keeps_records_apart():
+    from hybridtrain.plan.data import DOCUMENT_MASKS, check_packing_kernel
+    from hybridtrain.config.choices import AttnImplementation
+
+    assert {str(k) for k in AttnImplementation} <= set(DOCUMENT_MASKS)  # every kernel of the schema can
+    data = DataConfig(format="prompt_completion")  # documents by default
+    for kernel in DOCUMENT_MASKS:
+        check_packing_kernel(data, kernel)
+    with pytest.raises(PlanError, match=r"^data.packing: .*model.attn_implementation=flex_attention cannot express"):
+        check_packing_kernel(data, "flex_attention")  # a kernel transformers has, without the mask here
+    check_packing_kernel(DataConfig(format="prompt_completion", packing="none"), "flex_attention")
+
+
+def _saved_bytes(block, x: torch.Tensor, positions: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``block((x, positions))``."""
+    storages = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        block((x, positions))
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("recipe", ["gpt_tiny", "llama_tiny"])
+def test_memory_estimate_follows_what_packing_adds(recipe):
+    """Packing changes no activation shape; sdpa keeps the block-causal ``[b, 1, s, s]`` mask for the
+    backward, which the estimate adds (``mask``). Measured on one block: the estimate with packing
+    (the measured block without packing plus the estimated mask) is within 10% of the measurement."""
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.stages import DecoderBlock
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.plan import Machine, resolve
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.memory import activation_bytes, attention_flags
+
+    b, s = 2, 256
+    cfg = compose_config(f"+recipe={recipe}", "data.packing=documents", f"data.seq_len={s}")
+    plan, hf = resolve(cfg, Machine())
+    assert attention_flags(cfg) == {"eager": False, "mask": True}
+    block = DecoderBlock(ModelBuilder.for_run(cfg, hf, TPContext(), plan.padded_vocab_size), 0)
+    x = torch.randn(b, s, hf.hidden_size, requires_grad=True)
+    plain = _saved_bytes(block, x, torch.arange(s).repeat(b, 1))
+    packed = _saved_bytes(block, x, torch.from_numpy(np.stack([row_positions(np.array([100, 56, 60]), s)] * b)))
+    facts = model_facts(cfg.model.model_type, hf, s, 1, cfg.model.vocab_pad_multiple)
+    one_block = [u for u in facts.units if u.kind.name == "BLOCK"][:1]
+    added = (activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=True)
+             - activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=False))
+    assert added == s * s * b * 4  # [b, 1, s, s] fp32
+    if recipe == "gpt_tiny":  # multi-head attention: the mask is all packing adds
+        assert packed - plain == added
+    assert abs(plain + added - packed) <= 0.10 * packed, (plain, packed, added)
