@@ -1,8 +1,8 @@
 """Which samples make up each step: a pure function of (seed, samples consumed), whatever the plan.
 
 Every sample is ``(input_ids [seq_len], labels [seq_len])`` int64, labels already shifted
-(``labels[t]`` is the token after ``input_ids[t]``) and ``-100`` where no loss is taken. Two stores
-hold them, both read from the memory-mapped Arrow files of the HF ``datasets`` that
+(``labels[t]`` is the token after ``input_ids[t]``) and ``-100`` where no loss is taken. Three stores
+hold them, each read from the memory-mapped Arrow files of the HF ``datasets`` that
 :mod:`hybridtrain.data.prepare` saved (:class:`ArrowColumn`; in-memory arrays work too, for tests):
 
 * :class:`PackedSamples`: one token stream cut into blocks of ``seq_len + 1`` tokens overlapping by

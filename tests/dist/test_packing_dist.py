@@ -3,7 +3,7 @@ command line: under (2, 2, 2) and (1, 1, 2) the step losses equal the oracle's, 
 of every packed row alone, unpadded, in plain transformers (``hybridtrain.reference``); the position
 ids that carry the record boundaries cross the pipeline stages with the hidden states. ``loss_tokens``
 counts the global batch's loss tokens, the model-state estimate holds, the export reproduces the
-packed logits in transformers, and a packed run resumes under another layout with the same rows.
+packed logits in transformers, and a packed run resumes exactly, under its own layout and another.
 Every layout of {1, 2}^3 against the oracle is in the ``slow`` tier."""
 from __future__ import annotations
 
@@ -91,16 +91,19 @@ def test_export_reproduces_packed_logits_in_transformers(packed):
     assert 0 < scale and diff <= 1e-5 * max(1.0, scale), (diff, scale)
 
 
-def test_packed_run_resumes_under_another_layout(packed, tmp_path):
+@pytest.mark.parametrize("layout,rel", [((1, 1, 2), 1e-6), ((2, 1, 1), 1e-5)], ids=["same_layout", "dp2_pp1"])
+def test_packed_run_resumes_exactly(layout, rel, packed, tmp_path):
     """The rows are fixed by the records, seq_len and the seed, and the data position counts rows, so
-    a packed run resumed from step 2 under (2, 1, 1) trains steps 3 and 4 on the same rows."""
+    the (1, 1, 2) run resumed from step 2, under its own layout or under (2, 1, 1), trains steps 3
+    and 4 on the same rows with the same losses."""
+    dp, tp, pp = layout
     full = packed["runs"][("gpt_tiny", (1, 1, 2))]
-    run_cli(tmp_path, "+recipe=gpt_tiny", *packed["common"], "parallel.dp=2", "parallel.pp=1",
-            f"trainer.resume={RunDir(full).checkpoints / 'step_2'}", env=packed["env"])
+    run_cli(tmp_path, "+recipe=gpt_tiny", *packed["common"], f"parallel.dp={dp}", f"parallel.tp={tp}",
+            f"parallel.pp={pp}", f"trainer.resume={RunDir(full).checkpoints / 'step_2'}", env=packed["env"])
     resumed, want = _train(metrics(tmp_path)), _train(metrics(full))[2:]
     assert [m["step"] for m in resumed] == [3, 4]
     assert [m["loss_tokens"] for m in resumed] == [m["loss_tokens"] for m in want]  # the same rows
-    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in want], rel=1e-5)
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in want], rel=rel, abs=0)
 
 
 SLOW_LAYOUTS = [l for l in itertools.product((1, 2), repeat=3)]
