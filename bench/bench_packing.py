@@ -5,10 +5,10 @@
 
 The data: prompt-completion records cut from the embedded corpus with log-normal lengths (median about
 a tenth of ``data.seq_len``, a few past it, truncated), a tenth held out for validation. Both sides
-train ``llama_tiny`` for one epoch (``trainer.epochs=1``) with the same records per step: ``none``
-takes ``--rows`` records per step (one per row), ``documents`` the number of packed rows that holds
-as many records on average, so both run about the same number of optimizer steps on the same records
-with the same schedule. Each round uses its own seed (data order, validation split, packing), the same
+train ``llama_tiny`` for one epoch (``trainer.epochs=1``) with about the same records per step:
+``documents`` takes ``--rows`` packed rows per step, ``none`` as many records (one per row) as those
+rows hold on average, so both run about the same number of optimizer steps on the same records with
+the same schedule. Each round uses its own seed (data order, validation split, packing), the same
 for both sides; the sides alternate so that machine load hits both alike. Reported: loss-carrying
 tokens per second (median over the steps after the first two, then over rounds; target: documents at
 least 2x), records per step, steps, and the final validation loss of each round (same within noise:
@@ -28,8 +28,8 @@ from hybridtrain.cli import REPO as ROOT
 
 def skewed_prompt_completion(n: int, seq_len: int, seed: int) -> list[dict]:
     """``n`` prompt-completion records from the embedded corpus, log-normal in length: median about
-    ``seq_len / 10`` words (the embedded tokenizer gives slightly more tokens than words), a few past
-    ``seq_len``; a third prompt, the rest completion."""
+    ``seq_len / 13`` words, which the embedded tokenizer turns into about ``seq_len / 10`` tokens, a few
+    past ``seq_len``; a third prompt, the rest completion."""
     import numpy as np
 
     from hybridtrain.data.embedded import documents
@@ -38,7 +38,7 @@ def skewed_prompt_completion(n: int, seq_len: int, seed: int) -> list[dict]:
     words = " ".join(documents()[:200]).split()
     out = []
     for _ in range(n):
-        size = int(np.clip(rng.lognormal(np.log(seq_len / 10), 0.9), 4, 1.3 * seq_len))
+        size = int(np.clip(rng.lognormal(np.log(seq_len / 13), 0.9), 4, 1.1 * seq_len))
         at = int(rng.integers(0, len(words) - size - 1))
         cut = max(1, size // 3)
         out.append({"prompt": " ".join(words[at:at + cut]) + "\n", "completion": " ".join(words[at + cut:at + size])})
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--records", type=int, default=720, help="records in the data set (a tenth for validation)")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=32, help="global batch of the none side (records per step)")
+    parser.add_argument("--rows", type=int, default=4, help="global batch of the documents side (packed rows per step)")
     parser.add_argument("--micro", type=int, default=4, help="micro-batch size (rows) of both sides")
     parser.add_argument("--picture", type=Path, help="only draw the packed-row picture to this PNG")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -198,11 +198,13 @@ def main() -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in skewed_prompt_completion(args.records, args.seq_len, 0)))
     stats = record_stats(data, args.seq_len, cache)
     per_row = stats["records_per_row"]
-    doc_rows = max(args.micro, round(args.rows / per_row / args.micro) * args.micro)
-    print(f"records: {stats}; documents side: {doc_rows} rows per step (~{doc_rows * per_row:.1f} records)", flush=True)
+    doc_rows, doc_micro = args.rows, min(args.micro, args.rows)
+    none_rows = max(args.micro, round(doc_rows * per_row / args.micro) * args.micro)  # about as many records
+    print(f"records: {stats}; documents: {doc_rows} rows per step (~{doc_rows * per_row:.1f} records); none: "
+          f"{none_rows} rows (= records) per step", flush=True)
     sides = {
-        "documents": lambda r: run_side(work, data, args.seq_len, "documents", doc_rows, args.micro, r, cache),
-        "none": lambda r: run_side(work, data, args.seq_len, "none", args.rows, args.micro, r, cache),
+        "documents": lambda r: run_side(work, data, args.seq_len, "documents", doc_rows, doc_micro, r, cache),
+        "none": lambda r: run_side(work, data, args.seq_len, "none", none_rows, args.micro, r, cache),
     }
     results = alternate(sides, args.rounds)
     facts["loadavg_end"] = os.getloadavg()
@@ -214,8 +216,8 @@ def main() -> None:
     diffs = [d["val_loss"] - n["val_loss"] for d, n in zip(results["documents"], results["none"])]
     spread = {s: (max(r["val_loss"] for r in results[s]) - min(r["val_loss"] for r in results[s])) for s in results}
     summary = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_line(facts),
-               "seq_len": args.seq_len, "records": stats, "rows_per_step": {"documents": doc_rows, "none": args.rows},
-               "micro_batch_size": args.micro, "rounds": args.rounds, "results": results,
+               "seq_len": args.seq_len, "records": stats, "rows_per_step": {"documents": doc_rows, "none": none_rows},
+               "micro_batch_size": {"documents": doc_micro, "none": args.micro}, "rounds": args.rounds, "results": results,
                "speedup_loss_tokens_per_sec": speedup, "val_loss_diffs": diffs, "val_loss_spread": spread}
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -228,8 +230,9 @@ def main() -> None:
         f"{s['median_tokens']:.0f}, 95th percentile {s['p95_tokens']:.0f}, max {s['max_tokens']} "
         f"({s['at_seq_len']} at seq_len={args.seq_len}, {s['truncated']} truncated). `documents` packs them into "
         f"{s['rows']} rows ({s['records_per_row']:.1f} records per row, {100 * s['fill']:.0f}% of the tokens real).", "",
-        f"llama_tiny, one epoch, (1,1,1), micro-batch {args.micro} rows; `none`: {args.rows} rows (= records) per step, "
-        f"`documents`: {doc_rows} rows (~{doc_rows * s['records_per_row']:.0f} records) per step. {args.rounds} rounds "
+        f"llama_tiny, one epoch, (1,1,1); `none`: {none_rows} rows (= records) per step in micro-batches of {args.micro}, "
+        f"`documents`: {doc_rows} rows (~{doc_rows * s['records_per_row']:.0f} records) per step in micro-batches of "
+        f"{doc_micro}. {args.rounds} rounds "
         "alternating documents / none, round r with trainer.seed=r on both sides.", "",
         "| packing | loss tokens/s (median) | tokens/s incl. padding | step time | steps | final val_loss per round |",
         "|---|---|---|---|---|---|",

@@ -327,3 +327,15 @@ def test_memory_estimate_follows_what_packing_adds(recipe):
     if recipe == "gpt_tiny":  # multi-head attention: the mask is all packing adds
         assert packed - plain == added
     assert abs(plain + added - packed) <= 0.10 * packed, (plain, packed, added)
+
+
+def test_flash_attention_gets_the_records_as_variable_length_sequences():
+    """With ``flash_attention_2`` (GPU only, not run here) each block passes FlashAttention's
+    variable-length offsets instead of a mask: one sequence per record, over the flattened batch."""
+    from hybridtrain.models.stages import varlen_kwargs
+
+    pos = torch.from_numpy(np.stack([row_positions(np.array([3, 2]), 8), row_positions(np.array([8]), 8)]))
+    got = varlen_kwargs(pos)
+    assert got["cu_seq_lens_q"].tolist() == got["cu_seq_lens_k"].tolist() == [0, 3, 5, 8, 16]
+    assert got["max_length_q"] == got["max_length_k"] == 8
+    assert varlen_kwargs(torch.arange(8).repeat(2, 1)) == {}  # one sequence per row: the dense kernel
