@@ -78,7 +78,10 @@ def check_logits(checkpoint: str | Path, out_dir: str | Path) -> tuple[float, fl
     saved = load_file(str(saved_file))
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = model(input_ids=saved["input_ids"]).logits.float()
+        # packed rows: transformers masks the records apart from the restarting position ids too, but
+        # only without a KV cache (masking_utils skips the detection with one), hence use_cache=False
+        theirs = model(input_ids=saved["input_ids"], position_ids=saved.get("position_ids"),
+                       use_cache=False).logits.float()
     ours = saved["logits"]
     if theirs.shape != ours.shape:
         raise ExportError(f"logits shapes differ: transformers {tuple(theirs.shape)}, hybridtrain {tuple(ours.shape)}")

@@ -5,6 +5,9 @@ folder loaded by ``from_pretrained``), same global batches
 (:mod:`hybridtrain.data.sampler`), same learning-rate schedule, weight-decay
 groups and clipping as a hybridtrain run, but no DeepSpeed, no sharding, no pipeline: what the
 parity tests and the overhead benchmark compare every parallel layout against.
+
+Packed rows (``data.packing=documents``) are not run packed here: each record of a row runs alone,
+as a batch of one without padding, so the oracle shares no masking code with what it checks.
 """
 from __future__ import annotations
 
@@ -42,17 +45,17 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
     records = []
     for step in range(steps or cfg.trainer.max_steps):
         t0 = time.perf_counter()
-        input_ids, labels = samples.rows(samples.global_indices(step, plan.global_batch_size))
-        input_ids, labels = torch.from_numpy(input_ids), torch.from_numpy(labels)
+        idx = samples.global_indices(step, plan.global_batch_size)
+        input_ids, labels = (torch.from_numpy(a) for a in samples.rows(idx))
+        positions = torch.from_numpy(samples.positions(idx))
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros(())
-        chunks = plan.global_batch_size // plan.micro_batch_size
         tokens = int((labels != -100).sum())  # the step's loss is the mean over all its loss tokens
-        for x, y in zip(input_ids.chunk(chunks), labels.chunk(chunks)):  # micro-batches, summed grads
+        for x, y in _batches(input_ids, labels, positions, plan.global_batch_size // plan.micro_batch_size):
             # labels are already shifted (labels[t] = token t+1): HF's ``shift_labels``; transformers
             # divides the summed token loss by ``num_items_in_batch`` (its gradient-accumulation fix)
             micro = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
-            micro.backward()
+            micro.backward()  # summed gradients
             loss += micro.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
         lr = opt.param_groups[0]["lr"]
@@ -61,3 +64,18 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
         records.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
                         "step_time_s": time.perf_counter() - t0})
     return records
+
+
+def _batches(input_ids, labels, positions, chunks: int):
+    """What the oracle runs: the micro-batches ``[micro, S]`` of one sequence per row, or, where the
+    position ids restart (packed records), every record with a loss token alone as ``[1, length]``."""
+    import torch
+
+    if bool((positions == torch.arange(positions.shape[1])).all()):
+        yield from zip(input_ids.chunk(chunks), labels.chunk(chunks))
+        return
+    for x, y, pos in zip(input_ids, labels, positions):
+        starts = torch.nonzero(pos == 0).flatten().tolist() + [len(pos)]
+        for a, b in zip(starts[:-1], starts[1:]):
+            if bool((y[a:b] != -100).any()):  # the row's padding is a segment without labels
+                yield x[None, a:b], y[None, a:b]

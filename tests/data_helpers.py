@@ -41,8 +41,9 @@ def chat_records(n: int, start: int = 0) -> list[dict]:
 
 def save_samples(folder: Path, kind: str, rows, labels=None, num_shards: int = 1) -> Path:
     """A dataset folder in the format :mod:`hybridtrain.data.prepare` writes: ``packed`` takes a list of
-    documents (token lists), ``rows`` a ``[N, seq_len]`` array of ids and one of labels.
-    ``num_shards`` > 1 splits it over several Arrow files (reads then cross file boundaries)."""
+    documents (token lists), ``rows`` a ``[N, seq_len]`` array of ids and one of labels, ``documents``
+    lists of ids and of labels of any lengths. ``num_shards`` > 1 splits it over several Arrow files
+    (reads then cross file boundaries)."""
     from datasets import Dataset
 
     from hybridtrain.data.prepare import features
@@ -55,9 +56,24 @@ def save_samples(folder: Path, kind: str, rows, labels=None, num_shards: int = 1
                 "num_labels": [sum(int(x) != -100 for x in r) for r in labels]}
         seq_len = len(data["input_ids"][0])
     feats = features(kind, seq_len, "uint16")
-    if kind == "rows":
-        from datasets import Value
-
-        feats["num_labels"] = Value("int32")
+    if kind != "packed":  # what prepare reports and drops before saving
+        del feats["record"], feats["cut"]
     Dataset.from_dict(data, features=feats).save_to_disk(str(folder), num_shards=num_shards)
     return folder
+
+
+def skewed_prompt_completion(n: int, seq_len: int, seed: int = 0, start: int = 0) -> list[dict]:
+    """``n`` prompt-completion records from chapters, of log-normal lengths: the median record about a
+    tenth of ``seq_len`` tokens, a few longer than ``seq_len`` (truncated when prepared). The embedded
+    tokenizer gives about one token per word of these texts plus punctuation."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = " ".join(chapters(40, start)).split()
+    out = []
+    for k in range(n):
+        size = int(np.clip(rng.lognormal(np.log(seq_len / 10), 1.0), 3, 1.5 * seq_len))
+        at = int(rng.integers(0, len(words) - size - 1))
+        cut = max(1, size // 3)  # a third prompt, the rest completion
+        out.append({"prompt": " ".join(words[at:at + cut]) + "\n", "completion": " ".join(words[at + cut:at + size])})
+    return out

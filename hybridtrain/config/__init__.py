@@ -53,7 +53,22 @@ def _typed(data) -> Config:
     launcher = LAUNCHER_CONFIGS.get(name) if isinstance(name, str) else None
     if launcher is not None:
         schema.launcher = OmegaConf.structured(launcher)
-    return OmegaConf.to_object(OmegaConf.merge(schema, data))
+    typed = OmegaConf.to_object(OmegaConf.merge(schema, data))
+    _resolve_packing(typed)
+    return typed
+
+
+def _resolve_packing(cfg: Config) -> None:
+    """``data.packing`` as a :class:`~hybridtrain.config.choices.Packing` member: the key is typed as a
+    string so that the old ``true`` / ``false`` still compose (OmegaConf's enum fields refuse booleans),
+    and its value is checked here, once, like a fixed choice."""
+    from hybridtrain.config.choices import Packing
+    from hybridtrain.errors import PlanError
+
+    try:
+        cfg.data.packing = Packing.of(cfg.data.packing, cfg.data.format)
+    except ValueError as err:
+        raise PlanError("data.packing", str(err)) from None
 
 
 def to_config(cfg) -> Config:

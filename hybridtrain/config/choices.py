@@ -34,6 +34,7 @@ class AttnImplementation(Choice):
 
     sdpa = "sdpa"
     eager = "eager"
+    flash_attention_2 = "flash_attention_2"
 
 
 class FamilyMode(Choice):
@@ -66,6 +67,44 @@ class DataFormat(Choice):
     text = "text"
     chat = "chat"
     prompt_completion = "prompt_completion"
+
+
+class Packing(Choice):
+    """``data.packing``: how records become rows of ``data.seq_len`` tokens (docs/data.md, "Packing").
+
+    The config key also takes ``null`` (the format's default: :meth:`of`) and the old spellings
+    ``true`` / ``false``; :meth:`of` turns each into a member.
+    """
+
+    documents = "documents"
+    """Whole records placed into rows; positions restart and attention stays inside each record."""
+    stream = "stream"
+    """``text`` only: documents joined by EOS into one stream cut into rows; attention crosses documents."""
+    none = "none"
+    """One record per row, right-padded."""
+
+    @classmethod
+    def of(cls, value: object, data_format: str) -> "Packing":
+        """The mode ``data.packing=value`` means for ``data.format=data_format``.
+
+        ``null`` and ``true`` (the old "packed") are ``stream`` for ``text`` and ``documents`` for ``chat``
+        and ``prompt_completion``; ``false`` is ``none``. :class:`ValueError` for anything else, and for
+        ``stream`` with a format that has loss masks.
+        """
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower() if value is not None else "null"
+        text_format = str(data_format) == "text"
+        if text in ("null", "true"):
+            return cls.stream if text_format else cls.documents
+        if text == "false":
+            return cls.none
+        if text not in cls.__members__:
+            raise ValueError(f"{value!r} is not one of [documents, stream, none] (or true / false / null)")
+        if text == "stream" and not text_format:
+            raise ValueError(f"stream joins documents into one token stream without loss masks, so it is for "
+                             f"data.format=text only (this run: {data_format}); use data.packing=documents or none")
+        return cls[text]
 
 
 class SampleBy(Choice):

@@ -111,10 +111,13 @@ class DataConfig:
     """``text``: raw documents (``data.text_field``); ``chat``: a list of ``{role, content}`` messages
     (``data.messages_field``), loss on assistant tokens only; ``prompt_completion``: loss on the
     completion only (``data.prompt_field``, ``data.completion_field``)."""
-    packing: bool = True
-    """``text`` only: join documents with EOS and cut the stream into ``seq_len`` blocks (true), or one
-    document per sample, truncated and right-padded with masked labels (false). ``chat`` and
-    ``prompt_completion`` records are always one per sample."""
+    packing: Optional[str] = None
+    """How records become rows of ``seq_len`` tokens (docs/data.md, "Packing"): ``documents`` (whole
+    records packed into rows; positions restart and a token attends only to its own record),
+    ``stream`` (``text`` only: documents joined by EOS and cut into blocks; attention crosses them) or
+    ``none`` (one record per row, right-padded). ``null``: ``stream`` for ``text``, ``documents`` for
+    ``chat`` and ``prompt_completion``. The old ``true`` / ``false`` mean ``null`` / ``none``. Resolved
+    to a :class:`~hybridtrain.config.choices.Packing` when the config is converted."""
     text_field: str = "text"
     """Field holding the document text (``format=text``); ``.txt`` files always give ``text``."""
     messages_field: str = "messages"

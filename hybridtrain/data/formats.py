@@ -1,9 +1,16 @@
 """Record formats -> token ids and loss masks -> samples. Batched functions for ``datasets.map``.
 
-A record becomes either a document of the packed ``text`` stream (its ids then EOS) or one row
-``(input_ids [seq_len], labels [seq_len])`` built by :func:`to_row` from its ids and a per-token
-mask saying which tokens are *targets* (carry loss). Everything is a plain function of its
-arguments (the tokenizer is passed in), so ``map(num_proc=N)`` can pickle it.
+A record becomes either a document of the packed ``text`` stream (its ids then EOS; ``stream``) or a
+sample ``(input_ids, labels)`` built by :func:`to_record` from its ids and a per-token mask saying
+which tokens are *targets* (carry loss): padded to ``seq_len`` (:func:`to_row`, ``packing=none``) or
+left at its own length for the sampler to pack (``packing=documents``). Every sample function also
+writes ``num_labels`` (its loss tokens), ``record`` (the source record's index) and ``cut`` (tokens
+dropped past ``seq_len + 1``), so the preparation can report what truncation did. Everything is a
+plain function of its arguments (the tokenizer is passed in), so ``map(num_proc=N)`` can pickle it.
+
+A record longer than ``seq_len + 1`` tokens is truncated (its first ``seq_len + 1`` tokens kept),
+except ``text`` records with ``split``: those are cut into pieces of ``seq_len + 1`` tokens that
+overlap by one, each its own sample, so every token is still learned.
 """
 from __future__ import annotations
 
@@ -18,20 +25,52 @@ IGNORE = -100
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def to_row(ids: Sequence[int], targets: Sequence[int], seq_len: int, pad_id: int) -> tuple[list[int], list[int]] | None:
-    """One sample from a record's ``ids`` and its target mask (``targets[t] = 1``: token t carries loss).
+def to_record(ids: Sequence[int], targets: Sequence[int], seq_len: int) -> tuple[list[int], list[int]] | None:
+    """One unpadded sample from a record's ``ids`` and its target mask (``targets[t] = 1``: token t carries loss).
 
-    ``input_ids = ids[:seq_len]`` right-padded with ``pad_id``; ``labels[t] = ids[t + 1]`` where token
-    ``t + 1`` is a target, else :data:`IGNORE` (so padding and masked tokens carry no loss). Tokens past
-    ``seq_len + 1`` are cut. ``None`` when no label is left (nothing to learn from this record).
+    ``inputs = ids[:n]``, ``labels[t] = ids[t + 1]`` where token ``t + 1`` is a target, else :data:`IGNORE`,
+    with ``n = min(len(ids) - 1, seq_len)``: tokens past ``seq_len + 1`` are cut. ``None`` when no
+    label is left (nothing to learn from this record).
     """
     ids, targets = list(ids[:seq_len + 1]), list(targets[:seq_len + 1])
     labels = [ids[t + 1] if targets[t + 1] else IGNORE for t in range(len(ids) - 1)]
     if not any(label != IGNORE for label in labels):
         return None
-    inputs = ids[:-1]
+    return ids[:-1], labels
+
+
+def to_row(ids: Sequence[int], targets: Sequence[int], seq_len: int, pad_id: int) -> tuple[list[int], list[int]] | None:
+    """:func:`to_record` right-padded to ``seq_len`` with ``pad_id`` (labels with :data:`IGNORE`, so
+    padding carries no loss)."""
+    record = to_record(ids, targets, seq_len)
+    if record is None:
+        return None
+    inputs, labels = record
     pad = seq_len - len(inputs)
     return inputs + [pad_id] * pad, labels + [IGNORE] * pad
+
+
+def _samples(records: list[tuple[list[int], list[int]]], indices: list[int], seq_len: int, pad_id: int | None,
+             split: bool = False) -> dict[str, list]:
+    """The sample columns of ``records`` (``(ids, targets)`` each): padded rows when ``pad_id`` is given,
+    unpadded samples otherwise; with ``split`` a long record becomes several samples (see the module)."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "num_labels": [], "record": [], "cut": []}
+    for (ids, targets), index in zip(records, indices):
+        starts = range(0, max(1, len(ids) - 1), seq_len) if split else (0,)
+        for start in starts:  # pieces of seq_len + 1 tokens overlapping by one
+            sample = to_record(ids[start:], targets[start:], seq_len)
+            if sample is None:
+                continue
+            inputs, labels = sample
+            if pad_id is not None:
+                pad = seq_len - len(inputs)
+                inputs, labels = inputs + [pad_id] * pad, labels + [IGNORE] * pad
+            out["input_ids"].append(inputs)
+            out["labels"].append(labels)
+            out["num_labels"].append(sum(label != IGNORE for label in labels))
+            out["record"].append(index)
+            out["cut"].append(0 if split else max(0, len(ids) - seq_len - 1))
+    return out
 
 
 def _texts(batch: dict[str, list], field: str, indices: list[int]) -> list[str]:
@@ -53,31 +92,24 @@ def text_stream(batch: dict[str, list], indices: list[int], *, tokenizer, field:
     return {"ids": [doc + [eos_id] for doc in ids]}
 
 
-def _rows(pairs: list[tuple[list[int], list[int]] | None]) -> dict[str, list]:
-    kept = [p for p in pairs if p is not None]
-    return {"input_ids": [p[0] for p in kept], "labels": [p[1] for p in kept]}
-
-
 def text_rows(batch: dict[str, list], indices: list[int], *, tokenizer, field: str, eos_id: int,
-              seq_len: int, pad_id: int) -> dict[str, list]:
-    """Unpacked ``text``: one document per sample (its ids then EOS), truncated and padded; every token a target."""
+              seq_len: int, pad_id: int | None, split: bool = False) -> dict[str, list]:
+    """``text`` one document per sample: its ids then EOS; every token a target. Truncated (or with
+    ``split`` cut into pieces) and, with ``pad_id``, padded."""
     ids = tokenizer(_texts(batch, field, indices), add_special_tokens=False)["input_ids"]
-    return _rows([to_row(doc + [eos_id], [1] * (len(doc) + 1), seq_len, pad_id) for doc in ids])
+    return _samples([(doc + [eos_id], [1] * (len(doc) + 1)) for doc in ids], indices, seq_len, pad_id, split)
 
 
 def prompt_completion_rows(batch: dict[str, list], indices: list[int], *, tokenizer, prompt_field: str,
-                           completion_field: str, eos_id: int, seq_len: int, pad_id: int) -> dict[str, list]:
+                           completion_field: str, eos_id: int, seq_len: int, pad_id: int | None) -> dict[str, list]:
     """``prompt_completion``: prompt ids then completion ids then EOS; only completion and EOS are targets.
 
     Prompt and completion are tokenized separately, so the mask boundary is exact.
     """
     prompts = tokenizer(_texts(batch, prompt_field, indices), add_special_tokens=False)["input_ids"]
     completions = tokenizer(_texts(batch, completion_field, indices), add_special_tokens=False)["input_ids"]
-    pairs = []
-    for p, c in zip(prompts, completions):
-        c = c + [eos_id]
-        pairs.append(to_row(p + c, [0] * len(p) + [1] * len(c), seq_len, pad_id))
-    return _rows(pairs)
+    records = [(p + c + [eos_id], [0] * len(p) + [1] * (len(c) + 1)) for p, c in zip(prompts, completions)]
+    return _samples(records, indices, seq_len, pad_id)
 
 
 def check_messages(messages: Any, index: int, field: str) -> None:
@@ -97,13 +129,13 @@ def check_messages(messages: Any, index: int, field: str) -> None:
 
 
 def chat_rows(batch: dict[str, list], indices: list[int], *, tokenizer, field: str, seq_len: int,
-              pad_id: int) -> dict[str, list]:
+              pad_id: int | None) -> dict[str, list]:
     """``chat``: the messages rendered with the tokenizer's chat template; the assistant tokens (the
     template's ``{% generation %}`` spans) are the targets."""
-    pairs = []
+    records = []
     for messages, i in zip(batch[field], indices):
         check_messages(messages, i, field)
         out = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                             tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        pairs.append(to_row(out["input_ids"], out["assistant_masks"], seq_len, pad_id))
-    return _rows(pairs)
+        records.append((list(out["input_ids"]), list(out["assistant_masks"])))
+    return _samples(records, indices, seq_len, pad_id)

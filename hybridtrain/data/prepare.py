@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Callable
 
 
+from hybridtrain.config.choices import Packing
 from hybridtrain.config.schema import DataConfig
 from hybridtrain.data import formats, sources
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 from hybridtrain.errors import PlanError
 
-VERSION = 2
+VERSION = 3
 """Bump when the written samples change for the same inputs (invalidates every cache entry)."""
 
 
@@ -40,10 +41,15 @@ class Prepared:
     dir: str
     """Cache folder holding one saved dataset (Arrow files) per split."""
     kind: str
-    """``packed`` (a token stream per split) or ``rows`` (``input_ids`` / ``labels`` per split)."""
+    """``packed`` (a token stream per split), ``rows`` (padded ``input_ids`` / ``labels`` per split) or
+    ``documents`` (unpadded ``input_ids`` / ``labels`` per record, packed into rows when read)."""
     seq_len: int
     splits: dict = field(default_factory=dict)
-    """``{"train": {file names..., "num_samples": n}, "val": {...}}`` (``val`` only with validation)."""
+    """``{"train": {file names..., "num_samples": n}, "val": {...}}`` (``val`` only with validation), with
+    what truncation did (``records``, ``dropped_records``, ``truncated_records``, ``cut_tokens``,
+    ``split_records``) and for ``documents`` the rows of this run's seed (``num_samples``, ``fill``)."""
+    pad_id: int = 0
+    """Token id that pads rows (``documents`` pads when the rows are read)."""
     fingerprint: str = ""
     cached: bool = False
     """Whether this run found the data already prepared (not saved)."""
@@ -74,9 +80,18 @@ def chat_template(cfg: DataConfig) -> str | None:
     return path.read_text() if "{" not in cfg.chat_template and path.is_file() else cfg.chat_template
 
 
+def packing_of(cfg: DataConfig) -> Packing:
+    """``data.packing`` resolved for ``data.format`` (:meth:`Packing.of`); a :class:`PlanError` if it is
+    not a mode of that format."""
+    try:
+        return Packing.of(cfg.packing, cfg.format)
+    except ValueError as err:
+        raise PlanError("data.packing", str(err)) from None
+
+
 def kind_of(cfg: DataConfig) -> str:
-    """``packed`` for packed text, ``rows`` for everything else."""
-    return "packed" if cfg.format == "text" and cfg.packing else "rows"
+    """How the samples are stored: ``packed`` (``stream``), ``documents`` or ``rows`` (``none``)."""
+    return {Packing.stream: "packed", Packing.documents: "documents", Packing.none: "rows"}[packing_of(cfg)]
 
 
 def options(cfg: DataConfig, seed: int) -> dict:
@@ -88,7 +103,7 @@ def options(cfg: DataConfig, seed: int) -> dict:
     opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
                  "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]}}[cfg.format])
-    if kind_of(cfg) == "rows":
+    if kind_of(cfg) != "packed":  # records are truncated (or split) to seq_len when written
         opts["seq_len"] = cfg.seq_len
     if cfg.val_fraction > 0:
         opts["seed"] = seed
@@ -127,16 +142,25 @@ def _check_field(ds, name: str, key: str) -> None:
                              f"set {key}=<one of them>")
 
 
+def _pad_id(tokenizer) -> int:
+    """The padding token: the tokenizer's, else EOS, else 0 (padding never carries loss)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
 def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
     eos = tokenizer.eos_token_id
     if eos is None and cfg.format != "chat":
         raise PlanError("data.tokenizer", "the tokenizer has no EOS token to end documents; use a tokenizer "
                                           "with an eos_token (or an <|endoftext|> token)")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    mode = packing_of(cfg)
+    pad = _pad_id(tokenizer) if mode is Packing.none else None  # documents: padded when packed
     if cfg.format == "text":
-        if cfg.packing:
+        if mode is Packing.stream:
             return formats.text_stream, {"field": cfg.text_field, "eos_id": eos}
-        return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
+        return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
+                                   "split": mode is Packing.documents}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -156,37 +180,75 @@ def _field_keys(cfg: DataConfig) -> list[tuple[str, str]]:
 
 
 def features(kind: str, seq_len: int, dtype: str):
-    """The Arrow schema samples are stored with: token ids as ``dtype`` (``uint16`` for vocabularies
-    under 65536), labels as ``int32`` (``-100`` marks tokens without loss), rows of fixed length."""
+    """The Arrow schema samples are written with: token ids as ``dtype`` (``uint16`` for vocabularies
+    under 65536), labels as ``int32`` (``-100`` marks tokens without loss); rows of fixed length
+    (``rows``) or one record each (``documents``), with their loss-token count and, until
+    :func:`_write` reports and drops them, the source record and the tokens truncation cut."""
     from datasets import Features, List, Value
 
     if kind == "packed":
         return Features({"ids": List(Value(dtype))})
-    return Features({"input_ids": List(Value(dtype), length=seq_len), "labels": List(Value("int32"), length=seq_len)})
+    length = seq_len if kind == "rows" else -1
+    return Features({"input_ids": List(Value(dtype), length=length), "labels": List(Value("int32"), length=length),
+                     "num_labels": Value("int32"), "record": Value("int64"), "cut": Value("int32")})
 
 
-def _label_counts(ds, seq_len: int):
-    """Loss tokens per row (saved as ``num_labels``: a step's loss weight needs the global batch's
-    count, and every rank reads it without touching other ranks' rows)."""
+def _truncation(ds, records: int) -> dict:
+    """What cutting the ``records`` source records to ``seq_len`` did: records dropped (no loss token
+    left), truncated (and the tokens cut), split into several samples."""
     import numpy as np
 
-    counts = [(chunk.flatten().to_numpy().reshape(-1, seq_len) != -100).sum(axis=1)
-              for chunk in ds.data.table.column("labels").chunks]
-    return np.concatenate(counts).astype(np.int32) if counts else np.zeros(0, np.int32)
+    record = np.asarray(ds.data.table.column("record").to_numpy(), dtype=np.int64)
+    cut = np.asarray(ds.data.table.column("cut").to_numpy(), dtype=np.int64)
+    kept, pieces = np.unique(record, return_counts=True)
+    return {"records": records, "dropped_records": records - len(kept), "truncated_records": int((cut > 0).sum()),
+            "cut_tokens": int(cut.sum()), "split_records": int((pieces > 1).sum())}
 
 
-def _write(ds, kind: str, seq_len: int, out: Path, split: str) -> dict:
-    """Save the mapped split ``ds`` as a dataset folder under ``out``; return its ``splits`` entry."""
+def _write(ds, kind: str, seq_len: int, out: Path, split: str, records: int) -> dict:
+    """Save the mapped split ``ds`` (of ``records`` source records) as a dataset folder under ``out``;
+    return its ``splits`` entry."""
     import pyarrow.compute as pc
 
-    if kind == "rows":
-        ds = ds.add_column("num_labels", _label_counts(ds, seq_len))
+    entry: dict = {"dataset": split}
+    if kind != "packed":
+        entry.update(_truncation(ds, records))
+        ds = ds.remove_columns(["record", "cut"])
     ds.save_to_disk(str(out / split))
     if kind == "packed":
         total = sum(int(pc.sum(pc.list_value_length(chunk)).as_py() or 0) for chunk in ds.data.table.column("ids").chunks)
-        return {"dataset": split, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len),
-                "num_documents": len(ds)}
-    return {"dataset": split, "num_samples": len(ds)}
+        return {**entry, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len), "num_documents": len(ds)}
+    if kind == "documents":
+        entry["num_records"] = len(ds)  # samples to pack; num_samples (rows) depends on the seed
+    else:
+        entry["num_samples"] = len(ds)
+    return entry
+
+
+def _pack_rows(prepared: Prepared, seed: int) -> None:
+    """``documents``: each split's rows under ``seed`` (``num_samples``) and how full they are (``fill``)."""
+    from hybridtrain.data.sampler import DocumentSamples
+
+    for split, entry in prepared.splits.items():
+        samples = DocumentSamples.from_folder(Path(prepared.dir) / entry["dataset"], prepared.seq_len, seed)
+        entry["num_samples"], entry["fill"] = samples.num_samples, round(samples.fill, 4)
+
+
+def _describe(prepared: Prepared, mode: Packing) -> str:
+    """One line on what truncation and packing did, e.g. ``packing documents: train 600 records in 74 rows ...``."""
+    parts = []
+    for split, e in prepared.splits.items():
+        if "records" not in e:
+            continue
+        text = f"{split} {e['records']} records"
+        if mode is Packing.documents:
+            text += f" in {e['num_samples']} rows of {prepared.seq_len} tokens ({100 * e['fill']:.0f}% filled)"
+        notes = [f"{e['truncated_records']} truncated ({e['cut_tokens']} tokens cut)" if e["truncated_records"] else "",
+                 f"{e['split_records']} split into pieces of {prepared.seq_len}" if e["split_records"] else "",
+                 f"{e['dropped_records']} with no loss token dropped" if e["dropped_records"] else ""]
+        notes = [n for n in notes if n]
+        parts.append(text + (" (" + ", ".join(notes) + ")" if notes else ""))
+    return f"[hybridtrain] data      packing {mode}: " + "; ".join(parts) if parts else ""
 
 
 def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
@@ -209,8 +271,12 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             found.seq_len = cfg.seq_len
             for entry in found.splits.values():
                 entry["num_samples"] = max(0, (entry["num_tokens"] - 1) // cfg.seq_len)
+        if kind == "documents":  # the rows depend on this run's seed
+            _pack_rows(found, seed)
         log(f"[hybridtrain] data      cached tokens found in {final}: tokenization skipped (same source, "
             f"tokenizer and options)")
+        if kind != "packed":
+            log(_describe(found, packing_of(cfg)))
         return found
 
     t0 = time.perf_counter()
@@ -243,16 +309,18 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
                             fn_kwargs={"tokenizer": tokenizer, **kwargs}, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                             features=features(kind, cfg.seq_len, dtype),
                             cache_file_name=str(work / f"map-{split}.arrow"), desc=f"tokenizing {split}")
-            if kind == "rows" and len(mapped) == 0:
+            if kind != "packed" and len(mapped) == 0:
                 raise PlanError("data.seq_len", f"no {split} record leaves a token to learn from within data.seq_len="
                                                 f"{cfg.seq_len} (empty documents, prompts that fill seq_len, or assistant "
                                                 "turns past it); raise data.seq_len or check the records")
-            splits[split] = _write(mapped, kind, cfg.seq_len, out, split)
-            if kind == "rows":
-                splits[split]["dropped_records"] = len(ds) - len(mapped)
+            splits[split] = _write(mapped, kind, cfg.seq_len, out, split, len(ds))
             if kind == "packed" and splits[split]["num_tokens"] == 0:
                 raise PlanError("data.text_field", f"every {split} document is empty; check data.text_field")
-        prepared = Prepared(dir=str(final), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp)
+        prepared = Prepared(dir=str(out), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp,
+                            pad_id=_pad_id(tokenizer))
+        if kind == "documents":
+            _pack_rows(prepared, seed)
+        prepared.dir = str(final)
         (out / "data.json").write_text(prepared.to_json())
         try:
             os.replace(out, final)  # atomic: a concurrent or interrupted run never sees a partial folder
@@ -260,11 +328,12 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             pass
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    counts = ", ".join(f"{s} {v['num_samples']} samples" for s, v in splits.items())
-    dropped = sum(v.get("dropped_records", 0) for v in splits.values())
+    unit = "rows" if kind == "documents" else "samples"
+    counts = ", ".join(f"{s} {v['num_samples']} {unit}" for s, v in splits.items())
     log(f"[hybridtrain] data      tokenized {len(train) + (len(val) if val is not None else 0)} records in "
-        f"{time.perf_counter() - t0:.1f}s (num_proc={cfg.num_proc}): {counts}"
-        + (f"; {dropped} record(s) with no loss token dropped" if dropped else "") + f"; cached in {final}")
+        f"{time.perf_counter() - t0:.1f}s (num_proc={cfg.num_proc}): {counts}; cached in {final}")
+    if kind != "packed":
+        log(_describe(prepared, packing_of(cfg)))
     return prepared
 
 

@@ -1,13 +1,21 @@
 """Which samples make up each step: a pure function of (seed, samples consumed), whatever the plan.
 
 Every sample is ``(input_ids [seq_len], labels [seq_len])`` int64, labels already shifted
-(``labels[t]`` is the token after ``input_ids[t]``) and ``-100`` where no loss is taken. Two stores
-hold them, both read from the memory-mapped Arrow files of the HF ``datasets`` that
+(``labels[t]`` is the token after ``input_ids[t]``) and ``-100`` where no loss is taken. Three stores
+hold them, each read from the memory-mapped Arrow files of the HF ``datasets`` that
 :mod:`hybridtrain.data.prepare` saved (:class:`ArrowColumn`; in-memory arrays work too, for tests):
 
 * :class:`PackedSamples`: one token stream cut into blocks of ``seq_len + 1`` tokens overlapping by
-  one (inputs ``block[:-1]``, labels ``block[1:]``);
-* :class:`RowSamples`: one row per record (``input_ids`` and ``labels`` arrays ``[N, seq_len]``).
+  one (inputs ``block[:-1]``, labels ``block[1:]``; ``data.packing=stream``);
+* :class:`RowSamples`: one row per record (``input_ids`` and ``labels`` arrays ``[N, seq_len]``;
+  ``data.packing=none``);
+* :class:`DocumentSamples`: whole records packed into rows (:mod:`hybridtrain.data.packing`;
+  ``data.packing=documents``), with position ids that restart at every record.
+
+The model takes ``(input_ids, position_ids)``, both ``[B, seq_len]`` int64: position ids count
+``0, 1, ...`` from the start of each record, so transformers' masking builds a block-causal mask from
+them (a token attends only to the earlier tokens of its own record); for unpacked rows and stream
+blocks they are ``0 .. seq_len - 1``, the plain causal case.
 
 Epoch ``e`` visits the samples in the order of a permutation seeded by ``(seed, e)``; the stream
 of epochs is read ``global_batch_size`` samples per step, so the position in the data is just the
@@ -24,6 +32,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+
+from hybridtrain.data.packing import pack, row_positions
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,11 @@ class Samples:
         """``(input_ids, labels)``, each ``[len(indices), seq_len]`` int64; reads only those rows."""
         raise NotImplementedError
 
+    def positions(self, indices: np.ndarray) -> np.ndarray:
+        """Position ids ``[len(indices), seq_len]`` int64 of those rows: ``0 .. seq_len - 1`` (one
+        sequence per row); :class:`DocumentSamples` restarts them at every record."""
+        return np.tile(np.arange(self.seq_len, dtype=np.int64), (len(indices), 1))
+
     def label_counts(self, indices: np.ndarray) -> np.ndarray:
         """Loss-carrying tokens (labels other than ``-100``) of each sample in ``indices``."""
         raise NotImplementedError
@@ -106,6 +121,10 @@ class Samples:
         the batch is cut.
         """
         return layout.grad_accum * layout.dp / max(1, int(self.label_counts(indices).sum()))
+
+    def step_loss_tokens(self, step: int, global_batch_size: int) -> int:
+        """Loss-carrying tokens of step ``step``'s global batch (``loss_tokens`` in ``metrics.jsonl``)."""
+        return int(self.label_counts(self.global_indices(step, global_batch_size)).sum())
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -127,15 +146,17 @@ class Samples:
         return self.indices_at(step * global_batch_size, global_batch_size)
 
     def _tensors(self, idx: np.ndarray, layout: BatchLayout, dp_rank: int, weighted: bool) -> Iterator[tuple]:
-        """This rank's micro-batches of the global batch ``idx``: ``(input_ids, labels)``, or with
-        ``weighted`` ``(input_ids, (labels, weight))`` (see :meth:`batch_weight`)."""
+        """This rank's micro-batches of the global batch ``idx``: ``((input_ids, position_ids), labels)``,
+        or with ``weighted`` ``((input_ids, position_ids), (labels, weight))`` (see :meth:`batch_weight`).
+        The model input is a tuple because that is what DeepSpeed's pipeline feeds its first stage."""
         import torch
 
         weight = torch.tensor(self.batch_weight(idx, layout), dtype=torch.float32) if weighted else None
         for row in layout.rank_rows(idx, dp_rank):
             inputs, labels = self.rows(row)
             labels = torch.from_numpy(labels)
-            yield torch.from_numpy(inputs), (labels, weight) if weighted else labels
+            model_inputs = (torch.from_numpy(inputs), torch.from_numpy(self.positions(row)))
+            yield model_inputs, (labels, weight) if weighted else labels
 
     def micro_batches(self, step: int, layout: BatchLayout, dp_rank: int, weighted: bool = False) -> Iterator[tuple]:
         """This data-parallel rank's ``grad_accum`` micro-batches of ``step`` as torch tensors."""
@@ -190,9 +211,11 @@ class ArrowColumn:
     """
 
     def __init__(self, folder: str | Path, column: str):
+        import pyarrow.compute as pc
+
         self.folder = Path(folder)
         table = read_saved_table(self.folder)
-        views = []
+        views, lengths = [], []
         for chunk in table.column(column).chunks:
             if not hasattr(chunk, "flatten"):  # a scalar column (``num_labels``)
                 views.append(chunk.to_numpy(zero_copy_only=True))
@@ -200,8 +223,12 @@ class ArrowColumn:
             flat = chunk.flatten().to_numpy(zero_copy_only=True)
             length = getattr(chunk.type, "list_size", None)
             views.append(flat.reshape(-1, length) if length else flat)
+            if not length:
+                lengths.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
         self.views = [v for v in views if len(v)]
         self.starts = np.cumsum([0] + [len(v) for v in self.views])
+        self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else None
+        """A variable-length list column's list lengths (its records in :meth:`__getitem__`'s flat stream)."""
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -272,6 +299,73 @@ class RowSamples(Samples):
         return np.asarray(self.num_labels[np.asarray(indices, dtype=np.int64)], dtype=np.int64)
 
 
+class DocumentSamples(Samples):
+    """Records packed whole into rows of ``seq_len`` tokens (``data.packing=documents``).
+
+    Each record is its unpadded ``input_ids`` and ``labels`` (at most ``seq_len`` each); the rows are
+    :func:`~hybridtrain.data.packing.pack`'s plan, fixed for the run by the records' lengths and the
+    seed. A row is its records one after the other, then ``pad_id`` up to ``seq_len`` (labels
+    ``-100``); its position ids restart at every record and at the padding
+    (:func:`~hybridtrain.data.packing.row_positions`). A sample index is a row.
+    """
+
+    def __init__(self, input_ids, labels, num_labels, lengths: np.ndarray, seq_len: int, seed: int,
+                 pad_id: int = 0):
+        self.input_ids, self.labels, self.pad_id = input_ids, labels, pad_id  # flat token streams
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.plan = pack(self.lengths, seq_len, seed)
+        self.row_labels = self.plan.per_row(np.asarray(num_labels, dtype=np.int64))
+        super().__init__(len(self.plan), seq_len, seed)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, seq_len: int, seed: int, pad_id: int = 0) -> "DocumentSamples":
+        """The records of a saved dataset folder (``input_ids``, ``labels``, ``num_labels``), memory-mapped."""
+        ids = ArrowColumn(folder, "input_ids")
+        return cls(ids, ArrowColumn(folder, "labels"), ArrowColumn(folder, "num_labels"), ids.lengths, seq_len,
+                   seed, pad_id)
+
+    @classmethod
+    def from_records(cls, records: list[tuple[list[int], list[int]]], seq_len: int, seed: int,
+                     pad_id: int = 0) -> "DocumentSamples":
+        """In-memory records ``(input_ids, labels)`` (for tests and benchmarks)."""
+        ids = np.array([t for r, _ in records for t in r], dtype=np.int64)
+        labels = np.array([t for _, r in records for t in r], dtype=np.int64)
+        counts = [sum(t != -100 for t in r) for _, r in records]
+        return cls(ids, labels, counts, [len(r) for r, _ in records], seq_len, seed, pad_id)
+
+    @property
+    def fill(self) -> float:
+        """The share of the rows' tokens that are record tokens (the rest is padding)."""
+        return float(self.lengths.sum()) / max(1, self.num_samples * self.seq_len)
+
+    def records(self, row: int) -> np.ndarray:
+        """The record indices packed into ``row``."""
+        return self.plan.records(int(row))
+
+    def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(indices)
+        inputs = np.full((n, self.seq_len), self.pad_id, dtype=np.int64)
+        labels = np.full((n, self.seq_len), -100, dtype=np.int64)
+        for k, row in enumerate(indices):
+            at = 0
+            for record in self.records(row):
+                start, stop = int(self.offsets[record]), int(self.offsets[record + 1])
+                inputs[k, at:at + stop - start] = self.input_ids[start:stop]
+                labels[k, at:at + stop - start] = self.labels[start:stop]
+                at += stop - start
+        return inputs, labels
+
+    def positions(self, indices: np.ndarray) -> np.ndarray:
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for k, row in enumerate(indices):
+            out[k] = row_positions(self.lengths[self.records(row)], self.seq_len)
+        return out
+
+    def label_counts(self, indices: np.ndarray) -> np.ndarray:
+        return self.row_labels[np.asarray(indices, dtype=np.int64)]
+
+
 def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples | None:
     """The ``split`` (``train`` or ``val``) of the prepared data described by ``data_json`` (the run's
     ``data.json``, or its content as a dict), memory-mapped; ``None`` when the run has no such split."""
@@ -282,6 +376,8 @@ def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples
     folder = Path(meta["dir"])
     if meta["kind"] == "packed":
         samples: Samples = PackedSamples(folder / files["dataset"], meta["seq_len"], seed)
+    elif meta["kind"] == "documents":
+        samples = DocumentSamples.from_folder(folder / files["dataset"], meta["seq_len"], seed, meta.get("pad_id") or 0)
     else:
         samples = RowSamples(folder / files["dataset"], None, seed)
     assert samples.seq_len == meta["seq_len"]

@@ -1,9 +1,12 @@
-"""Pipeline layers: the HF model cut into pieces that pass one tensor between them.
+"""Pipeline layers: the HF model cut into pieces that pass ``(hidden, position_ids)`` between them.
 
-DeepSpeed's pipeline may only send tensors across a stage boundary, and every float tensor
-received gets ``requires_grad``; so each piece takes and returns the hidden states
-``[B, S, H]`` only (token ids ``[B, S]`` into the first), and the causal mask, positions and
-rotary tables are recomputed inside every block.
+DeepSpeed's pipeline may only send tensors (or tuples of tensors) across a stage boundary, and every
+float tensor received gets ``requires_grad`` and must send a gradient back; integer tensors travel
+without one. So each piece takes and returns ``(hidden [B, S, H], position_ids [B, S] int64)``
+(``(input_ids, position_ids)`` into the first, logits out of the head), and every block rebuilds
+its mask and rotary table from the position ids. The position ids carry the document boundaries of
+packed rows (``data.packing=documents``): they restart at every record, and transformers' masking
+turns restarts into a block-causal mask (a token attends only to its own record).
 """
 from __future__ import annotations
 
@@ -45,9 +48,14 @@ class TokenEmbedding(VocabParallelEmbedding):
             return []
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
-    def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
-        out = super().forward(x, as_head)
-        return self.drop(out) if self.drop is not None and not as_head else out
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor], as_head: bool = False):
+        """``(input_ids, position_ids)`` -> ``(hidden [B, S, H], position_ids)``; as the tied head
+        ``(hidden, position_ids)`` -> logits ``[B, S, V_pad/tp]``."""
+        if as_head:
+            return super().forward(x[0], True)
+        input_ids, positions = x
+        out = super().forward(input_ids, False)
+        return (self.drop(out) if self.drop is not None else out), positions
 
 
 def _softcap(builder: ModelBuilder) -> float | None:
@@ -56,9 +64,9 @@ def _softcap(builder: ModelBuilder) -> float | None:
     return float(value) if value else None
 
 
-def tied_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def tied_head(embedding: TokenEmbedding, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``forward_fn`` of the tied head on the last stage: logits from the embedding weight."""
-    return embedding(hidden, as_head=True)
+    return embedding(x, as_head=True)
 
 
 class PositionEmbedding(nn.Module):
@@ -74,18 +82,20 @@ class PositionEmbedding(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.wpe.weight, Split())]
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H]
-        pos = torch.arange(hidden.shape[1], device=hidden.device)
-        return self.drop(hidden + self.wpe(pos).unsqueeze(0))
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, positions = x  # [B, S, H], [B, S]: each record of a packed row starts at position 0
+        return self.drop(hidden + self.wpe(positions)), positions
 
 
 class DecoderBlock(nn.Module):
     """One HF decoder block (``GPT2Block``, ``LlamaDecoderLayer``, ...), TP-sharded.
 
-    It builds the mask its model would give it: transformers' sliding-window causal mask when the
-    block's attention has a window (its own ``sliding_window``, else the config's: Mistral and Phi-3
-    put one window on every layer, Qwen2/3 and Gemma 2 mark layers in ``config.layer_types``), else the
-    causal mask.
+    It builds the mask its model would give it from the position ids: transformers' sliding-window
+    causal mask when the block's attention has a window (its own ``sliding_window``, else the config's:
+    Mistral and Phi-3 put one window on every layer, Qwen2/3 and Gemma 2 mark layers in
+    ``config.layer_types``), else the causal mask. Where the position ids restart (packed records)
+    transformers intersects either mask with "same record" (``find_packed_sequence_indices``); with
+    ``flash_attention_2`` the restarts become the variable-length kernel's ``cu_seqlens`` instead.
     """
 
     def __init__(self, builder: ModelBuilder, index: int):
@@ -99,6 +109,7 @@ class DecoderBlock(nn.Module):
         window = (attention.sliding_window if hasattr(attention, "sliding_window")
                   else getattr(builder.hf_config, "sliding_window", None))
         self.sliding = bool(window)
+        self.flash = builder.hf_config._attn_implementation == "flash_attention_2"
         self.rotary = None
         if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
@@ -107,23 +118,43 @@ class DecoderBlock(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
 
-    def _run(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _attention_args(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict:
+        """The mask (sdpa, eager) or the variable-length arguments (FlashAttention 2) for ``pos``."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, S]
-        # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask;
-        # a sliding window a bool mask once the sequence reaches the window.
+        if self.flash:
+            return {"attention_mask": None, **varlen_kwargs(pos)}
+        # sdpa with one sequence per row gets None (is_causal); eager an additive [B, 1, S, S] mask;
+        # a sliding window or packed records a mask too
         make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos)
-        if self.rotary is None:
-            return self.block(hidden, attention_mask=mask)
-        cos_sin = self.rotary(hidden, position_ids=pos)
-        return self.block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        return {"attention_mask": make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                       position_ids=pos)}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, H]
+    def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        args = self._attention_args(hidden, pos)
+        if self.rotary is None:
+            return self.block(hidden, **args)
+        cos_sin = self.rotary(hidden, position_ids=pos)
+        return self.block(hidden, position_ids=pos, position_embeddings=cos_sin, **args)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, pos = x  # [B, S, H], [B, S]
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._run, hidden, use_reentrant=False)
-        return self._run(hidden)
+            return checkpoint(self._run, hidden, pos, use_reentrant=False), pos
+        return self._run(hidden, pos), pos
+
+
+def varlen_kwargs(pos: torch.Tensor) -> dict:
+    """FlashAttention 2's variable-length arguments for rows whose position ids restart (packed records),
+    ``{}`` for one sequence per row. transformers infers them from ``position_ids`` only for a batch of
+    one row, so they are given explicitly: every restart (position 0, which also starts each row of the
+    flattened ``[B * S]`` batch) opens a sequence."""
+    if not bool((pos[:, 1:] != pos[:, :-1] + 1).any()):
+        return {}
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(pos)
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": int(max_q), "max_length_k": int(max_k)}
 
 
 class FinalNorm(nn.Module):
@@ -137,8 +168,9 @@ class FinalNorm(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return [(f"{self.hf_prefix}.{n}", p, Split()) for n, p in self.norm.named_parameters()]
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, positions = x
+        return self.norm(hidden), positions
 
 
 class LMHead(VocabParallelHead):
@@ -152,12 +184,16 @@ class LMHead(VocabParallelHead):
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # (hidden, positions) -> logits
+        return super().forward(x[0])
+
 
 class SequentialLM(nn.Module):
     """All pipeline layers in one process (pp=1), for DeepSpeed's ordinary engine.
 
-    ``forward(input_ids, labels)`` returns the loss of ``loss_fn`` (labels may be ``(labels, weight)``); a tied head reuses the embedding
-    module itself, so its weight is one parameter.
+    ``forward((input_ids, position_ids), labels)`` returns the loss of ``loss_fn`` (labels may be
+    ``(labels, weight)``): the same interface the pipeline's first and last stages get. A tied head
+    reuses the embedding module itself, so its weight is one parameter.
     """
 
     def __init__(self, layers: list[nn.Module], head: nn.Module | None, loss_fn):
@@ -166,15 +202,18 @@ class SequentialLM(nn.Module):
         self.head = head  # None: tied to layers[0]
         self.loss_fn = loss_fn
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This tensor-parallel rank's vocabulary shard of the logits ``[B, S, V / tp]``."""
-        hidden = input_ids
+    def logits(self, inputs) -> torch.Tensor:
+        """This tensor-parallel rank's vocabulary shard of the logits ``[B, S, V / tp]`` of
+        ``(input_ids, position_ids)``, or of ``input_ids`` alone (one sequence per row)."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs, torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs))
+        x = inputs
         for layer in self.layers:
-            hidden = layer(hidden)
-        return self.layers[0](hidden, as_head=True) if self.head is None else self.head(hidden)
+            x = layer(x)
+        return self.layers[0](x, as_head=True) if self.head is None else self.head(x)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.logits(input_ids), labels)
+    def forward(self, inputs, labels) -> torch.Tensor:
+        return self.loss_fn(self.logits(inputs), labels)
 
 
 def sequential_model(builder: ModelBuilder, loss_fn) -> nn.Module:

@@ -25,7 +25,7 @@ from hybridtrain.config.schema import Config
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
-from hybridtrain.plan.memory import device_memory_bytes, rank_memory, stage_param_sizes
+from hybridtrain.plan.memory import attention_flags, device_memory_bytes, rank_memory, stage_param_sizes
 from hybridtrain.plan.partition import balanced
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine
@@ -112,7 +112,7 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
         mem = rank_memory(facts, bounds, st, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero_stage,
                           precision=cfg.trainer.precision, micro_batch=c.micro_batch_size, micro_batches=m,
-                          checkpointing=c.activation_checkpointing, eager=cfg.model.attn_implementation == "eager")
+                          checkpointing=c.activation_checkpointing, **attention_flags(cfg))
         worst_mem = max(worst_mem, mem.total)
     total = pipeline + dp_comm + optim
     parts = {"compute+comm per micro-batch (slowest stage)": slowest, "micro-batches": m,

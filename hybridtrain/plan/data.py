@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from hybridtrain.config.choices import Packing
 from hybridtrain.config.schema import Config, DataConfig, TrainerConfig
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Plan
@@ -50,6 +51,23 @@ def check_data_config(data: DataConfig, trainer: TrainerConfig) -> None:
           "data.val_split, or trainer.eval_every=0")
     _need(trainer.epochs is None or trainer.epochs > 0, "trainer.epochs",
           f"must be > 0 or null (use trainer.max_steps), got {trainer.epochs}")
+
+
+DOCUMENT_MASKS = {
+    "sdpa": "transformers' block-causal boolean mask (from the restarting position ids)",
+    "eager": "transformers' block-causal additive mask (from the restarting position ids)",
+    "flash_attention_2": "FlashAttention 2's variable-length kernels (cu_seqlens at every restart)",
+}
+"""Attention kernels that keep packed records apart, and how (``models/stages.py``, ``DecoderBlock``)."""
+
+
+def check_packing_kernel(data: DataConfig, attn_implementation: str) -> None:
+    """``data.packing=documents`` needs a kernel that can express the records' block-causal mask."""
+    kernel = str(attn_implementation)
+    if Packing.of(data.packing, data.format) is Packing.documents and kernel not in DOCUMENT_MASKS:
+        raise PlanError("data.packing", f"documents packs several records into a row and needs an attention kernel "
+                        f"that keeps them apart, but model.attn_implementation={kernel} cannot express that mask; "
+                        f"use model.attn_implementation in {sorted(DOCUMENT_MASKS)} or data.packing=none")
 
 
 def check_data_counts(cfg: Config, plan: Plan, train_samples: int, val_samples: int) -> int:

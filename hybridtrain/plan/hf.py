@@ -128,6 +128,8 @@ def model_config(cfg: Config):
     family = checked_family(cfg)
     if cfg.model.attn_implementation is None:
         cfg.model.attn_implementation = family.attn_implementations[0]
+    if cfg.model.attn_implementation == "flash_attention_2":
+        _check_flash_attention()
     check_hf_overrides(cfg.model.model_type, cfg.model.config)
     if cfg.model.pretrained:
         return pretrained_config(cfg)
@@ -142,6 +144,17 @@ def model_config(cfg: Config):
     except ValueError as err:  # transformers' own validation of the config or of the modules it builds
         raise _refused(cfg, err) from None
     return hf
+
+
+def _check_flash_attention() -> None:
+    """``flash_attention_2`` needs the ``flash-attn`` package here (transformers imports it to build
+    the model); checked before anything is built so the error is one line, not an ImportError."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise PlanError("model.attn_implementation", "flash_attention_2 needs the flash-attn package (FlashAttention 2, "
+                        "CUDA GPUs only), which is not installed; pip install flash-attn on a GPU machine, or use "
+                        "model.attn_implementation=sdpa")
 
 
 def _check_builds(family, hf_config) -> None:

@@ -28,15 +28,21 @@ dp in fp32. ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validat
 Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
 sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
 ``s b h (10 + 24/t) x w/2`` plus ``5 a s^2 b / t x w/2`` for the attention matrix with the eager
-kernel (sdpa does not keep it). With activation checkpointing a block keeps only its input
-``s b h w`` and one block is recomputed at a time. The last stage adds the logits and their
-softmax in fp32 ``2 x 4 s b V/t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches.
+kernel (sdpa does not keep it). Packed records (``data.packing=documents``) with sdpa add the
+block-causal mask sdpa keeps for the backward, ``s^2 b x w`` per block (``[b, 1, s, s]`` in the
+activation dtype, shared by the heads: measured on CPU in ``tests/unit/test_packing.py``);
+FlashAttention 2 takes the records' boundaries as offsets and keeps no mask, eager keeps its own
+mask either way. The activations' shapes do not change with packing. With activation
+checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time. The
+last stage adds the logits and their softmax in fp32 ``2 x 4 s b V/t``. In 1F1B stage ``s`` holds up
+to ``min(pp - s, m)`` micro-batches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from hybridtrain.config.choices import Packing
 from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
@@ -100,12 +106,21 @@ def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
     return out
 
 
+def attention_flags(cfg) -> dict[str, bool]:
+    """What the attention kernel keeps for the backward, from the config: ``eager`` (the attention
+    matrix) and ``mask`` (sdpa with packed records keeps their block-causal mask)."""
+    attn = str(cfg.model.attn_implementation)
+    packed = Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents
+    return {"eager": attn == "eager", "mask": packed and attn == "sdpa"}
+
+
 def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
-                     checkpointing: bool, eager: bool) -> int:
+                     checkpointing: bool, eager: bool, mask: bool = False) -> int:
     """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward)."""
     s, b, h, a = facts.seq_len, micro_batch, facts.hidden, facts.heads
     w = 4 if precision == "fp32" else 2
     full = s * b * h * (10 + 24 / tp) * w / 2 + (5 * a * s * s * b / tp * w / 2 if eager else 0)
+    full += s * s * b * w if mask else 0  # sdpa's block-causal mask of packed records
     blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
         total = blocks * s * b * h * w + full  # inputs kept + one block recomputed
@@ -125,11 +140,11 @@ def in_flight(stage: int, pp: int, micro_batches: int) -> int:
 
 def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, *, tp: int, pp: int, dp: int, zero: int,
                 precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
-                eager: bool = False) -> RankMemory:
-    """Estimated memory of a rank of pipeline stage ``stage``."""
+                eager: bool = False, mask: bool = False) -> RankMemory:
+    """Estimated memory of a rank of pipeline stage ``stage`` (``eager``, ``mask``: :func:`attention_flags`)."""
     units = facts.units[bounds[stage]:bounds[stage + 1]]
     params, grads, optim = model_state(stage_param_sizes(units, tp), zero, dp, precision)
-    act = activation_bytes(units, facts, micro_batch, tp, precision, checkpointing, eager)
+    act = activation_bytes(units, facts, micro_batch, tp, precision, checkpointing, eager, mask)
     return RankMemory(params, grads, optim, act * in_flight(stage, pp, micro_batches))
 
 
@@ -158,7 +173,7 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_
         mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=zero,
                           precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
                           micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
-                          eager=cfg.model.attn_implementation == "eager")
+                          **attention_flags(cfg))
         return mem.total <= limit
 
     return costs, fits

@@ -17,7 +17,7 @@ from hybridtrain.plan.costs import (
     model_facts,
     stage_flops,
 )
-from hybridtrain.plan.memory import GiB, RankMemory, rank_memory, stage_param_sizes
+from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Plan
 
 IMBALANCE_WARN = 0.10
@@ -74,7 +74,7 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
         mem = rank_memory(facts, plan.stage_bounds, s, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
-                          eager=cfg.model.attn_implementation == "eager")
+                          **attention_flags(cfg))
         stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.tp)),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]

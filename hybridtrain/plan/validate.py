@@ -14,7 +14,7 @@ from hybridtrain.models.families import padded_vocab, tp_divisible
 from hybridtrain.parallel.dims import data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
-from hybridtrain.plan.data import check_data_config
+from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
 from hybridtrain.plan.partition import manual, partition, stage_problem
@@ -89,6 +89,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
+    check_packing_kernel(cfg.data, cfg.model.attn_implementation)
 
     for key in ("tp", "pp", "micro_batch_size"):
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")

@@ -35,8 +35,9 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     with torch.no_grad():
-        for input_ids, (labels, weight) in micro:
-            total += engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device))).float()
+        for inputs, (labels, weight) in micro:
+            inputs = tuple(t.to(engine.device) for t in inputs)  # (input_ids, position_ids)
+            total += engine(inputs, (labels.to(engine.device), weight.to(engine.device))).float()
     total /= layout.grad_accum
     if layout.dp > 1:
         total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp

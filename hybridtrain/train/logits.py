@@ -1,7 +1,8 @@
 """Full-vocabulary logits of one micro-batch from the sharded model: what an HF export must reproduce.
 
 With ``trainer.save_logits`` every checkpoint also holds ``logits.safetensors``: the first
-micro-batch of the next step (data-parallel rank 0's ``input_ids``) and hybridtrain's fp32 logits for
+micro-batch of the next step (data-parallel rank 0's ``input_ids`` and ``position_ids``, which restart
+at every record of a packed row) and hybridtrain's fp32 logits for
 it, gathered over the tensor-parallel group with the vocabulary padding removed. ``python -m
 hybridtrain.export CKPT OUT --check`` then loads the exported folder in transformers and compares
 its logits element by element, so a conversion bug shows up as a number, not as a bad fine-tune.
@@ -13,9 +14,10 @@ from pathlib import Path
 LOGITS_FILE = "logits.safetensors"
 
 
-def micro_batch_logits(built, plan, input_ids, labels):
-    """Logits ``[batch, seq, vocab]`` (fp32, unpadded) of one micro-batch on the last pipeline stage,
-    ``None`` on other stages. Every rank must call it (the pipeline forward is collective)."""
+def micro_batch_logits(built, plan, inputs, labels):
+    """Logits ``[batch, seq, vocab]`` (fp32, unpadded) of one micro-batch (``inputs`` = ``(input_ids,
+    position_ids)``) on the last pipeline stage, ``None`` on other stages. Every rank must call it
+    (the pipeline forward is collective)."""
     import torch
 
     from hybridtrain.parallel import collectives
@@ -23,7 +25,7 @@ def micro_batch_logits(built, plan, input_ids, labels):
     engine = built.engine
     if plan.pp > 1:
         try:  # DeepSpeed's inference schedule; return_logits keeps the last stage's outputs
-            _, shard = engine.eval_batch(iter([(input_ids, labels)]), return_logits=True, bcast_loss=False,
+            _, shard = engine.eval_batch(iter([(inputs, labels)]), return_logits=True, bcast_loss=False,
                                          num_micro_batches=1)
         finally:
             engine.train()  # eval_batch leaves the module in eval mode
@@ -34,7 +36,7 @@ def micro_batch_logits(built, plan, input_ids, labels):
         module.eval()
         try:
             with torch.no_grad():
-                shard = module.logits(input_ids.to(engine.device))
+                shard = module.logits(tuple(t.to(engine.device) for t in inputs))
         finally:
             module.train()
     shard = shard.detach().float()
@@ -52,10 +54,11 @@ def logits_writer(built, plan, samples, step: int):
         from safetensors.torch import save_file
 
         layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
-        input_ids, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
-        logits = micro_batch_logits(built, plan, input_ids, labels)
+        inputs, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
+        logits = micro_batch_logits(built, plan, inputs, labels)
         if logits is not None and built.tp_rank == 0 and built.dp_rank == 0:
-            save_file({"input_ids": input_ids.contiguous(), "logits": logits.contiguous()},
-                      str(Path(folder) / LOGITS_FILE), metadata={"step": str(step)})
+            input_ids, position_ids = inputs
+            save_file({"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
+                       "logits": logits.contiguous()}, str(Path(folder) / LOGITS_FILE), metadata={"step": str(step)})
 
     return write

@@ -56,9 +56,10 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     batches = DeviceBatches(samples.micro_batches(step, layout, built.dp_rank, weighted=True), engine.device)
-    for input_ids, (labels, weight) in timer.wrap(batches):
+    for inputs, (labels, weight) in timer.wrap(batches):
         with clock.span("forward"):  # spans feed stage times and the timeline (hybridtrain/observe)
-            loss = engine(input_ids.to(engine.device), (labels.to(engine.device), weight.to(engine.device)))
+            inputs = tuple(t.to(engine.device) for t in inputs)  # (input_ids, position_ids)
+            loss = engine(inputs, (labels.to(engine.device), weight.to(engine.device)))
         with clock.span("backward"):
             engine.backward(loss)
         with clock.span("optimizer"):  # a real step only at the accumulation boundary
@@ -111,8 +112,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
+        loss_tokens = samples.step_loss_tokens(step, plan.global_batch_size)  # padding and prompts excluded
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", **obs.postfix(dt))
+            bar.set_postfix(loss=f"{loss:.4f}", loss_tok_s=f"{loss_tokens / dt:,.0f}", **obs.postfix(dt))
             bar.update(1)
         if log_now:
             norm = engine.get_global_grad_norm()
@@ -120,7 +122,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
                 "step": step + 1, "loss": loss, "lr": lr,
                 "grad_norm": float(norm) if norm is not None else None,
                 **({"skipped_steps": int(engine.skipped_steps)} if plan.precision != "fp32" else {}),
-                "tokens_per_sec": tokens_per_sec, "step_time_s": dt,
+                "tokens_per_sec": tokens_per_sec, "loss_tokens": loss_tokens, "loss_tokens_per_sec": loss_tokens / dt,
+                "step_time_s": dt,
                 "elapsed_s": time.perf_counter() - start,
                 "model_state_bytes": built.model_state_bytes, "data_wait_s": timer.seconds - wait0,
                 **observed,

@@ -105,7 +105,7 @@ CONFIG_ERRORS = {  # CLI run -> its whole stderr
     "batch_zero": "trainer.global_batch_size: must be >= 1, got 0",
     "precision_unknown": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
     "slurm_key_local": "launcher.partition: a key of launcher=slurm, not of launcher=local (this run's); add launcher=slurm",
-    "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager] or null",
+    "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager, flash_attention_2] or null",
     "sweep_with_a_bad_value": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
 }
 

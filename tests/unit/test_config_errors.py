@@ -84,7 +84,7 @@ COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hyb
     "null_for_a_required_int": (["trainer.max_steps=null"], "trainer.max_steps: null is not an integer"),
     "precision_unknown": (["trainer.precision=fp33"], "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]"),
     "attn_implementation_unknown": (["model.attn_implementation=flash"],
-                                    "model.attn_implementation: 'flash' is not one of [sdpa, eager] or null"),
+                                    "model.attn_implementation: 'flash' is not one of [sdpa, eager, flash_attention_2] or null"),
     "partition_unknown": (["parallel.partition=random"],
                           "parallel.partition: 'random' is not one of [balanced, blocks, uniform, parameters]"),
     "data_source_unknown": (["data.source=openwebtext"],

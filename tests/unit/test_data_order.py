@@ -29,7 +29,7 @@ def gathered(stream, layout: BatchLayout, dp_rank: int, steps: int) -> list[torc
     """``steps`` steps of one rank's micro-batches, as ``[accum, micro]`` first-token ids per step."""
     out = []
     for _ in range(steps):
-        out.append(torch.stack([next(stream)[0][:, 0] for _ in range(layout.grad_accum)]))
+        out.append(torch.stack([next(stream)[0][0][:, 0] for _ in range(layout.grad_accum)]))  # input_ids[:, 0]
     return out
 
 
@@ -70,8 +70,8 @@ def test_stream_from_a_position_equals_stream_from_a_step():
     a = samples.stream(3, layout, 1)
     b = samples.stream_from(DataPosition(24, 2), layout, 1)
     for _ in range(10):
-        (xa, ya), (xb, yb) = next(a), next(b)
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        ((xa, pa), ya), ((xb, pb), yb) = next(a), next(b)
+        assert torch.equal(xa, xb) and torch.equal(pa, pb) and torch.equal(ya, yb)
 
 
 class SpyArray:
@@ -94,7 +94,7 @@ def test_a_rank_reads_only_its_rows(tmp_path):
     assert np.array_equal(samples.input_ids[np.arange(40)], ids)
     samples.input_ids, samples.labels = SpyArray(samples.input_ids), SpyArray(samples.labels)
     layout = BatchLayout(8, 2, 2)
-    got = [x for x, _ in samples.micro_batches(0, layout, dp_rank=1)]
+    got = [x for (x, _), _ in samples.micro_batches(0, layout, dp_rank=1)]
     mine = layout.rank_rows(samples.global_indices(0, 8), 1)  # [accum, micro]
     assert samples.input_ids.requests == mine.tolist() == samples.labels.requests
     assert [g[:, 0].tolist() for g in got] == (mine * 4).tolist()
@@ -129,7 +129,7 @@ def test_validation_batches_are_fixed_unshuffled_and_drop_the_remainder():
         assert all(len(p) == 3 and all(len(b) == layout.grad_accum for b in p) for p in per_rank)
         got = []
         for b in range(3):
-            stacked = torch.stack([torch.stack([x[:, 0] for x, _ in per_rank[r][b]]) for r in range(dp)], dim=1)
+            stacked = torch.stack([torch.stack([x[:, 0] for (x, _), _ in per_rank[r][b]]) for r in range(dp)], dim=1)
             got.append((stacked.reshape(-1) // 100).tolist())  # [accum, dp, micro] -> global order
         assert got == want, (dp, micro)
 

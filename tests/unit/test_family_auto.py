@@ -12,8 +12,10 @@ from hybridtrain.models.families.auto import NotDerivable, derive
 def test_derived_adapter_equals_the_verified_family(model_type):
     derived, verified = derive(model_type), get_family(model_type)
     for key in ("embed", "blocks", "final_norm", "head", "rotary_embed", "attention", "embed_scale",
-                "final_logit_softcap", "attn_implementations", "kv_heads"):
+                "final_logit_softcap", "kv_heads"):
         assert getattr(derived, key) == getattr(verified, key), key
+    # FlashAttention 2 (packed records' varlen kernels) only for verified families: the self-check runs on CPU
+    assert derived.attn_implementations == tuple(a for a in verified.attn_implementations if a != "flash_attention_2")
     assert derived.tp_plan == verified.tp_plan
     assert set(derived.input_copy) == set(verified.input_copy)
 

@@ -30,10 +30,11 @@ def global_batch(samples: PackedSamples, step: int, layout: BatchLayout) -> tupl
     for rank in range(layout.dp):
         micro = list(samples.micro_batches(step, layout, rank))
         assert len(micro) == layout.grad_accum
-        for x, y in micro:
-            assert x.shape == y.shape == (layout.micro_batch_size, samples.seq_len)
-            assert x.dtype == y.dtype == torch.int64
-        inputs.append(torch.stack([x for x, _ in micro]))  # [accum, micro, seq]
+        for (x, pos), y in micro:
+            assert x.shape == pos.shape == y.shape == (layout.micro_batch_size, samples.seq_len)
+            assert x.dtype == pos.dtype == y.dtype == torch.int64
+            assert torch.equal(pos, torch.arange(samples.seq_len).expand_as(pos))  # one sequence per row
+        inputs.append(torch.stack([x for (x, _), _ in micro]))  # [accum, micro, seq]
         labels.append(torch.stack([y for _, y in micro]))
     # [dp, accum, micro, seq] -> [accum, dp, micro, seq] -> [global, seq]
     def to_global(parts):
@@ -59,7 +60,7 @@ def test_every_layout_sees_the_same_global_batch():
 def test_data_parallel_ranks_take_disjoint_samples():
     samples = synthetic(num_samples=40)
     layout = BatchLayout(8, 1, 4)
-    starts = [set(x[:, 0].tolist()) for rank in range(4) for x, _ in samples.micro_batches(0, layout, rank)]
+    starts = [set(x[:, 0].tolist()) for rank in range(4) for (x, _), _ in samples.micro_batches(0, layout, rank)]
     assert len(set().union(*starts)) == 8  # 4 ranks x 2 micro-batches x 1 sample, all different
 
 
@@ -108,8 +109,8 @@ def test_stream_resumes_at_any_step():
     stream = samples.stream(4, layout, dp_rank=1)
     got = [next(stream) for _ in range(2 * layout.grad_accum)]
     expected = list(samples.micro_batches(4, layout, 1)) + list(samples.micro_batches(5, layout, 1))
-    for (x, y), (ex, ey) in zip(got, expected, strict=True):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
+    for ((x, pos), y), ((ex, epos), ey) in zip(got, expected, strict=True):
+        assert torch.equal(x, ex) and torch.equal(pos, epos) and torch.equal(y, ey)
 
 
 def test_memory_mapped_file_gives_the_same_samples(tmp_path):

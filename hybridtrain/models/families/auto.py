@@ -73,6 +73,7 @@ def derive(model_type: str) -> Family:
         input_copy=tuple(dict.fromkeys(name.split(".")[0] for name in column)),
         embed_scale=hasattr(embedding, "embed_scale"),
         final_logit_softcap="final_logit_softcapping" if hasattr(config, "final_logit_softcapping") else None,
+        # no flash_attention_2: the self-check (models/selfcheck.py) runs on the CPU and could not verify it
         attn_implementations=("sdpa", "eager") if getattr(model, "_supports_sdpa", False) else ("eager",),
         dropout_keys=tuple(k for k in config.to_dict() if "dropout" in k or "pdrop" in k),
         kv_heads="num_key_value_heads" if hasattr(config, "num_key_value_heads") else None,

@@ -97,8 +97,8 @@ class Family:
     checkpoint_names: Mapping[str, str] = field(default_factory=dict)
     """HF parameter name -> the name ``save_pretrained`` writes (GPT-NeoX ``lm_head.weight`` ->
     ``embed_out.weight``)."""
-    attn_implementations: tuple[str, ...] = ("sdpa", "eager")
-    """Attention kernels transformers supports for this family (Gemma 2: eager only)."""
+    attn_implementations: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
+    """Attention kernels transformers supports for this family (Gemma 2: eager only); the first is the default."""
     n_layers: str = "num_hidden_layers"
     hidden: str = "hidden_size"
     heads: str = "num_attention_heads"
