@@ -38,7 +38,6 @@ from typing import Callable
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
 from hybridtrain.plan.hf import model_config
-from hybridtrain.rundir import RunDir
 
 PERSISTENCE_THRESHOLD = 100_000
 """ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
@@ -166,6 +165,8 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_
 def estimate_for_run(run_dir, stage: int = 0) -> "RankMemory":
     """The estimate for a rank of ``stage`` of the run in ``run_dir`` (its ``config.yaml`` and
     ``plan.json``): what the worker's measured ``model_state_bytes`` is compared with."""
+    from hybridtrain.rundir import RunDir  # rundir -> plan.types -> plan -> memory: not at import time
+
     files = RunDir(run_dir)
     cfg, plan = files.config(), files.plan()
     facts = model_facts(cfg.model.model_type, model_config(cfg), plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
