@@ -80,6 +80,8 @@ class Built:
     engine: Any
     groups: ParallelGroups
     """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.dims`)."""
+    lora: Any = None
+    """The run's :class:`~hybridtrain.models.lora.LoraSpec` (``finetune.method=lora``), else ``None``."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -148,11 +150,14 @@ class Built:
         self._unwatch.clear()
 
 
-def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) -> Built:
+def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, adapter_dir: str | None = None) -> Built:
     """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up).
 
     Weights come from ``weights_dir`` (HF names, e.g. a checkpoint's ``hf/``), else from
-    ``model.pretrained``, else from the seeded initialisation.
+    ``model.pretrained``, else from the seeded initialisation. With ``finetune.method=lora`` the blocks
+    get adapters (from ``adapter_dir``, a checkpoint's ``adapter/``, else ``finetune.lora.init_from``,
+    else fresh) and every other parameter is frozen before DeepSpeed sees the model, so only the
+    adapters get gradients, optimizer state and ZeRO partitions.
     """
     import deepspeed
     import torch
@@ -167,7 +172,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     dims = ParallelDims.of(plan)
     topo = dims.topology()
     tp = TPContext()
-    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir)
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     conf = ds_config(cfg, plan)
@@ -180,9 +185,13 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
             grid = PipelineParallelGrid(topology=topo)
             tp.bind_grid(grid)  # before the layers are built: they read the TP group
             model, mpu = sequential_model(builder, loss_fn), grid
+    if builder.lora is not None:
+        from hybridtrain.parallel.lora import freeze_base
+
+        freeze_base(model)
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
-    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp))
+    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp), lora=builder.lora)
     if _own_clipping(plan):
         from hybridtrain.engine.clip import install_fp32_clipping
 
