@@ -66,6 +66,11 @@ def _full_over_dp(param: nn.Parameter) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = safe_get_full_fp32_param(param)
+    if full is None and hasattr(param, "ds_id"):  # ZeRO-3 without optimizer state (a frozen LoRA base): gather
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters([param]):
+            return param.detach().float().cpu().clone()
     return (full if full is not None else param.detach()).float().cpu()
 
 

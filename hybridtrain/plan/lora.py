@@ -69,7 +69,16 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
 
 
 def _check_engine(plan: Plan) -> None:
-    """What DeepSpeed cannot train with a frozen base (measured with deepspeed 0.19.8, docs/finetuning.md)."""
+    """What DeepSpeed cannot train with a frozen base (measured with deepspeed 0.19.8, docs/finetuning.md).
+
+    ZeRO 0-3 in fp32 and ZeRO 1-3 in bf16 train the adapters exactly; ZeRO-0 in bf16/fp16 is DeepSpeed's
+    separate 16-bit optimizer, whose per-parameter state hybridtrain cannot read back for the
+    checkpoint's ``optim/`` (the save fails after the first training run's last step).
+    """
+    _need(plan.zero_stage != 0 or plan.precision == "fp32", "parallel.zero_stage",
+          f"zero_stage=0 with trainer.precision={plan.precision} and finetune.method=lora: DeepSpeed's separate "
+          f"{plan.precision} optimizer cannot checkpoint the adapters' optimizer state; use parallel.zero_stage=1 "
+          f"(the default with {plan.precision})")
 
 
 def _check_stages(spec: LoraSpec, family: Family, plan: Plan) -> None:
