@@ -89,8 +89,13 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
-    params = sum(p.numel() for p in meta_model(hf_config).parameters())
+    model = meta_model(hf_config)
+    params = sum(p.numel() for p in model.parameters())
     print(summary(plan, hf_config, params), flush=True)
+    if typed.finetune.method == "lora":
+        from hybridtrain.plan.lora import describe
+
+        print(f"[hybridtrain] {describe(typed, hf_config, model)}", flush=True)
     prepared = None
     # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
     deferred = typed.launcher.name == "slurm" and not typed.launcher.submit

@@ -44,8 +44,11 @@ def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
-    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written)."""
+def ds_config(cfg: Config, plan: Plan, trainable: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written).
+
+    ``trainable``: the parameters this rank trains when only some do (LoRA); ZeRO-2/3's gradient bucket,
+    which DeepSpeed allocates whole (5e8 elements by default), is then no larger than them."""
     o = cfg.optim
     conf: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
@@ -56,7 +59,8 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
             "torch_adam": True}},
-        "zero_optimization": {"stage": plan.zero_stage},
+        "zero_optimization": {"stage": plan.zero_stage, **(
+            {"reduce_bucket_size": bucket_size(trainable)} if trainable is not None and plan.zero_stage >= 2 else {})},
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
         "steps_per_print": 2**31 - 1,
@@ -66,6 +70,14 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         # Only the hidden states cross stages; partitioning them over TP is Megatron-specific.
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return conf
+
+
+def bucket_size(trainable: int) -> int:
+    """ZeRO-2/3's ``reduce_bucket_size`` for a rank training ``trainable`` parameters: DeepSpeed's 5e8, or
+    fewer when fewer train (a LoRA run's gradients fill a bucket of their own size)."""
+    from hybridtrain.plan.memory import REDUCE_BUCKET_SIZE
+
+    return max(1, min(REDUCE_BUCKET_SIZE, int(trainable)))
 
 
 def _own_clipping(plan: Plan) -> bool:
@@ -175,7 +187,6 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
-    conf = ds_config(cfg, plan)
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,
@@ -189,6 +200,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
         from hybridtrain.parallel.lora import freeze_base
 
         freeze_base(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if builder.lora is not None else None
+    conf = ds_config(cfg, plan, trainable)
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp), lora=builder.lora)

@@ -7,7 +7,7 @@ adapter's ``adapter_config.json`` and tensor shapes. Every violation is a :class
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
@@ -135,3 +135,42 @@ def block_lora_sizes(spec: LoraSpec, family: Family, sizes: dict[str, tuple[int,
         else:
             out += [spec.r * n_in // tp, n_out * spec.r]
     return out
+
+
+def lora_memory(cfg: Config, hf_config, plan: Plan) -> Optional[Callable[[str], list[int]]]:
+    """For the memory estimate: ``unit name -> element counts of the LoRA matrices one TP rank holds
+    there`` (``block.N``; other units hold none), or ``None`` for full fine-tuning. ``cfg`` as checked by
+    :func:`check_lora` (``config.yaml`` of a run)."""
+    if cfg.finetune.method != "lora":
+        return None
+    from hybridtrain.models.build import lora_spec, meta_model
+
+    family = get_family(cfg.model.model_type)
+    hf_model = meta_model(hf_config)
+    spec = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)
+    sizes = in_out(family, hf_config, hf_model)
+
+    def per_unit(name: str) -> list[int]:
+        if kind_of(name) is not Kind.BLOCK:
+            return []
+        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{name.split('.', 1)[1]}", plan.tp)
+
+    return per_unit
+
+
+def describe(cfg: Config, hf_config, hf_model) -> Optional[str]:
+    """The start-up line of a LoRA run (``None`` for full fine-tuning): rank, scale, adapted modules and
+    the trainable parameters against the model's, as peft's ``print_trainable_parameters`` counts them."""
+    if cfg.finetune.method != "lora":
+        return None
+    from hybridtrain.models.build import lora_spec
+
+    family = get_family(cfg.model.model_type)
+    spec = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)
+    trainable = trainable_params(spec, in_out(family, hf_config, hf_model))
+    total = sum(p.numel() for p in hf_model.parameters()) + trainable
+    leaves = sorted({t.rsplit(".", 1)[1] for t in spec.targets})
+    scale = f"alpha/sqrt(r) = {spec.scaling:g}" if spec.rslora else f"alpha/r = {spec.scaling:g}"
+    source = f", from {cfg.finetune.lora.init_from}" if cfg.finetune.lora.init_from else ""
+    return (f"lora      r={spec.r}, {scale}, dropout {spec.dropout:g}, {len(spec.targets)} modules ({', '.join(leaves)})"
+            f"{source}: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.3f}%), the base frozen")

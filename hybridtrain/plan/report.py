@@ -11,6 +11,7 @@ from hybridtrain.config.schema import Config
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.models.units import Kind, block_index, kind_of
 from hybridtrain.plan.costs import ModelFacts, layer_time_costs, model_facts, stage_flops
+from hybridtrain.plan.lora import lora_memory
 from hybridtrain.plan.memory import GiB, RankMemory, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Plan
 
@@ -63,12 +64,13 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
     facts = model_facts(cfg.model.model_type, hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
     stages = []
+    lora = lora_memory(cfg, hf_config, plan)  # LoRA: only the adapters train
     for s in range(plan.pp):
         a, b = plan.stage_bounds[s], plan.stage_bounds[s + 1]
         mem = rank_memory(facts, plan.stage_bounds, s, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
-                          eager=cfg.model.attn_implementation == "eager")
+                          eager=cfg.model.attn_implementation == "eager", lora=lora)
         stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.tp)),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]
