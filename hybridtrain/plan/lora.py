@@ -94,11 +94,11 @@ def _check_stages(spec: LoraSpec, family: Family, plan: Plan) -> None:
 
 
 def _adapter(cfg: Config, family: Family, hf_config, hf_model) -> Adapter:
-    """The ``finetune.lora.init_from`` adapter, checked against the base model."""
+    """The ``finetune.lora.init_from`` adapter, checked against the base model: its base folder's config
+    (when that folder is here), then every module and shape."""
     key = f"{KEY}.init_from"
     try:
         adapter = read_adapter(cfg.finetune.lora.init_from)
-        check_adapter(adapter, family, int(getattr(hf_config, family.n_layers)), in_out(family, hf_config, hf_model))
     except AdapterError as err:
         raise PlanError(key, str(err)) from None
     base = adapter.base_model
@@ -115,6 +115,10 @@ def _adapter(cfg: Config, family: Family, hf_config, hf_model) -> Adapter:
                 raise PlanError(key, f"{adapter.folder} was trained on {base}, whose {k}={theirs[k]}, but this "
                                 f"run's model has {k}={getattr(hf_config, k, None)}; give model.pretrained the "
                                 "adapter's base model")
+    try:
+        check_adapter(adapter, family, int(getattr(hf_config, family.n_layers)), in_out(family, hf_config, hf_model))
+    except AdapterError as err:
+        raise PlanError(key, str(err)) from None
     return adapter
 
 
