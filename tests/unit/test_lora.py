@@ -282,3 +282,18 @@ def test_init_from_a_folder_without_an_adapter(folders):
         _resolve("+recipe=finetune", f"model.pretrained={folders['base']}", "finetune.method=lora",
                  f"finetune.lora.init_from={folders['base']}")
     assert "is not a peft adapter folder (it needs adapter_config.json and adapter_model.safetensors" in str(info.value)
+
+
+def test_merge_refuses_a_checkpoint_without_adapters(tmp_path):
+    from safetensors.torch import save_file
+
+    from hybridtrain.checkpoint.io import CheckpointDir
+    from hybridtrain.export import ExportError, export
+
+    ckpt = CheckpointDir(tmp_path / "step_1")
+    ckpt.hf.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(ckpt.hf_part(0)))
+    ckpt.meta_file.write_text("{}")
+    with pytest.raises(ExportError) as info:
+        export(ckpt.path, tmp_path / "out", merge=True)
+    assert "holds no LoRA adapters (adapter/): --merge is for finetune.method=lora checkpoints" in str(info.value)
