@@ -191,7 +191,8 @@ class TrainerConfig:
     the newest complete checkpoint of the run directory (or starts fresh if there is none), or a
     ``.../checkpoints/step_N`` path. Not together with ``model.pretrained`` (weights only)."""
     export_hf: bool = False
-    """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
+    """After the final save, export the model in HF format to ``RUN_DIR/hf`` (a LoRA run: its peft
+    adapter folder)."""
     save_logits: bool = False
     """Also store in every checkpoint the fp32 logits of the next step's first micro-batch
     (``logits.safetensors``), so ``python -m hybridtrain.export CKPT OUT --check`` can compare the

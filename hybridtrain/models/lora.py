@@ -93,7 +93,7 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
     naming the modules the family has.
     """
     allowed = lora_modules(family, num_layers)
-    leaves = sorted({a.rsplit(".", 1)[1] for a in allowed}, key=[a.rsplit(".", 1)[1] for a in allowed].index)
+    leaves = list(dict.fromkeys(a.rsplit(".", 1)[1] for a in allowed))  # q_proj, k_proj, ... in plan order
     have = f"the linear layers of a {family.model_type} block are {', '.join(leaves)} (or use all-linear)"
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         return frozenset(allowed)

@@ -71,9 +71,9 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
 def _check_engine(plan: Plan) -> None:
     """What DeepSpeed cannot train with a frozen base (measured with deepspeed 0.19.8, docs/finetuning.md).
 
-    ZeRO 0-3 in fp32 and ZeRO 1-3 in bf16 train the adapters exactly; ZeRO-0 in bf16/fp16 is DeepSpeed's
-    separate 16-bit optimizer, whose per-parameter state hybridtrain cannot read back for the
-    checkpoint's ``optim/`` (the save fails after the first training run's last step).
+    ZeRO 0-3 in fp32 and ZeRO 1-3 in bf16 train the adapters like one process; ZeRO-0 in bf16/fp16 is
+    DeepSpeed's separate 16-bit optimizer, whose per-parameter AdamW state hybridtrain cannot read back
+    for the checkpoint's ``optim/`` (the first save fails).
     """
     _need(plan.zero_stage != 0 or plan.precision == "fp32", "parallel.zero_stage",
           f"zero_stage=0 with trainer.precision={plan.precision} and finetune.method=lora: DeepSpeed's separate "
