@@ -56,10 +56,8 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     family = get_family(cfg.model.model_type)
     hf_model = hf_model if hf_model is not None else meta_model(hf_config)
     if lo.init_from:
-        adapter = _adapter(cfg, family, hf_config, hf_model)
-        lo.r, lo.alpha, lo.rslora = adapter.r, float(adapter.config.get("lora_alpha", 8)), bool(
-            adapter.config.get("use_rslora", False))
-        lo.target_modules = sorted(adapter.targets)
+        given = _adapter(cfg, family, hf_config, hf_model).spec(lo.dropout)
+        lo.r, lo.alpha, lo.rslora, lo.target_modules = given.r, given.alpha, given.rslora, sorted(given.targets)
     try:
         spec = lora_spec(lo, family, hf_config, hf_model)
     except AdapterError as err:
