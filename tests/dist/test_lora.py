@@ -13,8 +13,9 @@ with ``peft.get_peft_model`` from the same initial A and B. Per run:
 
 CI runs Llama at (2, 2, 2) from fresh adapters and GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
 peft adapter folder (``finetune.lora.init_from``) with activation checkpointing; the ``slow`` tier runs
-every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``). A LoRA run also resumes
-exactly under its own layout and under another one, and a bad target is a one-line exit-2 error.
+every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``).
+A LoRA run also resumes exactly under its own layout and under another one, and a bad target is a
+one-line exit-2 error.
 """
 from __future__ import annotations
 
