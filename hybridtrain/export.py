@@ -1,10 +1,18 @@
-"""``python -m hybridtrain.export CHECKPOINT OUT_DIR``: a checkpoint as a HuggingFace model folder.
+"""``python -m hybridtrain.export CHECKPOINT OUT_DIR``: a checkpoint as a HuggingFace model folder, or a
+LoRA run's checkpoint as a peft adapter folder.
 
 The checkpoint's ``hf/`` part already holds HF-named, unsharded, unpadded fp32 tensors (one file
 per pipeline stage, see :mod:`hybridtrain.checkpoint.hf_state`); export merges them into
 ``model.safetensors`` (sharded with an index when larger than ``--max-shard-size``) next to
 ``config.json``, ``generation_config.json`` and the tokenizer, so ``from_pretrained`` loads the
 folder as is. A tied LM head is left out, as ``save_pretrained`` does, and is tied again on load.
+
+A LoRA checkpoint (``finetune.method=lora``) also has ``adapter/``: the adapters under peft's names, one
+file per stage, and ``adapter_config.json``. Its export is the peft adapter folder
+(``adapter_model.safetensors`` + ``adapter_config.json``) that ``PeftModel.from_pretrained(base, OUT_DIR)``
+loads; with ``--merge`` it is instead the plain HF model with every adapter merged into its weight
+(``W + s B A``, transposed for GPT-2's ``Conv1D``), computed here tensor by tensor as peft's
+``merge_and_unload`` does, without building the model.
 
 ``--check`` (for checkpoints saved with ``trainer.save_logits=true``) then loads the folder with
 ``AutoModelForCausalLM`` and compares its fp32 logits on the checkpoint's saved micro-batch with the
@@ -14,21 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
+
+from hybridtrain.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_A, LORA_B, hf_name_of, peft_name
 
 
 class ExportError(ValueError):
     """A checkpoint that cannot be exported; the message names the path and the problem."""
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write the HF model folder of ``checkpoint`` into ``out_dir``; return ``out_dir``."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB", merge: bool = False) -> Path:
+    """Write the HF model folder of ``checkpoint`` into ``out_dir`` (a LoRA checkpoint: its peft adapter
+    folder, or with ``merge`` the HF model with the adapters merged); return ``out_dir``."""
     from hybridtrain.checkpoint.io import CheckpointDir
 
     ckpt = CheckpointDir(checkpoint)
@@ -39,16 +47,29 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     files = ckpt.hf_parts()
     if not files:
         raise ExportError(f"{src} holds no model-stage*.safetensors files")
+    adapters = ckpt.adapter_parts()
+    if merge and not adapters:
+        raise ExportError(f"{checkpoint} holds no LoRA adapters (adapter/): --merge is for finetune.method=lora "
+                          "checkpoints; export without --merge")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if adapters and not merge:
+        return _write_adapter(ckpt, out)
+    return _write_model(ckpt, out, max_shard_size, adapters if merge else [])
+
+
+def _write_model(ckpt, out: Path, max_shard_size: str, adapters: list[Path]) -> Path:
+    """The HF model folder of ``ckpt``'s ``hf/`` part, with the ``adapters`` files merged in when given."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    files = ckpt.hf_parts()
     for old in out.glob("model*.safetensors*"):  # a previous export here must not mix with this one
         old.unlink()
-    tensors = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    for f in src.iterdir():  # config, generation config, tokenizer
+    tensors = _read(files)
+    if adapters:
+        _merge_adapters(tensors, _read(adapters), json.loads((ckpt.adapter / ADAPTER_CONFIG).read_text()))
+    for f in ckpt.hf.iterdir():  # config, generation config, tokenizer
         if f.is_file() and f not in files:
             shutil.copy2(f, out / f.name)
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
@@ -60,6 +81,43 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
+
+
+def _read(files: list[Path]) -> dict:
+    """Every tensor of the safetensors ``files`` by name."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def _write_adapter(ckpt, out: Path) -> Path:
+    """peft's adapter folder: the stages' adapters in ``adapter_model.safetensors``, ``adapter_config.json``."""
+    from safetensors.torch import save_file
+
+    save_file(_read(ckpt.adapter_parts()), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    shutil.copy2(ckpt.adapter / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+    return out
+
+
+def _merge_adapters(tensors: dict, adapters: dict, config: dict) -> None:
+    """``W += s B A`` for every adapted module of ``tensors`` (HF names) in place, in fp32; ``s`` from
+    peft's ``adapter_config.json`` (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``); a
+    ``fan_in_fan_out`` (``Conv1D``) weight is ``[in, out]`` and takes the transpose, as in peft's merge."""
+    r = int(config["r"])
+    scaling = float(config["lora_alpha"]) / (math.sqrt(r) if config.get("use_rslora") else r)
+    for name, a in adapters.items():
+        if not name.endswith(f".{LORA_A}.weight"):
+            continue
+        module = hf_name_of(name)[: -len(f".{LORA_A}.weight")]
+        b = adapters[peft_name(f"{module}.{LORA_B}.weight")]
+        delta = (b.float() @ a.float()) * scaling  # [out, in]
+        weight = tensors[f"{module}.weight"]
+        tensors[f"{module}.weight"] = (weight.float() + (delta.t() if config.get("fan_in_fan_out") else delta)).to(weight.dtype)
 
 
 def check_logits(checkpoint: str | Path, out_dir: str | Path) -> tuple[float, float]:
@@ -76,7 +134,10 @@ def check_logits(checkpoint: str | Path, out_dir: str | Path) -> tuple[float, fl
         raise ExportError(f"{saved_file} does not exist: --check needs a checkpoint saved with "
                           "trainer.save_logits=true")
     saved = load_file(str(saved_file))
-    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
+    if (Path(out_dir) / ADAPTER_CONFIG).is_file():  # a peft adapter folder: on its base, through peft
+        model = _peft_on_base(checkpoint, out_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         # packed rows: transformers masks the records apart from the restarting position ids too, but
         # only without a KV cache (masking_utils skips the detection with one), hence use_cache=False
@@ -88,11 +149,35 @@ def check_logits(checkpoint: str | Path, out_dir: str | Path) -> tuple[float, fl
     return float((theirs - ours).abs().max()), float(ours.abs().max())
 
 
+def _peft_on_base(checkpoint: str | Path, adapter_dir: str | Path):
+    """``PeftModel.from_pretrained(base, adapter_dir)`` with the checkpoint's base weights (its ``hf/``,
+    exported to a temporary folder), in fp32 and eval mode. Needs peft."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ExportError("--check of a LoRA adapter loads it with peft, which is not installed: "
+                          "pip install 'hybridtrain[lora]'") from None
+    from hybridtrain.checkpoint.io import CheckpointDir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_model(CheckpointDir(checkpoint), Path(tmp), "5GB", [])
+        base = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridtrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a RUN_DIR/checkpoints/step_N folder")
-    parser.add_argument("out_dir", help="where to write the HF model folder")
+    parser.add_argument("out_dir", help="where to write the HF model folder (a LoRA checkpoint: the peft adapter folder)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the HF model with the adapters merged into its weights "
+                             "instead of the peft adapter folder")
     parser.add_argument("--check", action="store_true",
                         help="compare transformers' logits on the checkpoint's saved micro-batch with "
                              "hybridtrain's (needs trainer.save_logits=true); exit 1 when they differ")
@@ -100,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--check: largest allowed |difference| relative to the largest |logit| (fp32)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size, merge=args.merge)
         print(f"[hybridtrain] exported {args.checkpoint} to {out}")
         if args.check:
             diff, scale = check_logits(args.checkpoint, out)

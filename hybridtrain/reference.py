@@ -8,6 +8,11 @@ parity tests and the overhead benchmark compare every parallel layout against.
 
 Packed rows (``data.packing=documents``) are not run packed here: each record of a row runs alone,
 as a batch of one without padding, so the oracle shares no masking code with what it checks.
+
+With ``finetune.method=lora`` the model is wrapped by the real ``peft`` library (``get_peft_model`` with
+the run's ``LoraConfig``, ``target_modules`` passed as the run was given them) and its adapters start
+from hybridtrain's initial ``A`` and ``B`` (or the ``finetune.lora.init_from`` adapter): the oracle of
+hybridtrain's own LoRA layers. Needs ``peft`` (the ``lora`` extra).
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import time
 from hybridtrain.config.schema import Config
 
 
-def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
+def reference_run(cfg: Config, steps: int | None = None, adapters: dict | None = None) -> list[dict]:
     """Train ``steps`` (default ``trainer.max_steps``) steps; return one record per step
-    (``step``, ``loss``, ``grad_norm``, ``lr``, ``step_time_s``)."""
+    (``step``, ``loss``, ``grad_norm``, ``lr``, ``step_time_s``). A LoRA run's trained adapters go into
+    ``adapters`` when given (peft's names, as in ``adapter_model.safetensors``)."""
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
@@ -30,12 +36,15 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
 
     plan, hf_config = resolve(cfg, Machine(cpu_cores=1))
     torch.manual_seed(cfg.trainer.seed)
+    family = family_of(cfg.model)
     if cfg.model.pretrained:  # fine-tuning: transformers' own loading of the folder
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, config=hf_config, dtype=torch.float32)
     else:
-        model = reference_model(hf_config, family_of(cfg.model), cfg.trainer.seed)
+        model = reference_model(hf_config, family, cfg.trainer.seed)
+    if cfg.finetune.method == "lora":
+        model = peft_model(model, cfg, family)
     model.train()
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
@@ -63,6 +72,10 @@ def reference_run(cfg: Config, steps: int | None = None) -> list[dict]:
         sched.step()
         records.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
                         "step_time_s": time.perf_counter() - t0})
+    if adapters is not None and cfg.finetune.method == "lora":
+        from peft import get_peft_model_state_dict
+
+        adapters.update({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()})
     return records
 
 
@@ -79,3 +92,37 @@ def _batches(input_ids, labels, positions, chunks: int):
         for a, b in zip(starts[:-1], starts[1:]):
             if bool((y[a:b] != -100).any()):  # the row's padding is a segment without labels
                 yield x[None, a:b], y[None, a:b]
+
+
+def peft_model(model, cfg: Config, family):
+    """``model`` wrapped by peft's ``get_peft_model`` with the run's LoRA settings, its adapters set to the
+    ones a hybridtrain run starts from: the ``finetune.lora.init_from`` adapter, else ``A`` drawn exactly as
+    :func:`hybridtrain.models.build.add_lora` draws it and ``B`` zero (peft's own init of ``B``)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    from hybridtrain.models.build import unit_seed
+    from hybridtrain.models.lora import ADAPTER_WEIGHTS, LORA_A, PEFT_PREFIX
+    from hybridtrain.parallel.lora import initial_a
+
+    lo = cfg.finetune.lora
+    config = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=lo.target_modules,
+                        use_rslora=lo.rslora, fan_in_fan_out=any(r.conv1d for r in family.tp_plan.values()),
+                        bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    if lo.init_from:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        result = set_peft_model_state_dict(model, load_file(str(Path(lo.init_from).expanduser() / ADAPTER_WEIGHTS)))
+        assert not result.unexpected_keys, result.unexpected_keys
+        return model
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if isinstance(layer, LoraLayer):
+                path = name[len(PEFT_PREFIX):]
+                a = layer.lora_A["default"].weight
+                a.copy_(initial_a(unit_seed(cfg.trainer.seed, f"{path}.{LORA_A}"), a.shape[0], a.shape[1]))
+    return model

@@ -65,7 +65,10 @@ def run(run_dir: Path) -> int:
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
     reshard = resume is not None and (_saved_plan(resume) != plan.layout() or _saved_vocab(resume) != plan.padded_vocab_size)
-    built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None)
+    # a LoRA run's adapters come from the checkpoint (same plan: DeepSpeed then loads the same values)
+    adapters = CheckpointDir(resume).adapter if resume and cfg.finetune.method == "lora" else None
+    built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None,
+                  adapter_dir=str(adapters) if adapters else None)
     samples = open_samples(files.data_file, "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
     if rank == 0 and plan.nodes > 1:
@@ -159,7 +162,7 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     if reshard:
         from hybridtrain.checkpoint.reshard import load_moments, set_schedule
 
-        params = stage_hf_params(built.engine.module, include_replicas=True)
+        params = [x for x in stage_hf_params(built.engine.module, include_replicas=True) if x[1].requires_grad]
         load_moments(built, params, CheckpointDir(checkpoint).optim, step, plan.padded_vocab_size)
         set_schedule(built.engine, plan, step)
     else:

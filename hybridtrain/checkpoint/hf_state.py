@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, fused_sizes
+from hybridtrain.models.lora import LORA_A, LORA_B
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.slicing import block_sizes
 
@@ -40,6 +41,15 @@ def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> It
     tensor-parallel plan (``hf_config`` gives the sizes of fused sub-blocks)."""
     for local, param in block.named_parameters():
         owner, _, leaf = local.rpartition(".")
+        linear, _, matrix = owner.rpartition(".")
+        if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], never transposed (peft's layout)
+            rule = family.tp_plan[linear]
+            if rule.style == "column":  # A replicated, B split like the weight's (fused) rows
+                split = Split() if matrix == LORA_A else Split(dim=0, fused=fused_sizes(rule, family, hf_config))
+            else:  # A split like the weight's input columns, B replicated
+                split = Split(dim=1) if matrix == LORA_A else Split()
+            yield f"{prefix}.{local}", param, split
+            continue
         rule = family.tp_plan.get(owner)
         if rule is None or rule.style == "grad_sum":
             split = Split()
@@ -58,6 +68,11 @@ def _full_over_dp(param: nn.Parameter) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = safe_get_full_fp32_param(param)
+    if full is None and hasattr(param, "ds_id"):  # ZeRO-3 without optimizer state (a frozen LoRA base): gather
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters([param]):
+            return param.detach().float().clone()
     return (full if full is not None else param.detach()).float()
 
 

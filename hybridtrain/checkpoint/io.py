@@ -5,7 +5,10 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
     ds/            DeepSpeed's own state (module, ZeRO optimizer, lr scheduler) for exact resume
     hf/            HF-named fp32 weights, one safetensors file per pipeline stage, plus config.json,
                    generation_config.json and the tokenizer: what ``hybridtrain.export`` reads
-    optim/         HF-named AdamW moments (ZeRO <= 2), read when resuming under another plan
+    optim/         HF-named AdamW moments (ZeRO <= 2) of the trained parameters, read when resuming under
+                   another plan
+    adapter/       LoRA runs: the adapters under peft's names (``base_model.model.<module>.lora_A.weight``),
+                   one safetensors file per stage, and peft's adapter_config.json
     rng/           every rank's RNG states
     config.yaml    the resolved config of the run that wrote it
     plan.json      its plan
@@ -35,6 +38,7 @@ DS_TAG = "ds"
 META = "meta.json"
 HF_PART = "model-stage{stage:03d}.safetensors"
 OPTIM_PART = "optim-stage{stage:03d}.safetensors"
+ADAPTER_PART = "adapter-stage{stage:03d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,11 @@ class CheckpointDir:
     def optim(self) -> Path:
         """``optim/``: HF-named AdamW moments per stage (ZeRO <= 2)."""
         return self.path / "optim"
+
+    @property
+    def adapter(self) -> Path:
+        """``adapter/``: a LoRA run's adapters under peft's names per stage, and ``adapter_config.json``."""
+        return self.path / "adapter"
 
     @property
     def rng(self) -> Path:
@@ -92,6 +101,14 @@ class CheckpointDir:
     def optim_part(self, stage: int) -> Path:
         """Pipeline stage ``stage``'s HF-named AdamW moments."""
         return self.optim / OPTIM_PART.format(stage=stage)
+
+    def adapter_part(self, stage: int) -> Path:
+        """Pipeline stage ``stage``'s adapters (peft names)."""
+        return self.adapter / ADAPTER_PART.format(stage=stage)
+
+    def adapter_parts(self) -> list[Path]:
+        """Every stage's adapters, in stage order (none: not a LoRA checkpoint)."""
+        return sorted(self.adapter.glob(ADAPTER_PART.replace("{stage:03d}", "*")))
 
     def rng_file(self, rank: int) -> Path:
         """Rank ``rank``'s RNG states."""

@@ -11,6 +11,7 @@ from hybridtrain.checkpoint.hf_state import full_moment, gather
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
 from hybridtrain.checkpoint.io import (DS_TAG, CheckpointDir, file_sizes, finalize, step_dir, tmp_dir,
                                       write_hf_metadata)
+from hybridtrain.models.lora import is_lora, peft_name
 from hybridtrain.rundir import RunDir
 
 
@@ -37,25 +38,33 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     tmp = tmp_dir(final)
     ckpt = CheckpointDir(tmp)
     rank = dist.get_rank()
+    lora = built.lora
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         ckpt.hf.mkdir(parents=True)
         ckpt.rng.mkdir()
         ckpt.optim.mkdir()
+        if lora is not None:
+            ckpt.adapter.mkdir()
     device = built.engine.device
     collectives.barrier(device)
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
     built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
     named = stage_hf_params(built.engine.module)
     tensors = gather(named, built.tp, device)  # collective over TP and DP
+    adapters = {peft_name(n): tensors.pop(n) for n in list(tensors) if is_lora(n)}  # LoRA: peft's names
     moments = {}
     if plan.zero_stage <= 2:  # AdamW moments under HF names: what a resume under another plan reads
         relink_zero_state(built.engine.optimizer)
+        trained = [x for x in named if x[1].requires_grad]  # a frozen LoRA base has none
         for key in MOMENTS:
             value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
-            moments.update({f"{key}.{n}": t for n, t in gather(named, built.tp, device, value).items()})
-    if built.tp_rank == 0 and built.dp_rank == 0 and tensors:
-        save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
+            moments.update({f"{key}.{n}": t for n, t in gather(trained, built.tp, device, value).items()})
+    if built.tp_rank == 0 and built.dp_rank == 0 and (tensors or adapters):
+        if tensors:
+            save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
+        if adapters:
+            save_file(adapters, str(ckpt.adapter_part(built.stage)), metadata={"format": "pt"})
         if moments:
             save_file(moments, str(ckpt.optim_part(built.stage)), metadata={"format": "pt"})
     torch.save(rng_state(), ckpt.rng_file(rank))
@@ -64,6 +73,8 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     collectives.barrier(device)
     if rank == 0:
         write_hf_metadata(ckpt.hf, hf_config, tokenizer_path)
+        if lora is not None:
+            write_adapter_config(ckpt.adapter, lora, cfg, hf_config)
         run = RunDir(run_dir)
         shutil.copy2(run.config_file, ckpt.config_file)
         shutil.copy2(run.plan_file, ckpt.plan_file)
@@ -96,6 +107,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+def write_adapter_config(folder: Path, lora, cfg, hf_config) -> None:
+    """peft's ``adapter_config.json`` of a LoRA run into ``folder``; its base model is ``model.pretrained``
+    (as an absolute path), or none for a seeded initialisation."""
+    from hybridtrain.models.families import family_of
+    from hybridtrain.models.lora import ADAPTER_CONFIG, adapter_config
+
+    conv1d = any(rule.conv1d for rule in family_of(cfg.model).tp_plan.values())
+    base = str(Path(cfg.model.pretrained).expanduser().resolve()) if cfg.model.pretrained else None
+    (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora, conv1d, base), indent=2))
 
 
 def restore_rng(path: Path, rank: int) -> None:

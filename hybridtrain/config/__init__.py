@@ -7,8 +7,10 @@ from hybridtrain.config.schema import (
     LAUNCHER_CONFIGS,
     Config,
     DataConfig,
+    FinetuneConfig,
     LauncherConfig,
     LoggerConfig,
+    LoraConfig,
     ModelConfig,
     MultinodeLauncherConfig,
     OptimConfig,
@@ -19,7 +21,7 @@ from hybridtrain.config.schema import (
 )
 
 __all__ = [
-    "Config", "DataConfig", "LauncherConfig", "SlurmLauncherConfig", "MultinodeLauncherConfig", "LoggerConfig",
+    "Config", "DataConfig", "FinetuneConfig", "LoraConfig", "LauncherConfig", "SlurmLauncherConfig", "MultinodeLauncherConfig", "LoggerConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PlanConfig", "TrainerConfig",
     "CONF_DIR", "register_schema", "to_config", "save_config", "load_config",
 ]

@@ -129,3 +129,10 @@ class LoggerName(Choice):
     none = "none"
     tensorboard = "tensorboard"
     wandb = "wandb"
+
+
+class FinetuneMethod(Choice):
+    """``finetune.method``: which parameters train."""
+
+    full = "full"
+    lora = "lora"

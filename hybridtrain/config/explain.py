@@ -23,6 +23,8 @@ _KINDS = {bool: ("true or false", "true or false"), int: ("an integer", "integer
 
 def accepts(hint: Any) -> str:
     """What a field of type ``hint`` accepts, in words (``an integer or null``, ``one of [fp32, bf16]``)."""
+    if hint is Any:  # finetune.lora.target_modules: a string or a list (OmegaConf 2.3 has no such union)
+        return "any value"
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Union:
         if args == [bool]:

@@ -14,6 +14,7 @@ from hybridtrain.config.choices import (
     FamilyMode,
     DataFormat,
     DataSource,
+    FinetuneMethod,
     LauncherName,
     LoggerName,
     Partition,
@@ -204,7 +205,8 @@ class TrainerConfig:
     the newest complete checkpoint of the run directory (or starts fresh if there is none), or a
     ``.../checkpoints/step_N`` path. With ``model.pretrained`` too, the checkpoint wins (a resumed fine-tune)."""
     export_hf: bool = False
-    """After the final save, export the model in HF format to ``RUN_DIR/hf``."""
+    """After the final save, export the model in HF format to ``RUN_DIR/hf`` (a LoRA run: its peft
+    adapter folder)."""
     save_logits: bool = False
     """Also store in every checkpoint the fp32 logits of the next step's first micro-batch
     (``logits.safetensors``), so ``python -m hybridtrain.export CKPT OUT --check`` can compare the
@@ -368,6 +370,42 @@ class PlanConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the decoder blocks' linear layers (``finetune.method=lora``), as ``peft`` defines
+    them: ``y = W x + (alpha / r) B A dropout(x)`` with ``A`` ``[r, in]`` and ``B`` ``[out, r]``
+    (``docs/finetuning.md``)."""
+
+    r: int = 8
+    """Rank of the adapters (peft's ``r``)."""
+    alpha: float = 16.0
+    """Scale numerator (peft's ``lora_alpha``): the adapter's output is multiplied by ``alpha / r``
+    (``alpha / sqrt(r)`` with ``rslora``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (peft's ``lora_dropout``), in [0, 1)."""
+    target_modules: Any = "all-linear"
+    """Which linear layers get adapters, with peft's matching: ``all-linear`` (every linear layer of the
+    decoder blocks; the LM head never), a list of module names matched as peft does (a module whose
+    path equals or ends with ``.NAME``: ``[q_proj,v_proj]``, ``[self_attn.o_proj]``), or one regular
+    expression that must match a whole module path (``.*\\.(q|v)_proj``)."""
+    rslora: bool = False
+    """Rank-stabilised scaling ``alpha / sqrt(r)`` instead of ``alpha / r`` (peft's ``use_rslora``)."""
+    init_from: Optional[str] = None
+    """A peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) to start from
+    instead of fresh adapters; its ``r``, ``alpha``, ``rslora`` and target modules replace the keys
+    above (``dropout`` stays). Its base must be ``model.pretrained``'s model."""
+
+
+@dataclass
+class FinetuneConfig:
+    """Which parameters train: all of them, or LoRA adapters on a frozen base (``docs/finetuning.md``)."""
+
+    method: FinetuneMethod = FinetuneMethod.full
+    """``full``: every parameter trains; ``lora``: the base model is frozen (no gradients, no optimizer
+    state) and only the adapters of ``finetune.lora`` train."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
 class Config:
     """A whole run: what Hydra composes and what is saved as ``config.yaml``."""
 
@@ -379,5 +417,6 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     run_dir: Optional[str] = None
     """Output folder; filled from ``hydra.run.dir`` at launch."""

@@ -44,9 +44,12 @@ def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def ds_config(cfg: Config, plan: Plan, gpu: bool = False) -> dict[str, Any]:
+def ds_config(cfg: Config, plan: Plan, gpu: bool = False, trainable: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config of a run, derived from the typed config and plan (never hand-written);
-    ``gpu``: the ranks run on CUDA devices."""
+    ``gpu``: the ranks run on CUDA devices.
+
+    ``trainable``: the parameters this rank trains when only some do (LoRA); ZeRO-2/3's gradient bucket,
+    which DeepSpeed allocates whole (5e8 elements by default), is then no larger than them."""
     o = cfg.optim
     # torch.optim.AdamW through DeepSpeed's torch_adam (engine.py get_optimizer_configuration passes the
     # params on); on CUDA its fused kernel (one launch for all tensors). CPU keeps the default (foreach).
@@ -60,7 +63,8 @@ def ds_config(cfg: Config, plan: Plan, gpu: bool = False) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
             "torch_adam": True, **fused}},
-        "zero_optimization": {"stage": plan.zero_stage},
+        "zero_optimization": {"stage": plan.zero_stage, **(
+            {"reduce_bucket_size": bucket_size(trainable)} if trainable is not None and plan.zero_stage >= 2 else {})},
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
         # bf16 keeps 8 bits of mantissa: summing many micro-batch gradients in it loses the small
@@ -77,6 +81,14 @@ def ds_config(cfg: Config, plan: Plan, gpu: bool = False) -> dict[str, Any]:
     return conf
 
 
+def bucket_size(trainable: int) -> int:
+    """ZeRO-2/3's ``reduce_bucket_size`` for a rank training ``trainable`` parameters: DeepSpeed's 5e8, or
+    fewer when fewer train (a LoRA run's gradients fill a bucket of their own size)."""
+    from hybridtrain.plan.memory import REDUCE_BUCKET_SIZE
+
+    return max(1, min(REDUCE_BUCKET_SIZE, int(trainable)))
+
+
 def _own_clipping(plan: Plan) -> bool:
     """Whether :mod:`hybridtrain.engine.clip` computes the gradient norm and clips (ZeRO-0, fp32)."""
     return plan.zero_stage == 0 and plan.precision == "fp32"
@@ -89,6 +101,8 @@ class Built:
     engine: Any
     groups: ParallelGroups
     """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.dims`)."""
+    lora: Any = None
+    """The run's :class:`~hybridtrain.models.lora.LoraSpec` (``finetune.method=lora``), else ``None``."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -157,11 +171,14 @@ class Built:
         self._unwatch.clear()
 
 
-def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) -> Built:
+def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, adapter_dir: str | None = None) -> Built:
     """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up).
 
     Weights come from ``weights_dir`` (HF names, e.g. a checkpoint's ``hf/``), else from
-    ``model.pretrained``, else from the seeded initialisation.
+    ``model.pretrained``, else from the seeded initialisation. With ``finetune.method=lora`` the blocks
+    get adapters (from ``adapter_dir``, a checkpoint's ``adapter/``, else ``finetune.lora.init_from``,
+    else fresh) and every other parameter is frozen before DeepSpeed sees the model, so only the
+    adapters get gradients, optimizer state and ZeRO partitions.
     """
     import deepspeed
     import torch
@@ -177,10 +194,9 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     dims = ParallelDims.of(plan)
     topo = dims.topology()
     tp = TPContext()
-    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir)
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
-    conf = ds_config(cfg, plan, gpu=torch.cuda.is_available())
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,
@@ -190,9 +206,15 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
             grid = PipelineParallelGrid(topology=topo)
             tp.bind_grid(grid)  # before the layers are built: they read the TP group
             model, mpu = sequential_model(builder, loss_fn), grid
+    if builder.lora is not None:
+        from hybridtrain.parallel.lora import freeze_base
+
+        freeze_base(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if builder.lora is not None else None
+    conf = ds_config(cfg, plan, gpu=torch.cuda.is_available(), trainable=trainable)
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
-    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp))
+    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp), lora=builder.lora)
     from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
     if _own_clipping(plan):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, TPRule, fused_sizes
 from hybridtrain.models.families.base import STYLES
+from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, peft_name, resolve_targets
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, sum_grad_over_tp
@@ -110,22 +111,34 @@ class ModelBuilder:
     weights: Any = None
     """A :class:`~hybridtrain.models.weights.SafetensorsWeights` to load units from (fine-tuning),
     or ``None`` for the seeded initialisation."""
+    lora: Optional[LoraSpec] = None
+    """The LoRA adapters to add to the blocks (``finetune.method=lora``), or ``None``."""
+    adapter: Any = None
+    """A ``SafetensorsWeights`` of peft-named adapter tensors to start the adapters from (``finetune.lora.init_from``,
+    or a checkpoint's ``adapter/``), or ``None`` for fresh ones (seeded ``A``, zero ``B``)."""
 
     @classmethod
-    def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None) -> "ModelBuilder":
+    def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None,
+                adapter_dir: str | None = None) -> "ModelBuilder":
         """The builder of a run's rank: weights from ``weights_dir`` (HF names, e.g. a checkpoint's
-        ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``)."""
+        ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``); LoRA
+        adapters (``finetune.method=lora``) from ``adapter_dir`` (a checkpoint's ``adapter/``), else from
+        ``finetune.lora.init_from``, else fresh."""
         from hybridtrain.models.families import family_of
+        from hybridtrain.models.weights import SafetensorsWeights
 
         folder = weights_dir or cfg.model.pretrained
-        weights = None
-        if folder is not None:
-            from hybridtrain.models.weights import SafetensorsWeights
-
-            weights = SafetensorsWeights(folder)
-        return cls(family=family_of(cfg.model), hf_config=hf_config, hf_model=meta_model(hf_config),
+        weights = SafetensorsWeights(folder) if folder is not None else None
+        family, hf_model = family_of(cfg.model), meta_model(hf_config)
+        lora = adapter = None
+        if cfg.finetune.method == "lora":
+            lora = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)
+            source = adapter_dir or cfg.finetune.lora.init_from
+            adapter = SafetensorsWeights(source) if source else None
+        return cls(family=family, hf_config=hf_config, hf_model=hf_model,
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
-                   activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights)
+                   activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
+                   lora=lora, adapter=adapter)
 
     @property
     def vocab_size(self) -> int:
@@ -188,6 +201,8 @@ class ModelBuilder:
                     return self.weights.get(f"{prefix}.{path}")
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
         shard_block(block, self.family, self.hf_config, self.tp, read)
+        if self.lora is not None:
+            add_lora(block, prefix, self.family, self.hf_config, self.tp, self.lora, self.seed, self.adapter)
         return block
 
 
@@ -271,6 +286,54 @@ def _shard_linear(linear: nn.Module, rule: TPRule, fused, tp: TPContext, shards=
         w = shard_tensor(weight, 1, 1, tp.rank, tp.size)  # [out, in/tp]
         return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
     raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use one of {list(STYLES)}")
+
+
+def linear_in_out(module: nn.Module, conv1d: bool) -> tuple[int, int]:
+    """``(in, out)`` features of an HF linear layer (``Conv1D`` stores its weight ``[in, out]``)."""
+    rows, cols = module.weight.shape
+    return (int(rows), int(cols)) if conv1d else (int(cols), int(rows))
+
+
+def lora_spec(lora_cfg, family: Family, hf_config, hf_model: nn.Module) -> LoraSpec:
+    """The :class:`LoraSpec` of ``finetune.lora`` for this model: ``target_modules`` resolved as peft
+    resolves them on the same HF model (``hf_model``, meta is enough); raises
+    :class:`~hybridtrain.models.lora.AdapterError`."""
+    layers = int(getattr(hf_config, family.n_layers))
+    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
+    return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
+                    rslora=bool(lora_cfg.rslora), targets=targets)
+
+
+def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPContext, lora: LoraSpec, seed: int,
+             adapter=None) -> None:
+    """Wrap the sharded linear layers of block ``prefix`` that ``lora`` targets with LoRA adapters
+    (:mod:`hybridtrain.parallel.lora`), their matrices cut like the layer's weight: a column-parallel
+    layer's ``B`` rows fused-aware, a row-parallel layer's ``A`` columns.
+
+    The full ``A`` and ``B`` come from ``adapter`` (peft names) or are fresh: ``A`` seeded by
+    :func:`unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
+    """
+    from hybridtrain.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, initial_a
+
+    for rel in lora.in_block(prefix):
+        layer, rule, path = block.get_submodule(rel), family.tp_plan[rel], f"{prefix}.{rel}"
+        column = rule.style == "column"
+        n_out = layer.weight.shape[0] * (tp.size if column else 1)  # local layout [out, in]
+        n_in = layer.weight.shape[1] * (1 if column else tp.size)
+        if adapter is not None:
+            a, b = (adapter.get(peft_name(f"{path}.{m}.weight")) for m in (LORA_A, LORA_B))
+            if tuple(a.shape) != (lora.r, n_in) or tuple(b.shape) != (n_out, lora.r):
+                raise ValueError(f"{adapter.folder}: the adapter of {path} has shapes {tuple(a.shape)} and "
+                                 f"{tuple(b.shape)}; this model needs {(lora.r, n_in)} and {(n_out, lora.r)}")
+        else:
+            a, b = initial_a(unit_seed(seed, f"{path}.{LORA_A}"), lora.r, n_in), torch.zeros(n_out, lora.r)
+        if column:  # B's rows like the weight's: each fused sub-block (q | k | v) split on its own
+            b = shard_tensor(b, 0, fused_sizes(rule, family, hf_config, n_out), tp.rank, tp.size)
+            new = LoraColumnParallelLinear(layer, a.contiguous(), b, lora.scaling, lora.dropout, tp)
+        else:  # A's columns like the weight's input columns
+            a = shard_tensor(a, 1, 1, tp.rank, tp.size)
+            new = LoraRowParallelLinear(layer, a, b.contiguous(), lora.scaling, lora.dropout, tp)
+        block.set_submodule(rel, new)
 
 
 class _CopyInput:

@@ -47,6 +47,10 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
             announce(choice.explain(cfg.plan.top))
     params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
     plan = build_plan(cfg, hf_config, machine, vocab_size(cfg.data), params)
+    if cfg.finetune.method != "full" or cfg.finetune.lora.init_from:
+        from hybridtrain.plan.lora import check_lora
+
+        check_lora(cfg, hf_config, plan)
     return plan, hf_config
 
 

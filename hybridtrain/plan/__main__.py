@@ -39,6 +39,11 @@ def run(cfg: DictConfig) -> int:
         return 2
     budget = device_memory_bytes(typed.plan, machine, max(1, plan.world_size // plan.nodes))
     print(format_report(build_report(typed, plan, hf_config, budget)), flush=True)
+    if typed.finetune.method == "lora":  # the memory above counts gradients and optimizer state of the adapters only
+        from hybridtrain.models.build import meta_model
+        from hybridtrain.plan.lora import describe
+
+        print(f"[hybridtrain] {describe(typed, hf_config, meta_model(hf_config))}", flush=True)
     return 0
 
 

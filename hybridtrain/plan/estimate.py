@@ -5,7 +5,8 @@ from __future__ import annotations
 from hybridtrain.models.families import family_of
 from hybridtrain.plan.costs import model_facts
 from hybridtrain.plan.hf import model_config
-from hybridtrain.plan.memory import RankMemory, rank_memory
+from hybridtrain.plan.lora import lora_memory
+from hybridtrain.plan.memory import RankMemory, attention_flags, rank_memory
 from hybridtrain.rundir import RunDir
 
 
@@ -14,7 +15,9 @@ def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
     ``plan.json``): what the worker's measured ``model_state_bytes`` is compared with."""
     files = RunDir(run_dir)
     cfg, plan = files.config(), files.plan()
-    facts = model_facts(family_of(cfg.model), model_config(cfg), plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
+    hf_config = model_config(cfg)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
     return rank_memory(facts, plan.stage_bounds, stage, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
                        precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
-                       checkpointing=cfg.parallel.activation_checkpointing)
+                       checkpointing=cfg.parallel.activation_checkpointing, lora=lora_memory(cfg, hf_config, plan),
+                       **attention_flags(cfg))

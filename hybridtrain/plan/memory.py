@@ -76,22 +76,29 @@ class RankMemory:
         return self.model_state + self.activations
 
 
-def model_state(sizes: list[int], zero: int, dp: int, precision: str) -> tuple[int, int, int]:
-    """(params, grads, optim) bytes for parameters of element counts ``sizes`` on one rank."""
+def model_state(sizes: list[int], zero: int, dp: int, precision: str,
+                frozen: list[int] | None = None) -> tuple[int, int, int]:
+    """(params, grads, optim) bytes for trained parameters of element counts ``sizes`` on one rank, and
+    ``frozen`` ones (a LoRA run's base: stored in the run's precision, no gradient, no optimizer state;
+    ZeRO-2/3's gradient bucket is then only as large as the trained parameters, see
+    :func:`hybridtrain.engine.bucket_size`)."""
     n = sum(sizes)
+    f = sum(frozen or [])
     w = 4 if precision == "fp32" else 2
     part = -(-n // dp)  # ZeRO pads the flat buffer to a multiple of dp
     if zero == 0:  # fp32 only: the plan refuses ZeRO-0 in 16 bits
-        return 4 * n, 4 * n, 8 * n
+        return 4 * (n + f), 4 * n, 8 * n
     if zero == 1:
         if precision == "bf16":  # BF16 optimizer: bf16 gradients and the fp32 accumulation buffer
-            return 2 * n, 6 * n, 12 * part
-        return w * n, max(w * n, (w + 4) * part), 12 * part
-    bucket = w * REDUCE_BUCKET_SIZE  # allocated whole, whatever the model's size
+            return 2 * (n + f), 6 * n, 12 * part
+        return w * (n + f), max(w * n, (w + 4) * part), 12 * part
+    bucket = w * (REDUCE_BUCKET_SIZE if frozen is None else min(REDUCE_BUCKET_SIZE, max(1, n)))  # allocated whole
     if zero == 2:
-        return w * n, bucket + 4 * part, 12 * part
-    persistent = sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
-    live = min(n, part + persistent + MAX_LIVE_PARAMETERS)  # gathered parameters stay until the limit
+        return w * (n + f), bucket + 4 * part, 12 * part
+    every = list(sizes) + list(frozen or [])  # ZeRO-3 partitions frozen parameters too
+    persistent = sum(s for s in every if s < PERSISTENCE_THRESHOLD)
+    total = n + f
+    live = min(total, -(-total // dp) + persistent + MAX_LIVE_PARAMETERS)  # gathered parameters stay until the limit
     return w * live, bucket + 4 * part, 16 * part
 
 
@@ -140,10 +147,17 @@ def in_flight(stage: int, pp: int, micro_batches: int) -> int:
 
 def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, *, tp: int, pp: int, dp: int, zero: int,
                 precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
-                eager: bool = False, mask: bool = False) -> RankMemory:
-    """Estimated memory of a rank of pipeline stage ``stage`` (``eager``, ``mask``: :func:`attention_flags`)."""
+                eager: bool = False, mask: bool = False,
+                lora: Callable[[str], list[int]] | None = None) -> RankMemory:
+    """Estimated memory of a rank of pipeline stage ``stage`` (``eager``, ``mask``: :func:`attention_flags`).
+    ``lora(unit name)``: the element counts of the LoRA matrices a TP rank holds in that unit
+    (``finetune.method=lora``: the rest is frozen)."""
     units = facts.units[bounds[stage]:bounds[stage + 1]]
-    params, grads, optim = model_state(stage_param_sizes(units, tp), zero, dp, precision)
+    if lora is None:
+        params, grads, optim = model_state(stage_param_sizes(units, tp), zero, dp, precision)
+    else:
+        trained = [n for u in units for n in lora(u.name)]
+        params, grads, optim = model_state(trained, zero, dp, precision, frozen=stage_param_sizes(units, tp))
     act = activation_bytes(units, facts, micro_batch, tp, precision, checkpointing, eager, mask)
     return RankMemory(params, grads, optim, act * in_flight(stage, pp, micro_batches))
 

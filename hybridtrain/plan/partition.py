@@ -102,11 +102,13 @@ def manual(stage_layers: Sequence[int], n: int, pp: int) -> list[int]:
 
 def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int,
               layer_params: Sequence[int] | None = None, layer_costs: Sequence[float] | None = None,
-              fits: Optional[Callable[[int, int, int], bool]] = None) -> list[int]:
+              fits: Optional[Callable[[int, int, int], bool]] = None, block_per_stage: bool = False) -> list[int]:
     """Stage boundaries for ``parallel.partition=method`` over ``num_pre + num_blocks + num_post`` layers.
 
     ``balanced`` needs ``layer_costs`` (time per layer, :func:`hybridtrain.plan.costs.layer_time_costs`)
     and takes the memory constraint ``fits`` (see :func:`balanced`), dropped when nothing satisfies it.
+    ``block_per_stage`` (LoRA: only the blocks' adapters train, and a stage with nothing to train cannot
+    run) keeps the final norm and head with the last block instead of letting them form a stage.
     """
     n = num_pre + num_blocks + num_post
     if method in ("blocks", "uniform"):
@@ -129,7 +131,7 @@ def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int
             raise ValueError("partition 'balanced' needs one cost per pipeline layer")
         # Cut only between units that each hold a block, or the final norm with the head (see
         # :func:`stage_problem`): the embeddings ride with block 0, the norm with the head.
-        starts = [0] + list(range(num_pre + 1, num_pre + num_blocks)) + [n - num_post]
+        starts = [0] + list(range(num_pre + 1, num_pre + num_blocks)) + ([] if block_per_stage else [n - num_post])
         ends = starts[1:] + [n]
         costs = [float(sum(layer_costs[a:b])) for a, b in zip(starts, ends)]
         unit_fits = None if fits is None else (lambda st, a, b: fits(st, starts[a], ends[b - 1]))

@@ -17,6 +17,7 @@ from hybridtrain.plan.costs import (
     model_facts,
     stage_flops,
 )
+from hybridtrain.plan.lora import lora_memory
 from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Plan
 
@@ -69,12 +70,13 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
     facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
     costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
     stages = []
+    lora = lora_memory(cfg, hf_config, plan)  # LoRA: only the adapters train
     for s in range(plan.pp):
         a, b = plan.stage_bounds[s], plan.stage_bounds[s + 1]
         mem = rank_memory(facts, plan.stage_bounds, s, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
-                          **attention_flags(cfg))
+                          lora=lora, **attention_flags(cfg))
         stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.tp)),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]

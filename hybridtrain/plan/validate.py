@@ -193,7 +193,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         costs = fits = None
         if par.partition == "balanced" and par.pp > 1:
             costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, zero, grad_accum, padded, machine)
-        bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits)
+        bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits,
+                           block_per_stage=cfg.finetune.method == "lora")
     for s in range(par.pp):
         why = stage_problem(names[bounds[s]:bounds[s + 1]])
         key = "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition"

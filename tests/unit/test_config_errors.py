@@ -106,8 +106,8 @@ COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hyb
                                         "group: use launcher=slurm instead of launcher.name=slurm"),
     "unknown_key": (["parallel.tpp=2"], "parallel.tpp: parallel has no key 'tpp'; did you mean tp or pp?"),
     "appended_unknown_key": (["+parallel.tpp=2"], "parallel.tpp: parallel has no key 'tpp'; did you mean tp or pp?"),
-    "unknown_top_level_key": (["steps=3"], "steps: the config has no key 'steps'; its keys are ['data', 'launcher', "
-                              "'logger', 'model', 'optim', 'parallel', 'plan', 'run_dir', 'trainer']"),
+    "unknown_top_level_key": (["steps=3"], "steps: the config has no key 'steps'; its keys are ['data', 'finetune', "
+                              "'launcher', 'logger', 'model', 'optim', 'parallel', 'plan', 'run_dir', 'trainer']"),
     "new_hf_key_without_plus": (["model.config.n_innerr=3"],
                                 "model.config.n_innerr: not in the config; add it with +model.config.n_innerr=VALUE"),
 }

@@ -1,0 +1,231 @@
+"""LoRA through the real command line, against the real peft.
+
+Each run fine-tunes a tiny pretrained folder (``family_configs``) with ``finetune.method=lora`` at one
+(dp, tp, pp) layout; :func:`hybridtrain.reference.reference_run` trains the same config in one process
+with ``peft.get_peft_model`` from the same initial A and B. Per run:
+
+* every step's loss equals peft's within 1e-4 (relative), and the trained adapters equal peft's;
+* the trainable parameter count (the checkpoint's adapter tensors) equals peft's, and the base weights
+  in the checkpoint are the pretrained folder's, bit for bit (frozen);
+* the plan's model-state estimate is within 10% of what rank 0 holds;
+* the exported adapter folder loads with ``PeftModel.from_pretrained(base, out)`` and gives the logits
+  hybridtrain computed (``trainer.save_logits``) within 1e-5 of the largest logit; so does ``--merge``.
+
+CI runs Llama at (2, 2, 2) from fresh adapters and GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
+peft adapter folder (``finetune.lora.init_from``) with activation checkpointing; the ``slow`` tier runs
+every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``).
+A LoRA run also resumes exactly under its own layout and under another one, and a bad target is a
+one-line exit-2 error.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from family_configs import make_family_checkpoint
+from hybridtrain.checkpoint.io import CheckpointDir
+from hybridtrain.rundir import RunDir
+from launch_helpers import compose_config, losses, metrics, run_cli
+
+STEPS = 4
+LAYOUTS = list(itertools.product((1, 2), repeat=3))
+
+
+def _ids(layout) -> str:
+    return "dp{}_tp{}_pp{}".format(*layout)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Pretrained tiny folders (made on first use) and peft adapter folders trained on them."""
+    root = tmp_path_factory.mktemp("lora")
+    cache: dict = {}
+
+    def base(family: str) -> Path:
+        if family not in cache:
+            cache[family] = make_family_checkpoint(root / family, family)
+        return cache[family]
+
+    def adapter(family: str) -> Path:
+        """A peft adapter on ``base(family)`` with random, non-zero A and B (so it matters from step 1)."""
+        key = f"{family}-adapter"
+        if key not in cache:
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(3)
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base(family))),
+                                   LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                              fan_in_fan_out=family == "gpt2"))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_" in n:
+                        p.normal_(0, 0.05)
+            model.save_pretrained(str(root / key))
+            cache[key] = root / key
+        return cache[key]
+
+    base.adapter = adapter
+    return base
+
+
+def _overrides(folder: Path, *extra: str) -> list[str]:
+    # a checkpoint at step STEPS-1 with the logits of step STEPS's first micro-batch, and one at STEPS
+    return ["+recipe=finetune", f"model.pretrained={folder}", "finetune.method=lora", "finetune.lora.r=8",
+            "finetune.lora.alpha=16", "data.seq_len=32", "trainer.global_batch_size=4", f"trainer.max_steps={STEPS}",
+            "optim.lr=5e-3", "optim.warmup_steps=1", f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """peft's run of a set of overrides (cached): per-step records, trained adapters, trainable count."""
+    cache: dict = {}
+
+    def get(overrides: list[str]):
+        key = tuple(overrides)
+        if key not in cache:
+            from hybridtrain.plan import apply_pretrained_defaults
+            from hybridtrain.reference import reference_run
+
+            cfg = compose_config(overrides)
+            apply_pretrained_defaults(cfg)
+            adapters: dict = {}
+            records = reference_run(cfg, adapters=adapters)
+            cache[key] = records, adapters
+        return cache[key]
+
+    return get
+
+
+def _peft_logits(folder: Path, adapter: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def _check_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters: dict, tmp: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hybridtrain.export import export
+    from hybridtrain.models.weights import SafetensorsWeights
+    from hybridtrain.plan.memory import estimate_for_run
+    from hybridtrain.train.logits import LOGITS_FILE
+
+    got = losses(run_dir)
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, [r["loss"] for r in want]), 1):
+        assert abs(g - w) <= 1e-4 * abs(w), f"step {step}: hybridtrain {g!r}, peft {w!r}"
+    assert got[-1] < got[0]  # the adapters train
+
+    final = CheckpointDir(RunDir(run_dir).checkpoints / f"step_{STEPS}")
+    ours = {k: v for f in final.adapter_parts() for k, v in load_file(str(f)).items()}
+    assert set(ours) == set(peft_adapters)  # peft's names, every adapted module
+    assert sum(t.numel() for t in ours.values()) == sum(t.numel() for t in peft_adapters.values())
+    for name, theirs in peft_adapters.items():
+        scale = theirs.abs().max().item()
+        assert (ours[name] - theirs).abs().max().item() <= 1e-3 * scale, name
+    pretrained = SafetensorsWeights(folder)
+    for name, tensor in {k: v for f in final.hf_parts() for k, v in load_file(str(f)).items()}.items():
+        assert torch.equal(tensor, pretrained.get(name)), f"{name} changed: the base is not frozen"
+
+    est, measured = estimate_for_run(run_dir), metrics(run_dir)[-1]["model_state_bytes"]
+    assert abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (est, measured)
+
+    ckpt = RunDir(run_dir).checkpoints / f"step_{STEPS - 1}"
+    saved = load_file(str(ckpt / LOGITS_FILE))
+    ours_logits = saved["logits"]
+    tol = 1e-5 * max(1.0, ours_logits.abs().max().item())
+    adapter = export(ckpt, tmp / "adapter")
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    diff = (_peft_logits(folder, adapter, saved["input_ids"]) - ours_logits).abs().max().item()
+    assert diff <= tol, f"PeftModel.from_pretrained logits differ by {diff}"
+    merged = export(ckpt, tmp / "merged", merge=True)
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+        diff = (plain(input_ids=saved["input_ids"]).logits - ours_logits).abs().max().item()
+    assert diff <= tol, f"--merge logits differ by {diff}"
+
+
+CI = [("llama", (2, 2, 2), False), ("gpt2", (1, 2, 2), True)]
+
+
+@pytest.mark.parametrize("family,layout,init_from", CI,
+                         ids=[f"{f}_{_ids(l)}{'_init_from_checkpointing' if i else ''}" for f, l, i in CI])
+def test_lora_matches_peft(family, layout, init_from, folders, reference, tmp_path):
+    folder = folders(family)
+    extra = [f"finetune.lora.init_from={folders.adapter(family)}"] if init_from else []
+    overrides = _overrides(folder, *extra)
+    want, adapters = reference(overrides)
+    dp, tp, pp = layout
+    recompute = ["parallel.activation_checkpointing=true"] if init_from else []  # the GPT-2 case recomputes blocks
+    proc = run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                   *recompute)
+    assert "[hybridtrain] lora      r=" in proc.stdout and "the base frozen" in proc.stdout
+    _check_run(tmp_path / "run", folder, want, adapters, tmp_path)
+    if init_from:  # the adapter folder's first step: peft's loss with that adapter loaded
+        from hybridtrain.export import main
+
+        assert want[0]["loss"] == pytest.approx(losses(tmp_path / "run")[0], rel=1e-5)
+        ckpt = RunDir(tmp_path / "run").checkpoints / f"step_{STEPS - 1}"
+        assert main([str(ckpt), str(tmp_path / "checked"), "--check"]) == 0  # the command line's own check
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
+def test_lora_matches_peft_every_layout(family, layout, folders, reference, tmp_path):
+    folder = folders(family)
+    overrides = _overrides(folder)
+    want, adapters = reference(overrides)
+    dp, tp, pp = layout
+    run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}")
+    _check_run(tmp_path / "run", folder, want, adapters, tmp_path)
+
+
+# -- resume ------------------------------------------------------------------------------------------------
+
+RESUME = ["+recipe=llama_tiny", "finetune.method=lora", "finetune.lora.target_modules=[q_proj,v_proj,down_proj]",
+          "trainer.max_steps=4", "trainer.save_every=2", "optim.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lora_resume") / "a"
+    run_cli(run_dir, *RESUME, "parallel.tp=2", "parallel.pp=2")
+    return run_dir
+
+
+@pytest.mark.parametrize("layout,rel", [((1, 2, 2), 1e-6), ((2, 1, 1), 1e-5)], ids=["same_layout", "other_layout"])
+def test_lora_run_resumes_exactly(uninterrupted, layout, rel, tmp_path):
+    dp, tp, pp = layout
+    ckpt = RunDir(uninterrupted).checkpoints / "step_2"
+    proc = run_cli(tmp_path, *RESUME, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                   f"trainer.resume={ckpt}")
+    assert ("same plan" if layout == (1, 2, 2) else "re-sharded") in proc.stdout
+    want = losses(uninterrupted)[2:]
+    got = losses(tmp_path)
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert abs(g - w) <= rel * abs(w), (got, want)
+
+
+# -- bad input through the command line -----------------------------------------------------------------------
+
+def test_unknown_target_module_is_one_line_exit_2(tmp_path):
+    proc = run_cli(tmp_path, "+recipe=llama_tiny", "finetune.method=lora", "finetune.lora.target_modules=[q_projj]",
+                   check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["[hybridtrain] config error: finetune.lora.target_modules: 'q_projj' matches no module of the "
+                     "llama model; the linear layers of a llama block are q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                     "up_proj, down_proj (or use all-linear)"], proc.stderr
