@@ -163,6 +163,11 @@ class OptimConfig:
     """Linear warmup: optimizer step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``."""
     min_lr_ratio: float = 0.1
     """The cosine decays to ``lr * min_lr_ratio`` at ``trainer.max_steps``."""
+    fused: bool = True
+    """torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``, the HF Trainer's default
+    ``adamw_torch_fused``): one pass over each tensor. ``false``: torch's default implementation, a
+    loop of elementwise kernels per parameter on a CPU (10x slower there: 3.5 s of a 20 s step on a
+    135M model); both agree to float32 rounding."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict
 
 import torch
@@ -110,6 +110,9 @@ class ModelBuilder:
     weights: Any = None
     """A :class:`~hybridtrain.models.weights.SafetensorsWeights` to load units from (fine-tuning),
     or ``None`` for the seeded initialisation."""
+    stage_shared: dict = field(default_factory=dict)
+    """Modules the layers built from this builder (one rank's stage) share, by name
+    (:class:`~hybridtrain.models.stages.BlockInputs`)."""
 
     @classmethod
     def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None) -> "ModelBuilder":

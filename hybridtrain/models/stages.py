@@ -3,7 +3,7 @@
 DeepSpeed's pipeline may only send tensors across a stage boundary, and every float tensor
 received gets ``requires_grad``; so each piece takes and returns the hidden states
 ``[B, S, H]`` only (token ids ``[B, S]`` into the first), and the causal mask, positions and
-rotary tables are recomputed inside every block.
+rotary tables are made on each stage, once per input shape, by :class:`BlockInputs`.
 """
 from __future__ import annotations
 
@@ -79,6 +79,52 @@ class PositionEmbedding(nn.Module):
         return self.drop(hidden + self.wpe(pos).unsqueeze(0))
 
 
+class BlockInputs:
+    """The positions ``[1, S]``, causal mask and rotary ``(cos, sin)`` the decoder blocks of one
+    stage take, made once per input shape and shared by the stage's blocks.
+
+    Without padding they depend only on the hidden states' shape, dtype and device and on whether
+    the attention has a sliding window, and nothing in them requires grad; so every block of a
+    micro-batch, and every later micro-batch of the same shape, gets the same tensors instead of
+    each block rebuilding them (30 times per micro-batch on a 30-block stage: per-block Python and
+    small kernels, which a GPU step notices). The most recent shape is kept, for sliding-window and
+    full attention separately (Gemma 2 alternates them). One instance per rank (:meth:`shared`); a
+    plain object, not a module, so that no module is shared between blocks: each block keeps its
+    own rotary module (which moves and casts with it), and the first block to meet a shape lends it.
+    """
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+        self._made: dict[bool, tuple] = {}  # sliding -> (key, (pos, mask, cos_sin))
+
+    @classmethod
+    def shared(cls, builder: ModelBuilder) -> "BlockInputs":
+        """This rank's instance (the blocks of a stage are built from one builder)."""
+        if cls.__name__ not in builder.stage_shared:
+            builder.stage_shared[cls.__name__] = cls(builder.hf_config)
+        return builder.stage_shared[cls.__name__]
+
+    def __call__(self, hidden: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+        """``(position_ids [1, S], mask, (cos, sin) or None)`` for ``hidden [B, S, H]``."""
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
+        made = self._made.get(sliding)
+        if made is None or made[0] != key:
+            made = self._made[sliding] = (key, self._make(hidden, sliding, rotary))
+        return made[1]
+
+    def _make(self, hidden: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        with torch.no_grad():
+            pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, S]
+            # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask;
+            # a sliding window a bool mask once the sequence reaches the window.
+            make = create_sliding_window_causal_mask if sliding else create_causal_mask
+            mask = make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos)
+            cos_sin = rotary(hidden, position_ids=pos) if rotary is not None else None
+        return pos, mask, cos_sin
+
+
 class DecoderBlock(nn.Module):
     """One HF decoder block (``GPT2Block``, ``LlamaDecoderLayer``, ...), TP-sharded.
 
@@ -100,24 +146,18 @@ class DecoderBlock(nn.Module):
                   else getattr(builder.hf_config, "sliding_window", None))
         self.sliding = bool(window)
         self.rotary = None
-        if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
+        if builder.family.rotary_embed:
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
+        self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
 
     def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
 
     def _run(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, S]
-        # sdpa without padding gets None (is_causal); eager gets an additive [B, 1, S, S] mask;
-        # a sliding window a bool mask once the sequence reaches the window.
-        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos)
-        if self.rotary is None:
+        pos, mask, cos_sin = self.inputs(hidden, self.sliding, self.rotary)
+        if cos_sin is None:
             return self.block(hidden, attention_mask=mask)
-        cos_sin = self.rotary(hidden, position_ids=pos)
         return self.block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, H]
