@@ -61,6 +61,9 @@ def ds_config(cfg: Config, plan: Plan) -> dict[str, Any]:
         "fp16": {"enabled": plan.precision == "fp16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (printed every steps_per_print, i.e. never) synchronizes the
+        # device at every micro-batch's forward and step; hybridtrain measures steps itself (observe/).
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if plan.pp > 1:
         # Only the hidden states cross stages; partitioning them over TP is Megatron-specific.

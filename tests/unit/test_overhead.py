@@ -63,6 +63,16 @@ def test_fused_adamw_reaches_torch(fused):
     assert params["torch_adam"] is True and params["fused"] is fused  # DeepSpeed passes it to torch.optim.AdamW
 
 
+def test_deepspeed_throughput_timer_off():
+    """DeepSpeed's throughput timer synchronizes the device twice per micro-batch; hybridtrain never prints it."""
+    from hybridtrain.engine import ds_config
+    from hybridtrain.plan import Machine, resolve
+
+    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2")
+    plan, _ = resolve(cfg, Machine(cpu_cores=2))
+    assert ds_config(cfg, plan)["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
+
+
 def test_fused_is_the_default():
     assert compose_config("+recipe=gpt_tiny").optim.fused is True
 
