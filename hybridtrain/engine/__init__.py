@@ -195,7 +195,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None) ->
     if _single_replica_without_zero(plan):
         # DeepSpeed would still flatten every gradient into one buffer, "all-reduce" it over a
         # data-parallel group of one and copy it back at each step: two passes over the gradients
-        # for nothing (a copy of the whole model's gradients; 2% of a step of a 135M model on a CPU).
+        # for nothing (2-5% of a step of a 135M model on a CPU, py-spy).
         if plan.pp > 1:
             engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's own flag
         else:
