@@ -112,3 +112,20 @@ def test_loop_times_are_differences_of_elapsed():
     records = [{"step": s, "elapsed_s": e} for s, e in [(1, 5.0), (2, 6.5), (3, 8.0), (4, 10.0)]]
     records.insert(2, {"step": 2, "val_loss": 1.0})  # an evaluation record has no elapsed_s
     assert loop_times(records, skip=2) == [1.5, 2.0]
+
+
+def test_profile_split_by_stack(tmp_path):
+    from bench.profile_step import split
+
+    loop = "main (hybridtrain/worker.py:1);train (hybridtrain/train/loop.py:90)"
+    raw = tmp_path / "rank0.txt"
+    raw.write_text("\n".join([
+        f"{loop};_step_sequential (hybridtrain/train/loop.py:50);DeepSpeedEngine.step (deepspeed/runtime/engine.py:1);"
+        "adamw (torch/optim/adamw.py:3) 6",
+        f"{loop};_run (hybridtrain/models/stages.py:9);BlockInputs.__call__ (hybridtrain/models/stages.py:110) 1",
+        f"{loop};Observer.finish (hybridtrain/observe/observer.py:200);loss (hybridtrain/report/plots.py:1) 50",
+        "main (hybridtrain/worker.py:1);build (hybridtrain/engine/__init__.py:3) 9",  # outside the loop
+        f"{loop};_step_sequential (hybridtrain/train/loop.py:50);helper (contextlib.py:1) 3"]))
+    cats, rest, total = split(raw)
+    assert total == 10 and cats == {"optimizer (AdamW)": 6, "positions, mask, rotary": 1}
+    assert rest == {"helper (contextlib.py)": 3}
