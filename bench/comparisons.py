@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, check, median_of, run_hybridtrain, steady_step_time, tree_cpu
+from bench.overhead import overhead
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
 
@@ -59,44 +60,6 @@ def _row(label: str, results: list[dict], quick: bool, key: str = "step_s") -> l
 
 
 HEADER = ["side", "median step s", "tokens/s", "runs (step s)"]
-
-
-def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
-    """hybridtrain (1,1,1) against plain transformers + torch.optim.AdamW, one process, same threads."""
-    threads = os.cpu_count() or 1
-    steps = _steps(quick)
-    overrides = _layout(1, 1, 1, threads=threads) + [f"trainer.max_steps={steps}"]
-
-    def plain(r: int) -> dict:
-        code = ("import json, sys, torch\n"
-                f"torch.set_num_threads({threads})\n"
-                "from hybridtrain.cli import compose\n"
-                "from hybridtrain.reference import reference_run\n"
-                f"cfg = compose({_model(quick) + overrides!r})\n"
-                "print('RECORDS ' + json.dumps(reference_run(cfg)))\n")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"plain loop failed:\n{proc.stderr[-4000:]}")
-        records = json.loads(proc.stdout.split("RECORDS ", 1)[1])
-        step = steady_step_time(records, SKIP)
-        return {"step_s": step, "tokens_per_s": _tokens(quick) / step}
-
-    res = alternate({"hybridtrain": lambda r: _train(work, "ht", r, quick, overrides, done, (1, 1, 1)),
-                     "plain": plain}, rounds)
-    ratio = median_of(res["plain"], "step_s") / median_of(res["hybridtrain"], "step_s")
-    return {
-        "title": "Overhead: hybridtrain (1,1,1) vs plain transformers + torch.optim.AdamW",
-        "what": (f"One process, {threads} threads each, the same model, initial weights, global batches "
-                 f"(8 sequences, 8 micro-batches accumulated) and schedule; {steps} steps, the median step time "
-                 f"after {SKIP} warm-up steps (hybridtrain: `step_time_s` of metrics.jsonl; plain: "
-                 "`hybridtrain.reference.reference_run`, timed the same way, in a fresh process)."),
-        "table": [HEADER, _row("A: hybridtrain (1,1,1)", res["hybridtrain"], quick), _row("B: plain loop", res["plain"], quick)],
-        "summary": f"hybridtrain tokens/s / plain tokens/s: **{ratio:.3f}x** (target >= 0.95).",
-        "ratio": ratio, "target": 0.95, "raw": res,
-        "plot": {"labels": ["hybridtrain", "plain"], "values": [_tokens(quick) / median_of(res[k], "step_s") for k in res],
-                 "ylabel": "tokens/s"},
-    }
 
 
 def _stage_flops(run_dir: str) -> list[float]:

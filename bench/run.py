@@ -3,10 +3,12 @@
     python -m bench.run --quick              # every comparison, 2 rounds, short runs (~25 min on 2 quiet cores)
     python -m bench.run                      # 5 rounds, longer runs, every layout in the memory table
     python -m bench.run --only overhead,tp   # some comparisons
+    python -m bench.run --only overhead --models smollm2_135m            # a 135M model, vs the plain loop and the HF Trainer
+    python -m bench.run --only overhead --models llama_192,qwen2_192,phi3_192   # the overhead per family
     python -m bench.run --soak               # 2000 tiny steps: resident memory slope per rank
 
 Comparisons (``bench/README.md``, ``docs/benchmarks.md``): ``overhead`` (1,1,1) vs plain transformers
-+ torch.optim.AdamW; ``pipeline`` pp=2 with 8 micro-batches vs 1; ``dp`` dp=2 vs dp=1; ``tp`` tp=2 vs
++ torch.optim.AdamW and the HF Trainer (on each model of ``--models``, ``bench/models.py``); ``pipeline`` pp=2 with 8 micro-batches vs 1; ``dp`` dp=2 vs dp=1; ``tp`` tp=2 vs
 tp=1 with the all-reduce share; ``memory`` model-state bytes per rank vs the ideal split;
 ``startup`` launch to first step vs a minimal DeepSpeed script. Each writes its rows into
 ``bench/results/suite_DATE.md`` / ``.json`` / ``.png`` together with the machine line (CPU, cores,
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from bench.common import ROOT, alternate, machine, machine_line
 from bench.comparisons import COMPARISONS, _model, soak
+from bench.models import MODELS
 from bench.report import write_report
 
 
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds and short runs: first numbers on a busy machine")
     parser.add_argument("--rounds", type=int, help="A B rounds per comparison (default 2 quick, 5 full)")
     parser.add_argument("--only", help=f"comma-separated subset of {', '.join(COMPARISONS)}")
+    parser.add_argument("--models", help=f"overhead only: comma-separated models of bench/models.py ({', '.join(MODELS)}), "
+                        "one section each (default: the suite's model)")
     parser.add_argument("--soak", action="store_true", help="run only the soak test (2000 steps by default)")
     parser.add_argument("--soak-steps", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -43,6 +48,9 @@ def main() -> None:
     unknown = [n for n in names if n not in COMPARISONS and n != "soak"]
     if unknown:
         parser.error(f"unknown comparison(s) {unknown}; choose from {list(COMPARISONS)}")
+    models = args.models.split(",") if args.models else [None]
+    if [m for m in models if m is not None and m not in MODELS]:
+        parser.error(f"unknown model(s) in {args.models!r}; choose from {list(MODELS)}")
 
     os.environ.setdefault("HYBRIDTRAIN_CACHE", str(Path(tempfile.gettempdir()) / "hybridtrain-bench-cache"))
     work = args.work or Path(tempfile.mkdtemp(prefix="hybridtrain_bench_"))
@@ -60,6 +68,16 @@ def main() -> None:
             print(f"[bench] {name} ...", flush=True)
             if name == "soak":
                 results["sections"][name] = soak(work / name, args.soak_steps)
+            elif name == "overhead":
+                for model in models:  # one section per model
+                    key = name if model is None else f"{name}:{model}"
+                    results["sections"][key] = COMPARISONS[name](work / key.replace(":", "_"), rounds, args.quick,
+                                                                 done_runs, alternate, model=model)
+                    results["sections"][key]["seconds"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    info["loadavg_end"] = os.getloadavg()
+                    md = write_report(results, args.out, report)
+                continue
             else:
                 results["sections"][name] = COMPARISONS[name](work / name, rounds, args.quick, done_runs, alternate)
             results["sections"][name]["seconds"] = time.perf_counter() - t0

@@ -48,7 +48,7 @@ def reference_run(cfg: Config, steps: int | None = None, adapters: dict | None =
     model.train()
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
-                            betas=tuple(o.betas), eps=o.eps)
+                            betas=tuple(o.betas), eps=o.eps, fused=o.fused)
     sched = LambdaLR(opt, lr_lambda(o, cfg.trainer.max_steps))
     samples = train_samples(cfg.data, cfg.trainer.seed)
     records = []

@@ -53,10 +53,11 @@ def _prepare_zero_states(engine, step: int) -> None:
     ZeRO's per-parameter fragments to them, so they can be written before training resumes."""
     zero = engine.optimizer
     base = getattr(zero, "optimizer", zero)
+    fused = bool(base.defaults.get("fused"))  # torch's fused kernel wants its step count on the device
     for group in base.param_groups:
         for flat in group["params"]:
-            # the step on the parameter's device: torch's fused AdamW (CUDA) requires it there
-            base.state[flat] = {"step": torch.tensor(float(step), device=flat.device), "exp_avg": torch.zeros_like(flat),
+            count = torch.tensor(float(step), device=flat.device if fused else "cpu")
+            base.state[flat] = {"step": count, "exp_avg": torch.zeros_like(flat),
                                 "exp_avg_sq": torch.zeros_like(flat)}
     relink_zero_state(zero)
 

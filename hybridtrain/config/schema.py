@@ -168,6 +168,11 @@ class OptimConfig:
     """Linear warmup: optimizer step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``."""
     min_lr_ratio: float = 0.1
     """The cosine decays to ``lr * min_lr_ratio`` at ``trainer.max_steps``."""
+    fused: bool = True
+    """torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``, the HF Trainer's default
+    ``adamw_torch_fused``): one pass over each tensor. ``false``: torch's default implementation, on a
+    CPU a loop of elementwise kernels per parameter, about 10x the time (3.5-4.6 s of CPU against
+    0.3-0.4 s a step for 135M parameters); the two agree to float32 rounding."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -116,6 +116,9 @@ class ModelBuilder:
     adapter: Any = None
     """A ``SafetensorsWeights`` of peft-named adapter tensors to start the adapters from (``finetune.lora.init_from``,
     or a checkpoint's ``adapter/``), or ``None`` for fresh ones (seeded ``A``, zero ``B``)."""
+    stage_shared: dict = field(default_factory=dict)
+    """Modules the layers built from this builder (one rank's stage) share, by name
+    (:class:`~hybridtrain.models.stages.BlockInputs`)."""
 
     @classmethod
     def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None,

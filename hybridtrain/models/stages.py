@@ -3,8 +3,8 @@
 DeepSpeed's pipeline may only send tensors (or tuples of tensors) across a stage boundary, and every
 float tensor received gets ``requires_grad`` and must send a gradient back; integer tensors travel
 without one. So each piece takes and returns ``(hidden [B, S, H], position_ids [B, S] int64)``
-(``(input_ids, position_ids)`` into the first, logits out of the head), and every block rebuilds
-its mask and rotary table from the position ids. The position ids carry the document boundaries of
+(``(input_ids, position_ids)`` into the first, logits out of the head), and the mask and rotary table
+are made from the position ids once per stage and micro-batch, by :class:`BlockInputs`. The position ids carry the document boundaries of
 packed rows (``data.packing=documents``): they restart at every record, and transformers' masking
 turns restarts into a block-causal mask (a token attends only to its own record).
 """
@@ -87,6 +87,58 @@ class PositionEmbedding(nn.Module):
         return self.drop(hidden + self.wpe(positions)), positions
 
 
+class BlockInputs:
+    """The attention arguments (mask, or FlashAttention 2's variable-length offsets) and rotary
+    ``(cos, sin)`` the decoder blocks of one stage take for one micro-batch, made once and shared by the
+    stage's blocks.
+
+    They depend only on the position ids (which travel with the hidden states, the same tensor through
+    every layer of a stage), the hidden states' shape, dtype and device, and whether the attention has
+    a sliding window; nothing in them requires grad. So every block of a micro-batch gets the same
+    tensors instead of each block rebuilding them (30 times per micro-batch on a 30-block stage:
+    per-block Python and small kernels, which a GPU step notices). Keyed by the position-id tensor
+    itself (identity, not value: comparing values would synchronise a GPU), kept for sliding-window and
+    full attention separately (Gemma 2 alternates them). One instance per rank (:meth:`shared`); a plain
+    object, not a module, so that no module is shared between blocks: each block keeps its own rotary
+    module (which moves and casts with it), and the first block to meet a micro-batch lends it.
+    """
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+        self.flash = hf_config._attn_implementation == "flash_attention_2"
+        self._made: dict[bool, tuple] = {}  # sliding -> (key, position ids, (args, cos_sin))
+
+    @classmethod
+    def shared(cls, builder: ModelBuilder) -> "BlockInputs":
+        """This rank's instance (the blocks of a stage are built from one builder)."""
+        if cls.__name__ not in builder.stage_shared:
+            builder.stage_shared[cls.__name__] = cls(builder.hf_config)
+        return builder.stage_shared[cls.__name__]
+
+    def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+        """``(attention kwargs, (cos, sin) or None)`` for ``hidden [B, S, H]`` at position ids ``pos [B, S]``."""
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
+        made = self._made.get(sliding)
+        if made is None or made[0] != key or made[1] is not pos:  # the reference keeps pos's id from reuse
+            made = self._made[sliding] = (key, pos, self._make(hidden, pos, sliding, rotary))
+        return made[2]
+
+    def _make(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        with torch.no_grad():
+            if self.flash:
+                args = {"attention_mask": None, **varlen_kwargs(pos)}
+            else:
+                # sdpa with one sequence per row gets None (is_causal); eager an additive [B, 1, S, S]
+                # mask; a sliding window or packed records (position ids that restart) a mask too
+                make = create_sliding_window_causal_mask if sliding else create_causal_mask
+                args = {"attention_mask": make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
+                                               cache=None, position_ids=pos)}
+            cos_sin = rotary(hidden, position_ids=pos) if rotary is not None else None
+        return args, cos_sin
+
+
 class DecoderBlock(nn.Module):
     """One HF decoder block (``GPT2Block``, ``LlamaDecoderLayer``, ...), TP-sharded.
 
@@ -109,32 +161,20 @@ class DecoderBlock(nn.Module):
         window = (attention.sliding_window if hasattr(attention, "sliding_window")
                   else getattr(builder.hf_config, "sliding_window", None))
         self.sliding = bool(window)
-        self.flash = builder.hf_config._attn_implementation == "flash_attention_2"
         self.rotary = None
-        if builder.family.rotary_embed:  # each block rebuilds the table: nothing float crosses stages
+        if builder.family.rotary_embed:
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
+        self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
 
     def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
 
-    def _attention_args(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict:
-        """The mask (sdpa, eager) or the variable-length arguments (FlashAttention 2) for ``pos``."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        if self.flash:
-            return {"attention_mask": None, **varlen_kwargs(pos)}
-        # sdpa with one sequence per row gets None (is_causal); eager an additive [B, 1, S, S] mask;
-        # a sliding window or packed records a mask too
-        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        return {"attention_mask": make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                       position_ids=pos)}
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        args = self._attention_args(hidden, pos)
-        if self.rotary is None:
+        args, cos_sin = self.inputs(hidden, pos, self.sliding, self.rotary)
+        if cos_sin is None:
             return self.block(hidden, **args)
-        cos_sin = self.rotary(hidden, position_ids=pos)
         return self.block(hidden, position_ids=pos, position_embeddings=cos_sin, **args)
 
     def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Speed and precision settings that differ on a GPU, checked where a CPU can show them: the DeepSpeed
-config (fused AdamW on CUDA, fp32 gradient accumulation in bf16), the device prefetcher's pass-through
+config (fused AdamW, fp32 gradient accumulation in bf16), the device prefetcher's pass-through
 on the CPU and the metrics writer's valid JSON for infinite values."""
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from hybridtrain.plan import resolve
 from hybridtrain.plan.types import Machine
 
 
-def _conf(precision: str, gpu: bool) -> dict:
-    cfg = compose_config("+recipe=gpt_tiny", f"trainer.precision={precision}", "parallel.dp=1")
+def _conf(precision: str, *overrides: str) -> dict:
+    cfg = compose_config("+recipe=gpt_tiny", f"trainer.precision={precision}", "parallel.dp=1", *overrides)
     plan, _ = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=True, cpu_cores=2))
-    return ds_config(cfg, plan, gpu=gpu)
+    return ds_config(cfg, plan)
 
 
-def test_fused_adamw_on_cuda_only():
-    assert _conf("fp32", gpu=True)["optimizer"]["params"]["fused"] is True
-    assert "fused" not in _conf("fp32", gpu=False)["optimizer"]["params"]  # CPU: what runs today
+def test_fused_adamw_follows_optim_fused():
+    assert _conf("fp32")["optimizer"]["params"]["fused"] is True  # the default, on CUDA and CPU
+    assert _conf("fp32", "optim.fused=false")["optimizer"]["params"]["fused"] is False
 
 
 def test_deepspeed_hands_fused_to_torch_adamw():
@@ -30,7 +30,7 @@ def test_deepspeed_hands_fused_to_torch_adamw():
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    params = dict(_conf("fp32", gpu=True)["optimizer"]["params"])
+    params = dict(_conf("fp32")["optimizer"]["params"])
     cls, kwargs = DeepSpeedEngine.get_optimizer_configuration(None, params, True)
     opt = cls([torch.nn.Parameter(torch.zeros(2))], **params, **kwargs)
     assert cls is torch.optim.AdamW and opt.defaults["fused"] is True
@@ -38,7 +38,7 @@ def test_deepspeed_hands_fused_to_torch_adamw():
 
 @pytest.mark.parametrize("precision,accum", [("bf16", "fp32"), ("fp32", None), ("fp16", None)])
 def test_gradients_accumulate_in_fp32_in_bf16(precision, accum):
-    conf = _conf(precision, gpu=False)
+    conf = _conf(precision)
     assert conf.get("data_types", {}).get("grad_accum_dtype") == accum
 
 
