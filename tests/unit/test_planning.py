@@ -15,7 +15,7 @@ from helpers_unit import LLAMA_70B, compose_config
 
 from hybridtrain.config import Config
 from hybridtrain.models.families import get_family
-from hybridtrain.plan import Machine, PlanError, resolve
+from hybridtrain.plan import Machine, PlanError, model_config, resolve
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import layer_time_costs, model_facts
 from hybridtrain.plan.memory import GiB, model_state
@@ -185,7 +185,7 @@ def _search(*overrides: str):
     from hybridtrain.plan.auto import search
 
     cfg = cfg_of(*overrides)
-    _, hf = resolve(cfg_of(*[o for o in overrides if not o.startswith(("parallel=", "plan."))]), CPU)
+    hf = model_config(cfg)  # what resolve does before searching (attention kernel, vocabulary)
     return cfg, search(cfg, hf, CPU, RATES)
 
 

@@ -2,6 +2,7 @@
 DeepSpeed's topology, the rendered job script, and the bad inputs caught before anything is submitted."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_which_groups_cross_nodes():
     assert placement.crossing(plan) == ["pp"]
     text = placement.describe(plan, ["a", "b"])
     assert "rank    5  node b            dp 0  tp 1  pp 1" in text and "crossing nodes: pp" in text
-    plan, _ = plan_of("parallel.dp=1", "parallel.tp=2", "parallel.pp=1", "launcher.nodes=2")
+    plan, _ = plan_of("parallel.dp=2", "parallel.tp=1", "parallel.pp=1", "launcher.nodes=2")
+    plan = dataclasses.replace(plan, dp=1, tp=2)  # the plan refuses it (test_plan.py); describe still says why
     assert placement.crossing(plan) == ["tp"]  # one TP group over two nodes
     assert "tensor-parallel traffic leaves the node" in placement.describe(plan)
 
