@@ -264,7 +264,8 @@ class LauncherConfig:
     where torch sees no GPU; to use CPU processes on a GPU machine hide its GPUs with
     ``CUDA_VISIBLE_DEVICES=``). ``null``: GPUs when torch sees any; an error when the NVIDIA driver
     lists GPUs here that torch cannot see (a CPU build of torch) unless ``CUDA_VISIBLE_DEVICES``
-    hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in the partition."""
+    hides them; ``slurm``: GPUs when ``launcher.gpu_type`` is set or ``sinfo`` reports GRES ``gpu`` in the
+    partition (the plan, made without ``sinfo``, counts only ``launcher.gpu_type``)."""
 
 
 @dataclass

@@ -106,7 +106,8 @@ def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool,
 
 def write(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> Path:
     """Render the job script into ``RUN_DIR/job.sbatch`` and return its path."""
-    gpus = launcher.gpus if launcher.gpus is not None else cluster_has_gpus(launcher.partition)
+    gpus = launcher.gpus if launcher.gpus is not None else (
+        launcher.gpu_type is not None or cluster_has_gpus(launcher.partition))
     text = render(run_dir, plan, launcher, gpus, launcher.python or sys.executable, Path.cwd())
     path = RunDir(run_dir).job_script
     path.write_text(text)

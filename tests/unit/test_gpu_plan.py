@@ -141,13 +141,15 @@ def test_headroom_reaches_warnings_partition_and_auto():
     assert not build_report(roomy, plan, hf, rank_budget(roomy, plan, CPU)).warnings
 
 
-@pytest.mark.parametrize("value,key", [("plan.memory_headroom=1", "plan.memory_headroom"),
-                                       ("plan.memory_headroom=-0.1", "plan.memory_headroom"),
-                                       ("plan.memory_reserved_gb=-1", "plan.memory_reserved_gb")])
-def test_headroom_keys_are_checked(value, key):
+@pytest.mark.parametrize("value,key,fragment", [
+    ("plan.memory_headroom=1", "plan.memory_headroom", "the share of a GPU's memory kept free"),
+    ("plan.memory_headroom=-0.1", "plan.memory_headroom", "must be in [0, 1)"),
+    ("plan.memory_reserved_gb=-1", "plan.memory_reserved_gb", "must be >= 0"),
+], ids=["headroom_all", "headroom_negative", "reserve_negative"])
+def test_headroom_keys_are_checked(value, key, fragment):
     with pytest.raises(PlanError) as info:
         resolve(cfg_of("+recipe=gpt_tiny", value), CPU)
-    assert info.value.key == key
+    assert info.value.key == key and fragment in str(info.value)
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "multinode"])

@@ -210,6 +210,16 @@ def test_auto_respects_device_memory():
     assert info.value.key == "plan.device_memory_gb" and "smallest needs" in str(info.value)
 
 
+def test_auto_with_no_layout_the_rules_accept_says_why():
+    """7 ranks for gpt_tiny (6 heads, 4 blocks, batch 12): dp=7 does not divide the batch, and tp=7 or pp=7
+    are refused by the plan's own rules; the error shows one refused layout with the rule's message."""
+    with pytest.raises(PlanError) as info:
+        _search("+recipe=gpt_tiny", "parallel=auto", "plan.world_size=7")
+    message = str(info.value)
+    assert info.value.key == "plan.world_size" and "no layout of 7 ranks passes the plan's rules" in message
+    assert "e.g. dp=1" in message and "change the world size or the batch" in message
+
+
 def test_auto_plan_is_what_resolve_returns(monkeypatch):
     import hybridtrain.plan.calibrate as calibrate
 
