@@ -6,6 +6,7 @@ default with one replica);
 one more launch adds (2, 1, 1) ZeRO-1, where the optimizer state is partitioned over dp."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
