@@ -73,20 +73,21 @@ def measure(layout, steps: int, work: Path) -> float:
 
 def predict(layout) -> tuple[float, dict]:
     """The cost model's tokens/s for ``layout`` (same config as the runs)."""
-    from hybridtrain.plan import machine_facts, model_config
-    from hybridtrain.plan.auto import Candidate, estimate, world_size
+    from hybridtrain.plan import build_plan, machine_facts, model_config
+    from hybridtrain.plan.auto import Candidate, estimate
     from hybridtrain.plan.calibrate import rates
     from hybridtrain.plan.costs import model_facts
-    from hybridtrain.plan.memory import device_memory_bytes
 
-    cfg = cli.compose(MODEL + [f"plan.world_size={WORLD}"])
+    cfg = cli.compose(MODEL + [f"launcher.gpus_per_node={WORLD}"])
     hf = model_config(cfg)
     machine = machine_facts()
     r = rates(1, True, (cfg.data.seq_len, int(hf.n_embd)), WORLD)
     dp, tp, pp = layout
     facts = model_facts(get_family("gpt2"), hf, cfg.data.seq_len, tp)
-    c = estimate(Candidate(dp, tp, pp, 1, 1, False), facts, cfg, r, world_size(cfg, machine), machine.cpu_cores,
-                 device_memory_bytes(cfg.plan, machine, WORLD))
+    candidate = Candidate(dp, tp, pp, 1, 1, False)
+    trial = candidate.config(cfg)
+    plan = build_plan(trial, hf, machine, int(hf.vocab_size))
+    c = estimate(candidate, plan, facts, trial, r, WORLD, machine.cpu_cores)
     return cfg.trainer.global_batch_size * cfg.data.seq_len / c.step_time, r.__dict__
 
 

@@ -13,6 +13,7 @@ from hybridtrain.config.choices import (
     AttnImplementation,
     FamilyMode,
     DataFormat,
+    GpuType,
     DataSource,
     FinetuneMethod,
     LauncherName,
@@ -193,8 +194,11 @@ class TrainerConfig:
     """Seeds weights, data order and dropout; the same seed gives the same weights under any plan."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
-    precision: Precision = Precision.fp32
-    """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels)."""
+    precision: Optional[Precision] = None
+    """``fp32``, ``bf16`` or ``fp16`` (fp16 needs a GPU or a CPU with fp16 kernels; bf16 an Ampere or newer
+    GPU, or a CPU). ``null``: ``bf16`` when the ranks run on GPUs that support it (``launcher.gpus``, or this
+    machine's CUDA devices with ``launcher=local``, or ``launcher.gpu_type`` on a cluster), else ``fp32``;
+    the resolved value is written to ``config.yaml``."""
     tf32: bool = True
     """On GPUs, let fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``:
     10-bit mantissa products, fp32 accumulation; several times the plain fp32 rate); MFU is then
@@ -276,15 +280,38 @@ class LauncherConfig:
     where torch sees no GPU; to use CPU processes on a GPU machine hide its GPUs with
     ``CUDA_VISIBLE_DEVICES=``). ``null``: GPUs when torch sees any; an error when the NVIDIA driver
     lists GPUs here that torch cannot see (a CPU build of torch) unless ``CUDA_VISIBLE_DEVICES``
-    hides them; ``slurm``: GPUs when ``sinfo`` reports GRES ``gpu`` in the partition."""
+    hides them; ``slurm``: GPUs when ``launcher.gpu_type`` is set or ``sinfo`` reports GRES ``gpu`` in the
+    partition (the plan, made without ``sinfo``, counts only ``launcher.gpu_type``)."""
 
 
 @dataclass
-class SlurmLauncherConfig(LauncherConfig):
+class ClusterLauncherConfig(LauncherConfig):
+    """The keys of the launchers whose ranks run on other machines (``slurm``, ``multinode``): the plan
+    takes the nodes' device facts from here, never from the machine the command runs on."""
+
+    gpu_type: Optional[GpuType] = None
+    """The GPU model of the nodes: ``a100-40gb``, ``a100-80gb``, ``h100-80gb``, ``h100-pcie``, ``h100-nvl``,
+    ``h200``, ``h200-nvl``, ``gh200``, ``b200``, ``gb200``, ``l40s``, ``l40``, ``l4``, ``a10``, ``v100-16gb``,
+    ``v100-32gb``. Gives the plan the device memory, bf16 support, the peak FLOP/s and the NVLink/PCIe
+    rates of ``parallel=auto`` (``docs/gpu.md``), and means the ranks run on GPUs unless ``launcher.gpus=false``.
+    ``null``: unknown GPUs (no memory limit unless ``plan.device_memory_gb``; ``parallel=auto`` on GPUs
+    then needs ``plan.device_memory_gb``)."""
+
+
+@dataclass
+class SlurmLauncherConfig(ClusterLauncherConfig):
     """``launcher=slurm``: an ``sbatch`` job on a SLURM cluster; its ``srun`` starts every rank."""
 
     name: LauncherName = LauncherName.slurm
     """Always ``slurm`` (the class is chosen by ``launcher=slurm``)."""
+    cpus_per_task: Optional[int] = None
+    """CPU cores reserved for each rank (``--cpus-per-task``). ``null``: ``launcher.threads_per_rank`` when
+    set, else 8 on GPU jobs (GPU nodes have 8 or more cores per GPU), else none requested. A
+    ``--cpus-per-*`` option in ``launcher.sbatch`` replaces it."""
+    mem_per_gpu: Optional[str] = None
+    """Host memory for each GPU (``--mem-per-gpu``, a SLURM size such as ``64G`` or ``512000M``) on GPU jobs.
+    ``null``: ``64G`` (each rank's CPU side: data, the unit being initialised, pinned buffers). A
+    ``--mem*`` option in ``launcher.sbatch`` (e.g. ``--mem=0``: all of the node's) replaces it."""
     partition: Optional[str] = None
     """The partition (``--partition``); ``null``: the cluster's default."""
     account: Optional[str] = None
@@ -318,7 +345,7 @@ class SlurmLauncherConfig(LauncherConfig):
 
 
 @dataclass
-class MultinodeLauncherConfig(LauncherConfig):
+class MultinodeLauncherConfig(ClusterLauncherConfig):
     """``launcher=multinode``: the deepspeed runner over several machines, without SLURM."""
 
     name: LauncherName = LauncherName.multinode
@@ -361,12 +388,22 @@ class PlanConfig:
     """Planning options: what ``python -m hybridtrain.plan`` and ``parallel=auto`` plan for."""
 
     device_memory_gb: Optional[float] = None
-    """Memory of one device in GiB; the plan warns above it, the balanced partition and
-    ``parallel=auto`` keep under it. ``null``: the GPU's memory, or on CPU the machine's RAM
-    divided by the ranks of a node."""
+    """Memory of one device in GiB; the plan warns above its budget (less ``plan.memory_headroom`` and
+    ``plan.memory_reserved_gb`` on GPUs), the balanced partition and ``parallel=auto`` keep under it.
+    ``null``: the GPU's memory (``launcher=slurm``/``multinode``: ``launcher.gpu_type``'s), or for CPU
+    processes of ``launcher=local`` the machine's RAM divided by the ranks of a node (a cluster's CPU
+    nodes: unknown, no limit)."""
     world_size: Optional[int] = None
     """Ranks to plan for with ``parallel=auto``. ``null``: ``launcher.nodes x launcher.gpus_per_node``
     (on a machine without GPUs and no ``gpus_per_node``: 1)."""
+    memory_headroom: float = 0.1
+    """Share of a GPU's memory the plan keeps free for the CUDA context, NCCL buffers and allocator
+    fragmentation: a rank's budget is ``(1 - memory_headroom) x device memory - memory_reserved_gb``
+    (plan warnings, the balanced partition's memory limit, ``parallel=auto``). CPU processes use the
+    whole figure."""
+    memory_reserved_gb: float = 2.0
+    """GiB of a GPU's memory kept free besides ``memory_headroom`` (the CUDA context and kernels, NCCL
+    communicators); GPUs only."""
     calibrate: bool = True
     """Calibrate the cost model on this machine (a matmul and an all-reduce probe, cached under
     ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``); false: the built-in defaults."""

@@ -34,17 +34,9 @@ def places(plan: Plan) -> list[Place]:
 
 
 def crossing(plan: Plan) -> list[str]:
-    """The parallel axes whose groups span more than one node (``tp``, ``dp``, ``pp``)."""
-    by_rank = places(plan)
-    groups = {"tp": lambda p: (p.dp, p.pp), "dp": lambda p: (p.tp, p.pp), "pp": lambda p: (p.dp, p.tp)}
-    out = []
-    for axis, key in groups.items():
-        nodes: dict = {}
-        for p in by_rank:
-            nodes.setdefault(key(p), set()).add(p.node)
-        if any(len(s) > 1 for s in nodes.values()):
-            out.append(axis)
-    return out
+    """The parallel axes whose groups span more than one node (``tp``, ``dp``, ``pp``):
+    :meth:`~hybridtrain.parallel.dims.ParallelDims.crossing`, which the plan checks too."""
+    return ParallelDims.of(plan).crossing(plan.nodes)
 
 
 def describe(plan: Plan, node_names: Optional[Sequence[str]] = None) -> str:

@@ -43,18 +43,42 @@ def cluster_has_gpus(partition: str | None) -> bool:
     return out.returncode == 0 and "gpu" in out.stdout
 
 
+GPU_CPUS_PER_TASK = 8
+"""``--cpus-per-task`` of a GPU job's ranks unless ``launcher.cpus_per_task``/``threads_per_rank`` say
+otherwise: GPU nodes have 8 or more cores per GPU (DGX A100: 16, DGX H100: 14), and a rank needs a few
+for its data, its CUDA launches and NCCL's threads."""
+GPU_MEM_PER_GPU = "64G"
+"""``--mem-per-gpu`` of a GPU job unless ``launcher.mem_per_gpu`` says otherwise: a rank's host memory
+(data, the unit being initialised, pinned buffers) within what GPU nodes have per GPU (128 GB and more)."""
+
+
+def _asked(options: list[str], prefix: str) -> bool:
+    """Whether one of the ``launcher.sbatch`` options starts with ``prefix`` (``--mem`` matches ``--mem=0``
+    and ``--mem-per-cpu``)."""
+    return any(o.strip().removeprefix("#SBATCH").strip().startswith(prefix) for o in options)
+
+
+def resources(launcher: SlurmLauncherConfig, gpus: bool, per_node: int) -> list[str]:
+    """The ``#SBATCH`` options of the devices, CPUs and host memory a job of ``per_node`` ranks a node asks
+    for. A GPU job always asks for CPUs and memory with its GPUs (a partition's defaults can be one core and
+    a few GB per task); the same kind of option in ``launcher.sbatch`` replaces hybridtrain's."""
+    out = [f"--gpus-per-node={per_node}"] if gpus else []
+    cpus = launcher.cpus_per_task or launcher.threads_per_rank or (GPU_CPUS_PER_TASK if gpus else None)
+    if cpus and not _asked(launcher.sbatch, "--cpus-per"):
+        out.append(f"--cpus-per-task={cpus}")
+    if gpus and not _asked(launcher.sbatch, "--mem"):
+        out.append(f"--mem-per-gpu={launcher.mem_per_gpu or GPU_MEM_PER_GPU}")
+    return out
+
+
 def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool, python: str, workdir: Path) -> str:
     """The job script for ``plan`` (pure: no file, no SLURM call)."""
     per_node = plan.world_size // plan.nodes
-    resources = ""
-    if gpus:
-        resources += f"#SBATCH --gpus-per-node={per_node}\n"
-    if launcher.threads_per_rank:
-        resources += f"#SBATCH --cpus-per-task={launcher.threads_per_rank}\n"
+    requests = "".join(f"#SBATCH {option}\n" for option in resources(launcher, gpus, per_node))
     for key in ("partition", "account", "qos", "time", "constraint"):
         value = getattr(launcher, key)
         if value:
-            resources += f"#SBATCH --{key}={value}\n"
+            requests += f"#SBATCH --{key}={value}\n"
     preempt = ""
     if launcher.signal_seconds:
         preempt += f"#SBATCH --signal=USR1@{launcher.signal_seconds}\n"
@@ -75,14 +99,15 @@ def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool,
         summary=summary, run_dir_q=shlex.quote(str(run_dir)), config=str(files.config_file),
         log=str(files.slurm_log("%j")), stop_marker=files.stop_marker.name,
         script=shlex.quote(str(files.job_script)), job_name=f"hybridtrain-{run_dir.name}",
-        nodes=plan.nodes, tasks_per_node=per_node, resources=resources, workdir=str(workdir),
+        nodes=plan.nodes, tasks_per_node=per_node, resources=requests, workdir=str(workdir),
         preempt=preempt, options=options, python=shlex.quote(python),
         setup="".join(line + "\n" for line in launcher.setup), exports=exports, on_stop=on_stop)
 
 
 def write(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> Path:
     """Render the job script into ``RUN_DIR/job.sbatch`` and return its path."""
-    gpus = launcher.gpus if launcher.gpus is not None else cluster_has_gpus(launcher.partition)
+    gpus = launcher.gpus if launcher.gpus is not None else (
+        launcher.gpu_type is not None or cluster_has_gpus(launcher.partition))
     text = render(run_dir, plan, launcher, gpus, launcher.python or sys.executable, Path.cwd())
     path = RunDir(run_dir).job_script
     path.write_text(text)

@@ -4,7 +4,9 @@ The whole HF model is created on the meta device (no memory). Each pipeline laye
 materialises only the HF unit it owns (one decoder block, the embedding, ...) on the CPU,
 initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
 (so every plan, and a plain single-process HF model, gets identical weights), and keeps only
-this rank's tensor shard. The full unit exists only transiently while it is sliced.
+this rank's tensor shard. The random fills are made tile by tile (:mod:`hybridtrain.models.seeded_init`),
+so a rank computes only the tiles of its own shard; the rest of the full unit is allocated but never
+written (untouched pages cost no memory) and is dropped when the unit is sliced.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import torch.nn as nn
 from hybridtrain.models.families import Family, TPRule, fused_sizes
 from hybridtrain.models.families.base import STYLES
 from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, peft_name, resolve_targets
+from hybridtrain.models.seeded_init import Keep, TiledFills
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, sum_grad_over_tp
-from hybridtrain.parallel.slicing import shard_tensor
+from hybridtrain.parallel.slicing import shard_ranges, shard_tensor
 
 
 def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
@@ -66,16 +69,19 @@ def unit_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
 
 
-def init_unit(hf_model: nn.Module, name: str, seed: int) -> nn.Module:
+def init_unit(hf_model: nn.Module, name: str, seed: int, keep: Keep | None = None) -> nn.Module:
     """Initialise HF unit ``name`` of ``hf_model`` in place with HF's ``_init_weights``.
 
     Runs under a forked RNG seeded by :func:`unit_seed`, so the values do not depend on what
-    else this process initialised before. Used both by workers and by the single-process
-    reference model of the tests.
+    else this process initialised before; the random fills of its parameters are made tile by tile
+    (:class:`~hybridtrain.models.seeded_init.TiledFills`), and with ``keep`` (``parameter -> (dim,
+    ranges)``) only the tiles of those parts, which come out exactly as in a whole fill. Used both by
+    workers and by the single-process reference model of the tests.
     """
     unit = hf_model.get_submodule(name)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(unit_seed(seed, name))
+    base = unit_seed(seed, name)
+    with torch.random.fork_rng(devices=[]), TiledFills(dict(unit.named_parameters()), base, keep):
+        torch.manual_seed(base)
         unit.apply(hf_model._init_weights)  # children first, as HF's own post-order init
     return unit
 
@@ -151,12 +157,13 @@ class ModelBuilder:
     def tied(self) -> bool:
         return bool(self.hf_config.tie_word_embeddings)
 
-    def materialize(self, name: str, skip: tuple[str, ...] = ()) -> nn.Module:
+    def materialize(self, name: str, skip: tuple[str, ...] = (), keep: Keep | None = None) -> nn.Module:
         """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained
-        weights when the builder has ``weights``."""
+        weights when the builder has ``weights``. ``keep``: the parts of its parameters this rank
+        keeps (the others are not initialised, :func:`init_unit`)."""
         unit = self.hf_model.get_submodule(name)
         unit.to_empty(device="cpu")
-        init_unit(self.hf_model, name, self.seed)  # also gives buffers their values
+        init_unit(self.hf_model, name, self.seed, keep)  # also gives buffers their values
         if self.weights is not None:
             from hybridtrain.models.weights import load_unit
 
@@ -180,13 +187,10 @@ class ModelBuilder:
                 raise CheckpointError(f"{self.weights.folder}: {tensor} has shape {shape} but the configured model "
                                       f"expects {want}; the model config does not match the checkpoint")
             return torch.cat([rows, rows.new_zeros(stop - start - rows.shape[0], want[1])]), start
-        unit = self.materialize(name)
-        full = unit.weight.detach()
-        pad = self.padded_vocab - full.shape[0]
-        if pad:
-            full = torch.cat([full, full.new_zeros(pad, full.shape[1])])
-        start, stop = self.tp.shard(self.padded_vocab)
-        shard = full[start:stop].clone()
+        real = min(stop, self.vocab_size)  # rows past the vocabulary are zero padding
+        unit = self.materialize(name, keep={"weight": (0, [(start, real)] if start < real else [])})
+        rows = unit.weight.detach()[start:real]  # [rows of this rank, H]
+        shard = torch.cat([rows, rows.new_zeros(stop - start - rows.shape[0], rows.shape[1])])
         unit.to("meta")  # drop the full matrix: only the shard stays in memory
         return shard, start
 
@@ -194,7 +198,8 @@ class ModelBuilder:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
         split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.style != "grad_sum")
-        block = self.materialize(prefix, skip=split if self.weights is not None else ())
+        keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
+        block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         read = None
         if self.weights is not None:  # pretrained: read only this rank's shard of each split module
             from hybridtrain.models.weights import read_shard
@@ -248,6 +253,32 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
         attention.config = copy.copy(attention.config)  # shallow: the other blocks keep theirs
         for key in family.per_rank_config:
             setattr(attention.config, key, getattr(attention.config, key) // tp.size)
+
+
+def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext) -> Keep:
+    """The parts of ``block``'s parameters this TP rank keeps, as ``parameter -> (HF dim, ranges)``: what
+    :func:`shard_block` slices (the same dimensions as :func:`_reader`: a column-parallel weight and
+    bias along the outputs, fused sub-blocks one by one; a row-parallel weight along the inputs; a
+    ``norm`` weight along its width); replicated parameters are not named (kept whole)."""
+    if tp.size == 1:
+        return {}
+    keep = {}
+    for name, rule in family.tp_plan.items():
+        module = block.get_submodule(name)
+        if rule.style == "norm":
+            keep[f"{name}.weight"] = (0, shard_ranges(int(module.weight.shape[0]), 1, tp.rank, tp.size))
+        elif rule.style in ("column", "row"):
+            out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
+            outputs = int(module.weight.shape[out_dim])
+            if rule.style == "column":
+                fused = fused_sizes(rule, family, hf_config, outputs)
+                keep[f"{name}.weight"] = (out_dim, shard_ranges(outputs, fused, tp.rank, tp.size))
+                if getattr(module, "bias", None) is not None:
+                    keep[f"{name}.bias"] = (0, shard_ranges(outputs, fused, tp.rank, tp.size))
+            else:
+                inputs = int(module.weight.shape[1 - out_dim])
+                keep[f"{name}.weight"] = (1 - out_dim, shard_ranges(inputs, 1, tp.rank, tp.size))
+    return keep
 
 
 def _reader(read, name: str, rule: TPRule, fused):

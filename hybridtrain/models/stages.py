@@ -10,6 +10,8 @@ turns restarts into a block-causal mask (a token attends only to its own record)
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -256,17 +258,23 @@ class SequentialLM(nn.Module):
         return self.loss_fn(self.logits(inputs), labels)
 
 
-def sequential_model(builder: ModelBuilder, loss_fn) -> nn.Module:
-    """All units in this process (pp = 1); a tied head reuses the embedding module."""
+def sequential_model(builder: ModelBuilder, loss_fn, partition: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """All units in this process (pp = 1); a tied head reuses the embedding module. ``partition``, when
+    given, is called on each layer as soon as it is built (ZeRO-3 partitions it then, so the rank never
+    holds the whole model at once)."""
     layers: list[nn.Module] = []
     head = None
     for unit in model_units(builder.family, builder.hf_config):
         if unit.kind is Kind.BLOCK:
-            layers.append(DecoderBlock(builder, unit.index))
+            layer = DecoderBlock(builder, unit.index)
         elif unit.kind is Kind.HEAD:
-            head = None if unit.tied else LMHead(builder)
+            head = layer = None if unit.tied else LMHead(builder)
         else:
-            layers.append(LAYER_CLASSES[unit.kind](builder))
+            layer = LAYER_CLASSES[unit.kind](builder)
+        if layer is not None and partition is not None:
+            partition(layer)
+        if unit.kind is not Kind.HEAD:
+            layers.append(layer)
     return SequentialLM(layers, head, loss_fn)
 
 

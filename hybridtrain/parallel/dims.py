@@ -75,6 +75,22 @@ class ParallelDims:
         size = getattr(self, axis)
         return [self.rank(Coords(**{**here.__dict__, axis: i})) for i in range(size)]
 
+    def crossing(self, nodes: int) -> list[str]:
+        """The axes (``tp``, ``dp``, ``pp``, in that order) whose groups span more than one of ``nodes``
+        nodes under block placement: each node holds ``world / nodes`` consecutive ranks (srun
+        ``--distribution=block``, the deepspeed runner).
+
+        The ranks of one group of an axis lie in a block of ``span`` consecutive ranks (``tp``: ``tp``;
+        ``dp``: ``dp x tp``; ``pp``: the world) that starts at a multiple of ``span``, and every group of
+        a block that a node boundary cuts has members on both sides. So an axis of size > 1 crosses
+        exactly when ``span`` does not divide the ranks per node (checked against enumerating every
+        group in ``tests/unit/test_units_dims.py``)."""
+        if nodes <= 1:
+            return []
+        per_node = self.world // nodes
+        spans = {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.world}
+        return [axis for axis, span in spans.items() if getattr(self, axis) > 1 and per_node % span]
+
     def topology(self):
         """DeepSpeed's ``PipeModelDataParallelTopology`` of these degrees (imports deepspeed)."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology

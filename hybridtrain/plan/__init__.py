@@ -6,10 +6,11 @@ from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.plan.hf import apply_pretrained_defaults, layer_params, model_config, pretrained_config
 from hybridtrain.plan.machine import machine_facts
-from hybridtrain.plan.validate import build_plan, vocab_pad_multiple
+from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for
+from hybridtrain.plan.validate import apply_world_size, build_plan, vocab_pad_multiple
 
 __all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
-           "pretrained_config", "resolve", "layer_params"]
+           "pretrained_config", "resolve", "layer_params", "rank_budget"]
 
 
 def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple[Plan, object]:
@@ -22,36 +23,36 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
     """
     from hybridtrain.data.tokenizer import vocab_size
 
-    machine = machine or machine_facts()
+    machine = planned_machine(cfg.launcher, machine or machine_facts())  # a cluster plans for its nodes
     hf_config = model_config(cfg)
     cfg.model.vocab_pad_multiple = vocab_pad_multiple(cfg, machine)  # null: 64 on GPUs, 1 on CPU
+    cfg.trainer.precision = precision_for(cfg.trainer.precision, cfg.launcher, machine)  # null: bf16 on GPUs
     if str(cfg.model.family or "") == "auto":
         check_derived_family(cfg, hf_config, announce)
-    world, lau = cfg.plan.world_size, cfg.launcher
-    if world is not None and lau.gpus_per_node is None:
-        if world < 1 or world % lau.nodes:
-            raise PlanError("plan.world_size", f"{world} ranks do not spread evenly over launcher.nodes="
-                            f"{lau.nodes}; use a positive multiple of {lau.nodes}")
-        lau.gpus_per_node = world // lau.nodes
-    elif world is not None and world != lau.nodes * lau.gpus_per_node:  # plan for more or fewer nodes
-        if world < 1 or world % lau.gpus_per_node:
-            raise PlanError("plan.world_size", f"{world} ranks are not whole nodes of launcher.gpus_per_node="
-                            f"{lau.gpus_per_node}; use a multiple of {lau.gpus_per_node}")
-        lau.nodes = world // lau.gpus_per_node
+    apply_world_size(cfg)
+    params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
+    vocab = vocab_size(cfg.data)
     if cfg.parallel.auto:
         from hybridtrain.plan.auto import apply, search
 
-        choice = search(cfg, hf_config, machine)
+        choice = search(cfg, hf_config, machine, vocab_size=vocab, layer_params=params)
         apply(cfg, choice.best)
         if announce is not None:
             announce(choice.explain(cfg.plan.top))
-    params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
-    plan = build_plan(cfg, hf_config, machine, vocab_size(cfg.data), params)
+        params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
+    plan = build_plan(cfg, hf_config, machine, vocab, params)
     if cfg.finetune.method != "full" or cfg.finetune.lora.init_from:
         from hybridtrain.plan.lora import check_lora
 
         check_lora(cfg, hf_config, plan)
     return plan, hf_config
+
+
+def rank_budget(cfg: Config, plan: Plan, machine: Machine) -> int:
+    """Bytes one rank of ``plan`` may hold (0: unknown): the device memory of the planned devices less the
+    GPU headroom (:func:`~hybridtrain.plan.devices.memory_budget`); ``machine``: this machine's facts."""
+    planned = planned_machine(cfg.launcher, machine)
+    return memory_budget(cfg.plan, cfg.launcher, planned, max(1, plan.world_size // plan.nodes))
 
 
 def check_derived_family(cfg: Config, hf_config, announce=None) -> None:

@@ -21,8 +21,7 @@ def run(cfg: DictConfig) -> int:
     """Print the plan of one composed config; return the exit code (2: config error)."""
     from hybridtrain.config import to_config
     from hybridtrain.config.explain import message
-    from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
-    from hybridtrain.plan.memory import device_memory_bytes
+    from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, rank_budget, resolve
     from hybridtrain.plan.report import build_report, format_report
 
     try:
@@ -37,7 +36,7 @@ def run(cfg: DictConfig) -> int:
     except PlanError as err:
         print(f"[hybridtrain] config error: {err}", file=sys.stderr)
         return 2
-    budget = device_memory_bytes(typed.plan, machine, max(1, plan.world_size // plan.nodes))
+    budget = rank_budget(typed, plan, machine)
     print(format_report(build_report(typed, plan, hf_config, budget)), flush=True)
     if typed.finetune.method == "lora":  # the memory above counts gradients and optimizer state of the adapters only
         from hybridtrain.models.build import meta_model

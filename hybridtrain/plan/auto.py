@@ -1,35 +1,46 @@
-"""``parallel=auto``: enumerate the layouts that fit, estimate each one's step time, pick the fastest.
+"""``parallel=auto``: enumerate the layouts, keep those the plan accepts and that fit, estimate each
+one's step time, pick the fastest.
 
 A candidate is (dp, tp, pp, micro-batch size, ZeRO stage, activation checkpointing) with
-``dp x tp x pp = plan.world_size``. Memory comes from :mod:`hybridtrain.plan.memory`; the step
-time from a cost model on :class:`~hybridtrain.plan.calibrate.Rates` measured on this machine:
+``dp x tp x pp = plan.world_size``. Every candidate goes through the plan's own rules
+(:func:`~hybridtrain.plan.validate.build_plan`: tp dividing the heads, pp up to the blocks, ZeRO 0-1
+with pp > 1, no 16-bit ZeRO-0, no TP group across nodes, ...), so auto never picks a layout the plan
+then refuses; its stage boundaries are the plan's (the memory-aware balanced partition). Memory comes
+from :mod:`hybridtrain.plan.memory` (DeepSpeed's layout for the precision and ZeRO stage), against the
+budget of :func:`~hybridtrain.plan.devices.memory_budget` (with the GPU headroom). The step time comes
+from a cost model on :class:`~hybridtrain.plan.calibrate.Rates` (measured on this machine, or for a
+cluster's GPUs derived from ``launcher.gpu_type``):
 
 * compute: each stage's forward + backward FLOP-equivalents (:mod:`hybridtrain.plan.costs`,
-  plus one more forward of the blocks under activation checkpointing) at the probed matmul rate
-  (a matmul of the model's width), plus the probed fixed overhead per layer call, both slowed by
+  plus one more forward of the blocks under activation checkpointing) at the matmul rate
+  (a matmul of the model's width), plus the fixed overhead per layer call, both slowed by
   ``ranks x threads / cores`` when a node's ranks oversubscribe its CPU cores;
 * tensor parallelism: 2 all-reduces of ``[b, s, h]`` per block forward and 2 backward, 1 for the
-  vocabulary-parallel embedding and 4 for the head and loss, at the probed latency and bandwidth
+  vocabulary-parallel embedding and 4 for the head and loss, at the node's latency and bandwidth
   (probed with as many processes as the node's ranks);
 * pipeline: a send of ``[b, s, h]`` forward and one backward per micro-batch and boundary;
   1F1B takes ``(m + pp - 1)`` slots of the slowest stage (the bubble);
 * data parallelism: the ring all-reduce of the stage's gradients once per step, plus the
   all-gather of the updated partitions (ZeRO-1/2: 1.5x) and of the parameters in forward and
   backward (ZeRO-3: 2.5x), and the AdamW update of the rank's share.
+
+A data-parallel or pipeline group that spans nodes communicates at the inter-node rate
+(:meth:`~hybridtrain.plan.calibrate.Rates.link`); TP groups never do (the plan refuses them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from hybridtrain.config.schema import Config
-from hybridtrain.models.units import Kind
-from hybridtrain.plan.calibrate import Rates
-from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
-from hybridtrain.plan.memory import attention_flags, device_memory_bytes, rank_memory, stage_param_sizes
-from hybridtrain.plan.partition import balanced
 from hybridtrain.errors import PlanError
-from hybridtrain.plan.types import Machine
-from hybridtrain.plan.validate import vocab_pad_multiple
+from hybridtrain.models.units import Kind
+from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.plan.calibrate import Rates, planned_rates
+from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
+from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for, uses_gpus
+from hybridtrain.plan.memory import attention_flags, rank_memory, stage_param_sizes
+from hybridtrain.plan.types import Machine, Plan
+from hybridtrain.plan.validate import apply_world_size, build_plan, vocab_pad_multiple
 
 DP_VOLUME = {0: 1.0, 1: 1.5, 2: 1.5, 3: 2.5}
 """Data-parallel traffic per step in all-reduces of the gradients: ZeRO-1/2 add the all-gather of
@@ -62,43 +73,53 @@ class Candidate:
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} micro={self.micro_batch_size} "
                 f"ZeRO-{self.zero_stage} ckpt={'on' if self.activation_checkpointing else 'off'}")
 
+    def config(self, cfg: Config) -> Config:
+        """``cfg`` with this layout in ``parallel`` (a shallow copy: the other sections are shared)."""
+        return replace(cfg, parallel=replace(cfg.parallel, dp=self.dp, tp=self.tp, pp=self.pp, auto=False,
+                                             micro_batch_size=self.micro_batch_size, zero_stage=self.zero_stage,
+                                             activation_checkpointing=self.activation_checkpointing))
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _allreduce(nbytes: float, n: int, rates: Rates) -> float:
-    return 0.0 if n <= 1 else rates.latency + 2 * (n - 1) / n * nbytes / rates.bandwidth
+def _allreduce(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    latency, bandwidth = link
+    return 0.0 if n <= 1 else latency + 2 * (n - 1) / n * nbytes / bandwidth
 
 
-def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_per_node: int,
-             cores: int, device_memory: int) -> Candidate:
-    """``c`` with its step time, memory, stage bounds and time breakdown filled in."""
+def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Rates, ranks_per_node: int,
+             cores: int) -> Candidate:
+    """``c`` with its step time, memory, stage bounds and time breakdown filled in, for its validated
+    ``plan`` (whose stage bounds it uses) on ``cfg.launcher.nodes`` nodes of ``ranks_per_node`` ranks
+    (``cores`` per node; 0: unknown, no oversubscription)."""
     s, h = facts.seq_len, facts.hidden
-    w = 4 if cfg.trainer.precision == "fp32" else 2
-    m = cfg.trainer.global_batch_size // (c.micro_batch_size * c.dp)
+    w = 4 if plan.precision == "fp32" else 2
+    m = plan.grad_accum
     tokens = c.micro_batch_size * s
     costs = layer_time_costs(facts, tokens, c.tp)
     if c.activation_checkpointing:  # one more forward of every block (1/3 of its training FLOPs)
         costs = [x + (u.flops * tokens / c.tp / 3 if u.kind is Kind.BLOCK else 0.0)
                  for x, u in zip(costs, facts.units)]
-    bounds = balanced(costs, c.pp) if c.pp > 1 else [0, len(costs)]
-    rate = rates.flops
-    if rates.device == "cpu":
-        rate *= min(1.0, cores / (ranks_per_node * rates.threads))
+    bounds = list(plan.stage_bounds)
+    crossing = ParallelDims(c.dp, c.tp, c.pp).crossing(plan.nodes)
+    node_link, dp_link, pp_link = rates.link(False), rates.link("dp" in crossing), rates.link("pp" in crossing)
+    cores = cores or ranks_per_node * rates.threads
+    slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
+    rate = rates.flops / slow
     act = tokens * h * w
     per_stage, tp_comm = [], 0.0
     for st in range(c.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
-        slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
         compute = sum(costs[bounds[st]:bounds[st + 1]]) / rate + len(units) * rates.layer_overhead * slow
         blocks = sum(u.kind is Kind.BLOCK for u in units)
-        comm = 4 * blocks * _allreduce(act, c.tp, rates)
+        comm = 4 * blocks * _allreduce(act, c.tp, node_link)
         # vocabulary parallel: the embedding's output, the head's input gradient, the loss's max,
         # sum of exponentials and target logit
         comm += (any(u.kind is Kind.EMBED for u in units) + 4 * any(u.kind is Kind.HEAD for u in units)) * (
-            _allreduce(act, c.tp, rates))
-        send = 2 * (rates.latency + act / rates.bandwidth) if c.pp > 1 else 0.0
+            _allreduce(act, c.tp, node_link))
+        send = 2 * (pp_link[0] + act / pp_link[1]) if c.pp > 1 else 0.0
         per_stage.append(compute + comm + send)
         tp_comm = max(tp_comm, comm)
     slowest = max(per_stage)
@@ -107,11 +128,11 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
     for st in range(c.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
         params = sum(stage_param_sizes(units, c.tp))
-        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, c.dp, rates))
+        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, c.dp, dp_link))
         share = params if c.zero_stage == 0 else params / c.dp
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
-        mem = rank_memory(facts, bounds, st, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero_stage,
-                          precision=cfg.trainer.precision, micro_batch=c.micro_batch_size, micro_batches=m,
+        mem = rank_memory(facts, bounds, st, tp=c.tp, pp=c.pp, dp=c.dp, zero=plan.zero_stage,
+                          precision=plan.precision, micro_batch=c.micro_batch_size, micro_batches=m,
                           checkpointing=c.activation_checkpointing, **attention_flags(cfg))
         worst_mem = max(worst_mem, mem.total)
     total = pipeline + dp_comm + optim
@@ -121,25 +142,22 @@ def estimate(c: Candidate, facts: ModelFacts, cfg: Config, rates: Rates, ranks_p
     return replace(c, step_time=total, memory=worst_mem, parts=parts, bounds=tuple(bounds))
 
 
-def candidates(cfg: Config, facts_for_tp, world: int) -> list[Candidate]:
-    """Every layout the plan rules allow for ``world`` ranks (tp dividing heads, KV heads, MLP width
-    and the vocabulary padding; pp up to the blocks; ZeRO 0-1 with pp > 1; micro dividing the batch)."""
+def candidates(cfg: Config, world: int) -> list[Candidate]:
+    """Every layout of ``world`` ranks to try: dp x tp x pp = world, micro-batch sizes dividing the
+    batch of a replica, ZeRO 0-3, activation checkpointing off and on. Which of them the plan accepts
+    is :func:`~hybridtrain.plan.validate.build_plan`'s to say (:func:`search`); only ZeRO-2/3 with one
+    replica are left out (ZeRO-1 with more work)."""
     out = []
     G = cfg.trainer.global_batch_size
     for tp in _divisors(world):
-        facts = facts_for_tp(tp)
-        if facts is None:
-            continue
         for pp in _divisors(world // tp):
-            if pp > facts.num_layers:
-                continue
             dp = world // (tp * pp)
             if G % dp:
                 continue
             for micro in _divisors(G // dp):
-                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                    if zero and dp == 1 and zero > 1:
-                        continue  # ZeRO-2/3 over one replica is ZeRO-1 with more work
+                for zero in (0, 1, 2, 3):
+                    if dp == 1 and zero > 1:
+                        continue
                     for ckpt in (False, True):
                         out.append(Candidate(dp, tp, pp, micro, zero, ckpt))
     return out
@@ -155,13 +173,16 @@ class Choice:
     over_memory: int
     device_memory: int
     rates: Rates
+    refused: int = 0
+    """Layouts the plan's rules refuse (tp not dividing the heads, 16-bit ZeRO-0, ...)."""
 
     def explain(self, top: int = 5) -> str:
         """Why this plan: its estimated time and memory, what the time is made of, the runners-up."""
         b = self.best
         gib = 2**30
-        lines = [f"auto      {self.considered} layouts considered, {self.over_memory} over "
-                 f"{self.device_memory / gib:.2f} GiB per rank; cost model at {self.rates.flops / 1e9:.1f} "
+        budget = f"{self.device_memory / gib:.2f} GiB per rank" if self.device_memory else "an unknown memory (no limit)"
+        lines = [f"auto      {self.considered} layouts considered, {self.refused} refused by the plan's rules, "
+                 f"{self.over_memory} over {budget}; cost model at {self.rates.flops / 1e9:.1f} "
                  f"GFLOP/s per rank, all-reduce {self.rates.latency * 1e6:.0f} us + "
                  f"{self.rates.bandwidth / 1e9:.2f} GB/s ({'measured' if self.rates.measured_link else 'built-in'} "
                  f"{self.rates.device} rates)",
@@ -182,43 +203,58 @@ def world_size(cfg: Config, machine: Machine) -> int:
     return cfg.launcher.nodes * per_node
 
 
-def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None) -> Choice:
-    """Estimate every candidate for this config; raise :class:`PlanError` when none fits."""
-    from hybridtrain.models.families import family_of, mlp_width_of
-    from hybridtrain.plan.calibrate import rates as probe
+def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None, vocab_size: int | None = None,
+           layer_params: list[int] | None = None) -> Choice:
+    """Estimate every layout the plan accepts for this config; raise :class:`PlanError` when none is
+    accepted or none fits. ``machine``: this machine's facts (a cluster launcher plans for its nodes,
+    :func:`~hybridtrain.plan.devices.planned_machine`); ``vocab_size``: the tokenizer's (default: the
+    model's); ``layer_params``: for ``parallel.partition=parameters``."""
+    from hybridtrain.models.families import family_of
 
+    lau = cfg.launcher
+    apply_world_size(cfg)
+    machine = planned_machine(lau, machine)
+    cfg.trainer.precision = precision_for(cfg.trainer.precision, lau, machine)
     world = world_size(cfg, machine)
     if world < 1:
         raise PlanError("plan.world_size", f"must be >= 1, got {world}")
-    per_node = max(1, world // cfg.launcher.nodes)
-    threads = cfg.launcher.threads_per_rank or max(1, machine.cpu_cores // per_node)
+    per_node = max(1, world // lau.nodes)
+    threads = lau.threads_per_rank or max(1, machine.cpu_cores // per_node)
     hidden = int(getattr(hf_config, family_of(cfg.model).hidden))
-    if rates is None and not machine.gpus_per_node and cfg.launcher.nodes > 1:
-        from hybridtrain.plan.calibrate import builtin  # a cluster plan made here: this CPU says nothing
+    budget = memory_budget(cfg.plan, lau, machine, per_node)
+    if not budget and uses_gpus(lau, machine):
+        raise PlanError("plan.device_memory_gb", "parallel=auto on GPUs of unknown memory cannot keep a layout "
+                        "within it: set plan.device_memory_gb (GiB of one GPU)"
+                        + (", or launcher.gpu_type" if lau.name != "local" else ""))
+    rates = rates or planned_rates(lau, machine, cfg.trainer.precision, cfg.trainer.tf32, threads,
+                                   cfg.plan.calibrate, (cfg.data.seq_len, hidden), per_node)
+    cache: dict[int, ModelFacts] = {}
 
-        rates = builtin("cuda")
-    rates = rates or probe(threads if not machine.gpus_per_node else 1, cfg.plan.calibrate,
-                           (cfg.data.seq_len, hidden), per_node)
-    family = family_of(cfg.model)
-    shape = [getattr(hf_config, family.heads), mlp_width_of(family, hf_config)]
-    if family.kv_heads and getattr(hf_config, family.kv_heads, None):
-        shape.append(getattr(hf_config, family.kv_heads))
-    cache: dict[int, ModelFacts | None] = {}
-
-    def facts_for_tp(tp: int) -> ModelFacts | None:
+    def facts_for_tp(tp: int) -> ModelFacts:
         if tp not in cache:
-            ok = all(int(v) % tp == 0 for v in shape)
             cache[tp] = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp,
-                                    vocab_pad_multiple(cfg, machine)) if ok else None
+                                    vocab_pad_multiple(cfg, machine))
         return cache[tp]
 
-    budget = device_memory_bytes(cfg.plan, machine, per_node)
-    scored = [estimate(c, facts_for_tp(c.tp), cfg, rates, per_node, machine.cpu_cores, budget)
-              for c in candidates(cfg, facts_for_tp, world)]
+    vocab = vocab_size if vocab_size is not None else int(hf_config.vocab_size)
+    scored: list[Candidate] = []
+    refused: list[tuple[Candidate, PlanError]] = []
+    for c in candidates(cfg, world):
+        trial = c.config(cfg)
+        try:
+            plan = build_plan(trial, hf_config, machine, vocab, layer_params, facts_for_tp)
+        except PlanError as err:
+            refused.append((c, err))
+            continue
+        scored.append(estimate(c, plan, facts_for_tp(c.tp), trial, rates, per_node, machine.cpu_cores))
     if not scored:
-        raise PlanError("plan.world_size", f"no layout of {world} ranks divides the model "
-                        f"(heads/KV heads/MLP width {shape}) and trainer.global_batch_size="
-                        f"{cfg.trainer.global_batch_size}; change the world size or the batch")
+        example = ""
+        if refused:
+            c, err = refused[-1]
+            example = f"; e.g. {c.label()}: {err}"
+        raise PlanError("plan.world_size", f"no layout of {world} ranks passes the plan's rules with "
+                        f"trainer.global_batch_size={cfg.trainer.global_batch_size}{example}; change the world "
+                        "size or the batch")
     fitting = [c for c in scored if not budget or c.memory <= budget]
     if not fitting:
         least = min(scored, key=lambda c: c.memory)
@@ -227,7 +263,8 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None)
                         "add ranks (plan.world_size) or devices with more memory")
     # fastest first; among equal times the least memory, then the simplest layout
     ranked = sorted(fitting, key=lambda c: (round(c.step_time, 12), c.memory, c.tp * c.pp, c.zero_stage))
-    return Choice(ranked[0], ranked, len(scored), len(scored) - len(fitting), budget, rates)
+    return Choice(ranked[0], ranked, len(scored) + len(refused), len(scored) - len(fitting), budget, rates,
+                  refused=len(refused))
 
 
 def apply(cfg: Config, best: Candidate) -> None:

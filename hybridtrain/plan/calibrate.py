@@ -15,10 +15,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hybridtrain.plan.devices import GpuSpec, gpu_peak_flops, gpu_spec, is_cluster, uses_gpus
+from hybridtrain.plan.types import Machine
+
 MAX_PROBE_RANKS = 8
 """The all-reduce probe starts at most this many processes."""
 DEFAULT_LINK = {"cpu": (2e-4, 1e9), "cuda": (2e-5, 1e11)}
 """(latency s, bandwidth B/s) used when no all-reduce probe can run."""
+INTER_NODE_LINK = {"cpu": (5e-4, 1.25e9), "cuda": (4e-5, 2.5e10)}
+"""(latency s, bus bandwidth B/s) of a collective whose group spans nodes, which no probe on one machine
+can measure: GPU nodes with one 200 Gb/s InfiniBand (HDR) port per GPU, CPU nodes on 10 Gb Ethernet.
+A group that crosses nodes runs at the slower of this and the node's own link."""
+ACHIEVED_SHARE = 0.4
+"""Share of a GPU's dense peak FLOP/s a training step's matmuls reach (what ``parallel=auto`` assumes for
+``launcher.gpu_type``; MFU of well-tuned large runs is 40-50%)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,19 @@ class Rates:
     layer_overhead: float = 0.0
     """Seconds of framework overhead per pipeline layer per micro-batch (forward + backward of a
     tiny block: op dispatch, autograd), which dominates small models on CPU."""
+    inter_latency: float | None = None
+    """Latency of a collective across nodes; ``None``: :data:`INTER_NODE_LINK` of the device."""
+    inter_bandwidth: float | None = None
+    """Bus bandwidth of a collective across nodes; ``None``: :data:`INTER_NODE_LINK` of the device."""
+
+    def link(self, across_nodes: bool) -> tuple[float, float]:
+        """(latency, bandwidth) of a collective within a node, or of one whose group spans nodes (never
+        faster than within a node)."""
+        if not across_nodes:
+            return self.latency, self.bandwidth
+        lat, bw = INTER_NODE_LINK[self.device]
+        return (max(self.latency, self.inter_latency or lat),
+                min(self.bandwidth, self.inter_bandwidth or bw))
 
 
 def cache_dir() -> Path:
@@ -180,3 +203,25 @@ def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 5
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(found), indent=1))
     return found
+
+
+def gpu_rates(spec: GpuSpec, precision: str, tf32: bool) -> Rates:
+    """Rates of a known GPU model without probing it: :data:`ACHIEVED_SHARE` of its dense peak for
+    ``precision``, and its node's NVLink or PCIe link (:data:`hybridtrain.plan.devices.GPU_SPECS`)."""
+    lat, bw = spec.link
+    return Rates(flops=ACHIEVED_SHARE * gpu_peak_flops(spec, precision, tf32), latency=lat, bandwidth=bw,
+                 device="cuda", threads=1, measured_link=False, layer_overhead=2e-5)
+
+
+def planned_rates(launcher, machine: Machine, precision: str, tf32: bool, threads: int, calibrate: bool = True,
+                  shape: tuple[int, int] = (512, 512), ranks: int = 2) -> Rates:
+    """The rates ``parallel=auto`` plans with: a cluster's GPUs from ``launcher.gpu_type``
+    (:func:`gpu_rates`); the built-in rates for nodes this machine cannot probe (a cluster's, or GPUs
+    asked for on a machine without them); else this machine's probed and cached :func:`rates`."""
+    gpus = uses_gpus(launcher, machine)
+    spec = gpu_spec(launcher) if is_cluster(launcher) else None
+    if gpus and spec is not None:
+        return gpu_rates(spec, precision, tf32)
+    if is_cluster(launcher) or (gpus and not machine.gpus_per_node):
+        return builtin("cuda" if gpus else "cpu", threads)
+    return rates(1 if gpus else threads, calibrate, shape, ranks)

@@ -5,7 +5,8 @@ from hybridtrain.plan.types import Machine
 
 
 def machine_facts() -> Machine:
-    """What this node offers: CUDA GPUs, fp16 support, CPU cores."""
+    """What this node offers: CUDA GPUs, fp16 and bf16 support, CPU cores, device memory (``launcher=local``
+    plans with it; a cluster launcher's plan does not look here, :mod:`hybridtrain.plan.devices`)."""
     import os
 
     import torch
@@ -22,5 +23,6 @@ def machine_facts() -> Machine:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             memory = 0
+    bf16 = bool(torch.cuda.is_bf16_supported()) if gpus else True  # DeepSpeed's CPU accelerator has bf16
     return Machine(gpus_per_node=gpus, fp16_supported=fp16, cpu_cores=os.cpu_count() or 1,
-                   device_memory_bytes=int(memory))
+                   device_memory_bytes=int(memory), bf16_supported=bf16)

@@ -46,6 +46,7 @@ from hybridtrain.config.choices import Packing
 from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
+from hybridtrain.plan.devices import GiB, memory_budget  # noqa: F401 (GiB: the unit the report prints)
 
 PERSISTENCE_THRESHOLD = 100_000
 """ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
@@ -55,7 +56,6 @@ REDUCE_BUCKET_SIZE = 500_000_000
 ``reduce_bucket_size`` default; hybridtrain does not set it)."""
 MAX_LIVE_PARAMETERS = 1_000_000_000
 """ZeRO-3 keeps gathered parameters until this many are live (``stage3_max_live_parameters``)."""
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -162,32 +162,28 @@ def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, *, tp: int, pp
     return RankMemory(params, grads, optim, act * in_flight(stage, pp, micro_batches))
 
 
-def device_memory_bytes(plan_cfg, machine, ranks_per_node: int) -> int:
-    """The memory budget of one rank: ``plan.device_memory_gb``, a GPU's memory, or RAM / local ranks."""
-    if plan_cfg.device_memory_gb is not None:
-        return int(plan_cfg.device_memory_gb * GiB)
-    if machine.gpus_per_node:
-        return machine.device_memory_bytes
-    return machine.device_memory_bytes // max(1, ranks_per_node)
-
-
 def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_batches: int, padded_vocab: int,
-                    machine) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
-    """Per-layer time costs and the memory constraint for ``parallel.partition=balanced``."""
+                    machine, facts: ModelFacts | None = None) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
+    """Per-layer time costs and the memory constraint for ``parallel.partition=balanced`` (``facts``: the
+    model's :func:`~hybridtrain.plan.costs.model_facts` at this tp, when the caller has them already)."""
     par = cfg.parallel
-    facts = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
+    facts = facts or model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
     costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
     per_node = max(1, dp * tp * pp // max(1, cfg.launcher.nodes))
-    limit = device_memory_bytes(cfg.plan, machine, per_node)
+    limit = memory_budget(cfg.plan, cfg.launcher, machine, per_node)
     if not limit:
         return costs, None
 
+    known: dict[tuple[int, int, int], bool] = {}  # the partition's search asks for the same stages many times
+
     def fits(stage: int, start: int, stop: int) -> bool:
-        mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=zero,
-                          precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
-                          micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
-                          **attention_flags(cfg))
-        return mem.total <= limit
+        if (stage, start, stop) not in known:
+            mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=zero,
+                              precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
+                              micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
+                              **attention_flags(cfg))
+            known[stage, start, stop] = mem.total <= limit
+        return known[stage, start, stop]
 
     return costs, fits

@@ -1,7 +1,8 @@
 """What ``python -m hybridtrain.plan`` prints: rank map, stages, memory per rank, bubble, warnings.
 
 A pure function of the typed config, the resolved :class:`~hybridtrain.plan.validate.Plan`, the HF
-config and the device memory budget; no process group, no weights (a one-block meta model).
+config and the memory budget of a rank (:func:`hybridtrain.plan.rank_budget`: the device's memory, less
+the GPU headroom); no process group, no weights (a one-block meta model).
 """
 from __future__ import annotations
 
@@ -93,9 +94,10 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
     for st in stages:
         if device_memory and st.memory.total > device_memory:
             report.warnings.append(
-                f"stage {st.stage}: {st.memory.total / GiB:.2f} GiB per rank exceeds plan.device_memory_gb="
-                f"{device_memory / GiB:.2f}; raise tp/pp/dp with ZeRO, turn on parallel.activation_checkpointing "
-                "or lower parallel.micro_batch_size")
+                f"stage {st.stage}: {st.memory.total / GiB:.2f} GiB per rank exceeds the budget of "
+                f"{device_memory / GiB:.2f} GiB (plan.device_memory_gb or the device's memory; on GPUs less "
+                "plan.memory_headroom and plan.memory_reserved_gb); raise tp/pp/dp with ZeRO, turn on "
+                "parallel.activation_checkpointing or lower parallel.micro_batch_size")
     if plan.pp > 1 and bubble > 0.25:
         report.warnings.append(f"pipeline bubble {bubble:.0%}: raise the micro-batches per step "
                                f"(trainer.global_batch_size / (micro x dp) = {plan.grad_accum})")
@@ -147,7 +149,7 @@ def format_report(report: PlanReport) -> str:
     for st in report.stages:
         lines.append(f"  {st.stage:>5} {st.params:>14,} {st.flops_per_token / 1e9:>12.3f} "
                      f"{st.flops_per_token / total_flops:>6.1%} {st.time_cost / mean_time:>8.2f}  {_layers(st.layers)}")
-    budget = f" of {report.device_memory / GiB:.2f} GiB" if report.device_memory else ""
+    budget = f" of a {report.device_memory / GiB:.2f} GiB budget" if report.device_memory else ""
     lines += ["", f"memory per rank in GiB{budget} (ZeRO-{p.zero_stage}, {p.precision}, micro-batch "
               f"{p.micro_batch_size} x seq {p.seq_len}, activations x in-flight micro-batches)",
               f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'total':>8}  in-flight"]

@@ -15,8 +15,13 @@ class Machine:
     fp16_supported: bool = True
     """Whether the device can train in fp16 (DeepSpeed refuses fp16 on most CPUs)."""
     cpu_cores: int = 1
+    """CPU cores of a node; 0: unknown (a cluster's nodes)."""
     device_memory_bytes: int = 0
     """Memory of one device (GPU 0), or on CPU the machine's RAM; 0: unknown."""
+    bf16_supported: bool = True
+    """Whether the device trains in bf16 (CPUs and Ampere or newer GPUs; not V100)."""
+    gpu_type: str | None = None
+    """``launcher.gpu_type`` of a cluster's nodes (:data:`hybridtrain.plan.devices.GPU_SPECS`)."""
 
 
 @dataclass

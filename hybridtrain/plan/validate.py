@@ -6,15 +6,17 @@ violation raises :class:`PlanError` naming the key path, the values and a fix.
 """
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.models.families import padded_vocab, tp_divisible
-from hybridtrain.parallel.dims import data_parallel_degree
+from hybridtrain.parallel.dims import ParallelDims, data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
 from hybridtrain.plan.data import check_data_config, check_packing_kernel
+from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
 from hybridtrain.plan.partition import manual, partition, stage_problem
@@ -39,15 +41,6 @@ GPU_VOCAB_PAD_MULTIPLE = 64
 embedding and LM-head matmuls on tensor-core friendly shapes."""
 
 
-def uses_gpus(launcher, machine: Machine) -> bool:
-    """Whether the ranks run on GPUs: ``launcher.gpus=true``, or, unless ``launcher.gpus=false`` on
-    ``slurm``, this node's CUDA devices (a cluster's nodes are not this one: ``slurm`` counts only
-    ``launcher.gpus=true``)."""
-    if launcher.gpus is not None and (launcher.gpus or launcher.name == "slurm"):
-        return bool(launcher.gpus)
-    return launcher.name != "slurm" and machine.gpus_per_node > 0
-
-
 def vocab_pad_multiple(cfg: Config, machine: Machine) -> int:
     """``model.vocab_pad_multiple``, or for ``null`` 64 on GPUs and 1 on CPU processes."""
     if cfg.model.vocab_pad_multiple is not None:
@@ -55,17 +48,46 @@ def vocab_pad_multiple(cfg: Config, machine: Machine) -> int:
     return GPU_VOCAB_PAD_MULTIPLE if uses_gpus(cfg.launcher, machine) else 1
 
 
+def apply_world_size(cfg: Config) -> None:
+    """``plan.world_size`` stands for the devices: it sets ``launcher.gpus_per_node`` when that is unset,
+    else ``launcher.nodes`` (whole nodes of ``launcher.gpus_per_node``)."""
+    world, lau = cfg.plan.world_size, cfg.launcher
+    if world is not None and lau.gpus_per_node is None:
+        if world < 1 or world % lau.nodes:
+            raise PlanError("plan.world_size", f"{world} ranks do not spread evenly over launcher.nodes="
+                            f"{lau.nodes}; use a positive multiple of {lau.nodes}")
+        lau.gpus_per_node = world // lau.nodes
+    elif world is not None and world != lau.nodes * lau.gpus_per_node:  # plan for more or fewer nodes
+        if world < 1 or world % lau.gpus_per_node:
+            raise PlanError("plan.world_size", f"{world} ranks are not whole nodes of launcher.gpus_per_node="
+                            f"{lau.gpus_per_node}; use a multiple of {lau.gpus_per_node}")
+        lau.nodes = world // lau.gpus_per_node
+
+
 def _need(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise PlanError(key, message)
 
 
+SLURM_SIZE = re.compile(r"^[0-9]+[KMGT]?$")
+"""A memory size as ``sbatch`` takes it (``64G``, ``512000M``; no unit: megabytes)."""
+
+
 def _check_cluster_launcher(lau) -> None:
     """Rules of the ``slurm`` and ``multinode`` launcher keys (docs/slurm.md)."""
+    if is_cluster(lau):
+        _need(lau.gpu_type is None or lau.gpus is not False, "launcher.gpu_type",
+              f"launcher.gpu_type={lau.gpu_type} names the nodes' GPUs but launcher.gpus=false asks for none; "
+              "drop one of them")
     if lau.name == "slurm":
         _need(lau.signal_seconds >= 0, "launcher.signal_seconds", f"must be >= 0 (0: no warning), got {lau.signal_seconds}")
         _need(not lau.wait or lau.submit, "launcher.wait", "launcher.wait=true needs launcher.submit=true (nothing "
               "to wait for); drop one of them")
+        _need(lau.cpus_per_task is None or lau.cpus_per_task >= 1, "launcher.cpus_per_task",
+              f"must be >= 1 or null, got {lau.cpus_per_task}")
+        _need(lau.mem_per_gpu is None or bool(SLURM_SIZE.match(str(lau.mem_per_gpu))), "launcher.mem_per_gpu",
+              f"{lau.mem_per_gpu!r} is not a SLURM memory size; use e.g. 64G or 512000M, or put another "
+              "--mem option in launcher.sbatch")
     if lau.name == "multinode":
         _need(lau.no_ssh or lau.hostfile is not None, "launcher.hostfile",
               "launcher=multinode needs a DeepSpeed hostfile (launcher.hostfile=hosts.txt, reached over ssh) or "
@@ -78,9 +100,14 @@ def _check_cluster_launcher(lau) -> None:
 
 
 def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
-               layer_params: Optional[list[int]] = None) -> Plan:
-    """Check every rule and return the resolved :class:`Plan`; raise :class:`PlanError` on the first violation."""
+               layer_params: Optional[list[int]] = None, facts_for_tp: Optional[Callable] = None) -> Plan:
+    """Check every rule and return the resolved :class:`Plan`; raise :class:`PlanError` on the first violation.
+
+    ``machine`` is this machine's facts (a cluster launcher plans for its nodes instead,
+    :func:`~hybridtrain.plan.devices.planned_machine`); ``facts_for_tp(tp)``, when given, returns the
+    model's :func:`~hybridtrain.plan.costs.model_facts` (``parallel=auto`` validates many layouts of one model)."""
     par, tr, lau = cfg.parallel, cfg.trainer, cfg.launcher
+    machine = planned_machine(lau, machine)  # a cluster's nodes, not this machine (plan/devices.py)
     family = checked_family(cfg)
     _need(cfg.model.attn_implementation in family.attn_implementations, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r}: transformers runs {family.model_type} only with "
@@ -90,6 +117,10 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
     check_packing_kernel(cfg.data, cfg.model.attn_implementation)
+    tr.precision = precision_for(tr.precision, lau, machine)  # null resolved: bf16 on GPUs, fp32 on CPUs
+    _need(0 <= cfg.plan.memory_headroom < 1, "plan.memory_headroom",
+          f"must be in [0, 1) (the share of a GPU's memory kept free), got {cfg.plan.memory_headroom}")
+    _need(cfg.plan.memory_reserved_gb >= 0, "plan.memory_reserved_gb", f"must be >= 0, got {cfg.plan.memory_reserved_gb}")
 
     for key in ("tp", "pp", "micro_batch_size"):
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
@@ -120,6 +151,16 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
               f"launcher.gpus_per_node={per_node} = {per_node * lau.nodes} devices; {lau.name} starts one rank per "
               f"device: use launcher.gpus_per_node={world // lau.nodes if world % lau.nodes == 0 else '?'} or "
               f"parallel.dp={per_node * lau.nodes // model_ranks}")
+
+    # Topology: a TP group all-reduces twice per block forward and backward; across nodes that
+    # traffic would leave NVLink for the network (placement: world / nodes consecutive ranks a node).
+    if lau.nodes > 1 and world % lau.nodes == 0 and "tp" in ParallelDims(dp, par.tp, par.pp).crossing(lau.nodes):
+        ranks = world // lau.nodes
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise PlanError("parallel.tp", f"parallel.tp={par.tp} does not divide the {ranks} ranks per node "
+                        f"(launcher.gpus_per_node={per_node if per_node is not None else ranks}): tensor-parallel "
+                        f"groups would span nodes and every block's all-reduces would cross the network; use tp "
+                        f"in {fits}, or launcher.gpus_per_node a multiple of {par.tp}")
 
     # Batch arithmetic: global = micro x accumulation x dp.
     unit = par.micro_batch_size * dp
@@ -155,6 +196,10 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           "ZeRO 0 and 1 only; use parallel.zero_stage=1, or pp=1 for ZeRO-2/3")
     _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
           "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
+    where = f"launcher.gpu_type={machine.gpu_type}" if machine.gpu_type else "this machine's GPU"
+    _need(tr.precision != "bf16" or machine.bf16_supported, "trainer.precision",
+          f"bf16 needs an Ampere or newer GPU, and {where} has no bf16 (compute capability below 8.0); "
+          "use trainer.precision=fp16 or fp32")
     # 16-bit ZeRO-0 is DeepSpeed's unpartitioned fp16/bf16 optimizer (about 20 bytes per parameter on
     # every rank) or, with fp32 gradient accumulation, no optimizer at all (NotImplementedError); its
     # checkpoints lack the fp32 master weights and the AdamW moments hybridtrain saves and re-shards.
@@ -192,7 +237,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     else:
         costs = fits = None
         if par.partition == "balanced" and par.pp > 1:
-            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, zero, grad_accum, padded, machine)
+            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, zero, grad_accum, padded, machine,
+                                          facts_for_tp(par.tp) if facts_for_tp else None)
         bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits,
                            block_per_stage=cfg.finetune.method == "lora")
     for s in range(par.pp):

@@ -103,10 +103,10 @@ def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
 CONFIG_ERRORS = {  # CLI run -> its whole stderr
     "wrong_type": "parallel.tp: 'abc' is not an integer",
     "batch_zero": "trainer.global_batch_size: must be >= 1, got 0",
-    "precision_unknown": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
+    "precision_unknown": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16] or null",
     "slurm_key_local": "launcher.partition: a key of launcher=slurm, not of launcher=local (this run's); add launcher=slurm",
     "attn_unknown": "model.attn_implementation: 'flash' is not one of [sdpa, eager, flash_attention_2] or null",
-    "sweep_with_a_bad_value": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]",
+    "sweep_with_a_bad_value": "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16] or null",
 }
 
 
@@ -131,4 +131,4 @@ def test_plan_cli_config_error_is_one_line_and_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", "+recipe=gpt_tiny", "trainer.precision=fp33"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == "[hybridtrain] config error: trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]"
+    assert proc.stderr.strip() == "[hybridtrain] config error: trainer.precision: 'fp33' is not one of [fp32, bf16, fp16] or null"

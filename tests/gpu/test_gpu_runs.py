@@ -31,7 +31,7 @@ def _close(got: list[float], want: list[float], rel: float) -> None:
     assert len(got) == len(want) and all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want)), (got, want)
 
 
-TINY = ["+recipe=gpt_tiny", "++model.config.vocab_size=8003", *SHORT]  # 8003 rows: padded on GPUs only
+TINY = ["+recipe=gpt_tiny", "++model.config.vocab_size=8003", "trainer.precision=fp32", *SHORT]  # 8003 rows: padded on GPUs only
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,16 @@ def test_tf32_is_the_default_and_its_peak_is_used(tmp_path, cpu_reference):
     observe = json.loads((tmp_path / "observe.json").read_text())
     assert observe["peak_source"].endswith(" tf32"), observe["peak_source"]
     _close(losses(tmp_path), losses(cpu_reference), 1e-2)  # TF32: 10-bit mantissa products
+
+
+def test_a_gpu_run_trains_in_bf16_by_default_against_the_bf16_peak(tmp_path):
+    """``trainer.precision: null`` on GPUs is bf16 (plan/devices.py precision_for); MFU uses the bf16 peak."""
+    need_gpus(1)
+    run_cli(tmp_path, "+recipe=gpt_tiny", *SHORT)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    observe = json.loads((tmp_path / "observe.json").read_text())
+    assert plan["precision"] == "bf16" and plan["zero_stage"] == 1
+    assert observe["peak_source"].endswith(" bf16"), observe["peak_source"]
 
 
 def test_bf16_checkpoint_resumes_exactly_exports_and_keeps_the_cuda_rng(tmp_path):
@@ -113,7 +123,7 @@ def test_fp32_zero0_tp2_pp4_with_a_tied_head_trains_like_one_gpu(tmp_path):
     """The last stage [final_norm, head] of llama_tiny tp=2 pp=4 holds only replicated and tied
     parameters: TP rank 1 has no gradient of its own for the norm (engine/clip.py)."""
     need_gpus(8)
-    common = ["+recipe=llama_tiny", "trainer.tf32=false", *SHORT]
+    common = ["+recipe=llama_tiny", "trainer.precision=fp32", "trainer.tf32=false", *SHORT]
     run_cli(tmp_path / "plan", *common, "parallel.tp=2", "parallel.pp=4", "parallel.zero_stage=0", "parallel.dp=1")
     run_cli(tmp_path / "single", *common)
     got, want = metrics(tmp_path / "plan"), metrics(tmp_path / "single")

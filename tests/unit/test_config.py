@@ -57,6 +57,7 @@ def test_llama_7b_recipe_arithmetic():
     """The numbers the recipe's header states: 32 ranks, 8 blocks per stage, 1M tokens per step."""
     plan, _ = resolve(compose_config("+recipe=llama_7b"), Machine())
     assert (plan.dp, plan.tp, plan.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
+    assert plan.precision == "bf16"  # trainer.precision: null on GPUs (launcher.gpus=true)
     assert plan.grad_accum == 256 and plan.tokens_per_step == 256 * 4096
     assert [sum(n.startswith("block.") for n in plan.stage_layers(s)) for s in range(4)] == [8, 8, 8, 8]
     assert plan.stage_layers(0)[0] == "embed" and plan.stage_layers(3)[-2:] == ["final_norm", "head"]

@@ -82,7 +82,7 @@ COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hyb
     "wrong_type_number": (["optim.lr=fast"], "optim.lr: 'fast' is not a number"),
     "wrong_type_list": (["optim.betas=3"], "optim.betas: 3 is not a list of numbers"),
     "null_for_a_required_int": (["trainer.max_steps=null"], "trainer.max_steps: null is not an integer"),
-    "precision_unknown": (["trainer.precision=fp33"], "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16]"),
+    "precision_unknown": (["trainer.precision=fp33"], "trainer.precision: 'fp33' is not one of [fp32, bf16, fp16] or null"),
     "attn_implementation_unknown": (["model.attn_implementation=flash"],
                                     "model.attn_implementation: 'flash' is not one of [sdpa, eager, flash_attention_2] or null"),
     "partition_unknown": (["parallel.partition=random"],

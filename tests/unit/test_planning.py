@@ -15,7 +15,7 @@ from helpers_unit import LLAMA_70B, compose_config
 
 from hybridtrain.config import Config
 from hybridtrain.models.families import get_family
-from hybridtrain.plan import Machine, PlanError, resolve
+from hybridtrain.plan import Machine, PlanError, model_config, resolve
 from hybridtrain.plan.calibrate import Rates
 from hybridtrain.plan.costs import layer_time_costs, model_facts
 from hybridtrain.plan.memory import GiB, model_state
@@ -169,7 +169,7 @@ def test_report_numbers_and_warnings():
     text = format_report(report)
     assert "tokens per step 384" in text and "(2-1)/(12+2-1) = 7.7%" in text
     assert any("stage imbalance" in w and "parallel.partition=balanced" in w for w in report.warnings)
-    assert any("exceeds plan.device_memory_gb" in w for w in report.warnings)
+    assert any("exceeds the budget of" in w for w in report.warnings)
     # the first stage keeps pp - s = 2 micro-batches in flight, the last one
     assert report.stages[0].memory.activations > 0 and "in-flight" in text
     assert sum(st.params for st in report.stages) >= report.facts.total_params()
@@ -185,7 +185,7 @@ def _search(*overrides: str):
     from hybridtrain.plan.auto import search
 
     cfg = cfg_of(*overrides)
-    _, hf = resolve(cfg_of(*[o for o in overrides if not o.startswith(("parallel=", "plan."))]), CPU)
+    hf = model_config(cfg)  # what resolve does before searching (attention kernel, vocabulary)
     return cfg, search(cfg, hf, CPU, RATES)
 
 
@@ -208,6 +208,16 @@ def test_auto_respects_device_memory():
     with pytest.raises(PlanError) as info:
         _search(*LLAMA_70B, "parallel=auto", "plan.world_size=8", "plan.device_memory_gb=8")
     assert info.value.key == "plan.device_memory_gb" and "smallest needs" in str(info.value)
+
+
+def test_auto_with_no_layout_the_rules_accept_says_why():
+    """7 ranks for gpt_tiny (6 heads, 4 blocks, batch 12): dp=7 does not divide the batch, and tp=7 or pp=7
+    are refused by the plan's own rules; the error shows one refused layout with the rule's message."""
+    with pytest.raises(PlanError) as info:
+        _search("+recipe=gpt_tiny", "parallel=auto", "plan.world_size=7")
+    message = str(info.value)
+    assert info.value.key == "plan.world_size" and "no layout of 7 ranks passes the plan's rules" in message
+    assert "e.g. dp=1" in message and "change the world size or the batch" in message
 
 
 def test_auto_plan_is_what_resolve_returns(monkeypatch):
@@ -276,3 +286,96 @@ def test_auto_on_the_issues_command_line(monkeypatch):
     assert plan.world_size == 64 and cfg.launcher.nodes == 8
     report = build_report(cfg, plan, hf, 80 * GiB)
     assert max(st.memory.total for st in report.stages) <= 80 * GiB
+
+
+GPU_RATES = Rates(flops=3e14, latency=2e-5, bandwidth=1e11, device="cuda", threads=1, layer_overhead=2e-5)
+GRID_CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=8, device_memory_bytes=64 * GiB)
+GRID_GPUS = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=80 * GiB)
+AUTO_GRID = [
+    # (model overrides, world sizes, machine, precisions, plan.device_memory_gb values (None: the device's))
+    (("+recipe=gpt_tiny",), (1, 2, 4, 8), GRID_CPU, ("fp32", "bf16"), (None, 0.02)),
+    (("+recipe=llama_tiny",), (1, 3, 4), GRID_CPU, ("fp32", "bf16"), (None, 0.02)),
+    (("+recipe=gpt_tiny", "launcher.gpus=true"), (2, 8), GRID_GPUS, ("fp32", "bf16", "fp16"), (None, 2.5)),
+    (("+recipe=llama_7b", "launcher.nodes=1"), (8,), GRID_GPUS, ("fp32", "bf16", "fp16"), (None, 40)),
+    (("+recipe=llama_7b", "launcher=slurm", "launcher.gpu_type=h100-80gb", "launcher.gpus_per_node=8"), (32,),
+     GRID_CPU, ("bf16", "fp16"), (None,)),
+    ((*LLAMA_70B, "launcher=slurm", "launcher.gpu_type=h200", "launcher.gpus_per_node=8"), (64,), GRID_CPU,
+     ("bf16",), (None, 80)),
+]
+
+
+def _grid_cases():
+    for model, worlds, machine, precisions, memories in AUTO_GRID:
+        for world, precision, memory in itertools.product(worlds, precisions, memories):
+            overrides = (*model, "parallel=auto", f"plan.world_size={world}", f"trainer.precision={precision}")
+            if memory is not None:
+                overrides += (f"plan.device_memory_gb={memory}",)
+            name = "llama_70b" if model[:len(LLAMA_70B)] == tuple(LLAMA_70B) else model[0].split("=")[-1]
+            yield pytest.param(overrides, machine, id=f"{name}-{world}-{precision}-{memory}")
+
+
+@pytest.mark.parametrize("overrides,machine", list(_grid_cases()))
+def test_auto_picks_a_plan_that_validates_and_fits(overrides, machine):
+    """Over recipes, world sizes, precisions and device memories: the layout ``parallel=auto`` picks passes
+    ``build_plan`` as any run does, its memory estimate is the plan report's for that layout (DeepSpeed's
+    layout for the precision and ZeRO stage, ``plan/memory.py``), and it fits the rank's budget (the
+    device's memory less the GPU headroom). No candidate it ranks is one the plan refuses."""
+    from hybridtrain.plan import build_plan, rank_budget
+    from hybridtrain.plan.auto import apply, search
+
+    cfg = cfg_of(*overrides)
+    hf = model_config(cfg)
+    rates = None if cfg.launcher.name != "local" else (GPU_RATES if machine.gpus_per_node else RATES)
+    try:
+        choice = search(cfg, hf, machine, rates)
+    except PlanError as err:  # nothing fits or nothing is valid: said so, never a bad pick
+        assert err.key in ("plan.device_memory_gb", "plan.world_size"), str(err)
+        assert "smallest needs" in str(err) or "passes the plan's rules" in str(err)
+        return
+    apply(cfg, choice.best)
+    plan = build_plan(cfg, hf, machine, int(hf.vocab_size))
+    assert (plan.dp, plan.tp, plan.pp, plan.zero_stage) == (choice.best.dp, choice.best.tp, choice.best.pp,
+                                                            choice.best.zero_stage)
+    assert f"trainer.precision={plan.precision}" in overrides
+    budget = rank_budget(cfg, plan, machine)
+    assert budget == choice.device_memory and budget > 0
+    report = build_report(cfg, plan, hf, budget)
+    worst = max(st.memory.total for st in report.stages)
+    assert worst == choice.best.memory <= budget
+    assert not [w for w in report.warnings if "exceeds the budget" in w]
+    for c in choice.ranked:  # every layout it ranks is one the plan accepts and that fits
+        assert c.memory <= budget and (c.zero_stage > 0 or plan.precision == "fp32")
+        assert c.pp == 1 or c.zero_stage <= 1
+        if cfg.launcher.nodes > 1:
+            assert (world_per_node := plan.world_size // plan.nodes) % c.tp == 0, (c.label(), world_per_node)
+
+
+def test_auto_in_bf16_no_longer_prefers_zero_0():
+    """The issue's case: llama_7b in bf16 on 8 x 80 GB. Before, auto ranked ZeRO-0 first (estimated at
+    73.7 GiB at tp = 1, where DeepSpeed's unpartitioned 16-bit optimizer needs about 125 GiB) and the plan
+    then refused it; now no ZeRO-0 layout is a candidate and the pick fits 80 GiB less the headroom."""
+    from hybridtrain.plan.auto import search
+
+    cfg = cfg_of("+recipe=llama_7b", "launcher.nodes=1", "parallel=auto", "plan.world_size=8")
+    choice = search(cfg, model_config(cfg), GRID_GPUS, GPU_RATES)
+    assert cfg.trainer.precision == "bf16" and choice.refused > 0
+    assert all(c.zero_stage >= 1 for c in choice.ranked)
+    assert choice.best.memory <= choice.device_memory == int(0.9 * 80 * GiB - 2 * GiB)
+
+
+def test_auto_prices_groups_across_nodes_at_the_inter_node_link():
+    """The same layout on one node of 8 and on two nodes of 4: the data-parallel all-reduce crosses the
+    network in the second and costs more; TP groups that would cross are never candidates."""
+    from hybridtrain.plan.auto import search
+
+    one = cfg_of("+recipe=llama_7b", "parallel=auto", "launcher=slurm", "launcher.gpu_type=a100-80gb",
+                 "launcher.nodes=1", "launcher.gpus_per_node=8")
+    two = cfg_of("+recipe=llama_7b", "parallel=auto", "launcher=slurm", "launcher.gpu_type=a100-80gb",
+                 "launcher.nodes=2", "launcher.gpus_per_node=4")
+    a, b = search(one, model_config(one), GRID_CPU), search(two, model_config(two), GRID_CPU)
+    same = {(c.dp, c.tp, c.pp, c.micro_batch_size, c.zero_stage, c.activation_checkpointing): c for c in a.ranked}
+    pairs = [(same[k], c) for c in b.ranked
+             if (k := (c.dp, c.tp, c.pp, c.micro_batch_size, c.zero_stage, c.activation_checkpointing)) in same]
+    crossing_dp = [(x, y) for x, y in pairs if y.dp > 1 and y.pp == 1]
+    assert crossing_dp and all(y.parts["dp_comm"] > x.parts["dp_comm"] for x, y in crossing_dp)
+    assert all(c.tp <= 4 for c in b.ranked) and any(c.tp == 8 for c in a.ranked)

@@ -2,6 +2,7 @@
 DeepSpeed's topology, the rendered job script, and the bad inputs caught before anything is submitted."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_which_groups_cross_nodes():
     assert placement.crossing(plan) == ["pp"]
     text = placement.describe(plan, ["a", "b"])
     assert "rank    5  node b            dp 0  tp 1  pp 1" in text and "crossing nodes: pp" in text
-    plan, _ = plan_of("parallel.dp=1", "parallel.tp=2", "parallel.pp=1", "launcher.nodes=2")
+    plan, _ = plan_of("parallel.dp=2", "parallel.tp=1", "parallel.pp=1", "launcher.nodes=2")
+    plan = dataclasses.replace(plan, dp=1, tp=2)  # the plan refuses it (test_plan.py); describe still says why
     assert placement.crossing(plan) == ["tp"]  # one TP group over two nodes
     assert "tensor-parallel traffic leaves the node" in placement.describe(plan)
 
@@ -89,7 +91,8 @@ def test_render_job_script(tmp_path):
                  "#SBATCH --chdir=/work", "module load cuda", "source ~/venv/bin/activate", "PY=python",
                  'scontrol requeue "$SLURM_JOB_ID"']:
         assert want in [ln.strip() for ln in lines], want
-    assert "HYBRIDTRAIN_MASTER_PORT=29600" in text and "--cpus-per-task" not in text
+    assert "HYBRIDTRAIN_MASTER_PORT=29600" in text and "#SBATCH --cpus-per-task=8" in lines
+    assert "--mem-per-gpu" not in text  # launcher.sbatch's --mem=0 replaces it
     # every #SBATCH line comes before the first command, or sbatch ignores it
     first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
     assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
@@ -100,6 +103,34 @@ def test_render_job_script(tmp_path):
     assert "#SBATCH --cpus-per-task=3" in cpu and "HYBRIDTRAIN_THREADS=3" in cpu
     bash = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
     assert bash.returncode == 0, bash.stderr
+
+
+def test_gpu_jobs_ask_for_cpus_and_memory_per_task():
+    """A job that asks for GPUs also asks for CPUs and host memory for every rank (a partition's defaults may
+    be one core and a few GB); the launcher keys, or the same kind of option in launcher.sbatch, replace them."""
+    from hybridtrain.launch.slurm import resources
+
+    def asked(*overrides, gpus=True):
+        return resources(compose_config("+recipe=gpt_tiny", "launcher=slurm", *overrides).launcher, gpus, 4)
+
+    assert asked() == ["--gpus-per-node=4", "--cpus-per-task=8", "--mem-per-gpu=64G"]
+    assert asked("launcher.cpus_per_task=16", "launcher.mem_per_gpu=120G") == [
+        "--gpus-per-node=4", "--cpus-per-task=16", "--mem-per-gpu=120G"]
+    assert asked("launcher.threads_per_rank=6") == ["--gpus-per-node=4", "--cpus-per-task=6", "--mem-per-gpu=64G"]
+    assert asked("launcher.sbatch=['--mem=0','#SBATCH --cpus-per-gpu=12']") == ["--gpus-per-node=4"]
+    assert asked(gpus=False) == [] and asked("launcher.threads_per_rank=2", gpus=False) == ["--cpus-per-task=2"]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["launcher.cpus_per_task=0"], "launcher.cpus_per_task", "must be >= 1 or null"),
+    (["launcher.mem_per_gpu=lots"], "launcher.mem_per_gpu", "is not a SLURM memory size"),
+    (["launcher.gpu_type=h100-80gb", "launcher.gpus=false"], "launcher.gpu_type", "drop one of them"),
+], ids=["cpus", "mem", "gpu_type_without_gpus"])
+def test_slurm_resource_keys_are_checked(overrides, key, fragment):
+    cfg = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.submit=false", *overrides)
+    with pytest.raises(PlanError) as err:
+        resolve(cfg, Machine(cpu_cores=2))
+    assert err.value.key == key and fragment in str(err.value)
 
 
 def test_slurm_plan_must_fill_nodes_x_gpus_per_node():

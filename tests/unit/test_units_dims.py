@@ -77,3 +77,25 @@ def test_data_parallel_degree():
         data_parallel_degree(5, 2, 1, 8, 1)
     with pytest.raises(PlanError, match="do not spread evenly over launcher.nodes=2"):
         data_parallel_degree(3, 1, 1, None, 2)
+
+
+def _crossing_by_enumeration(dims: ParallelDims, nodes: int) -> list[str]:
+    """Every group of every axis, and the nodes its ranks sit on (``world / nodes`` consecutive ranks a node)."""
+    per_node = dims.world // nodes
+    return [axis for axis in ("tp", "dp", "pp")
+            if any(len({r // per_node for r in dims.group_of(axis, rank)}) > 1 for rank in range(dims.world))]
+
+
+def test_crossing_nodes_matches_every_group():
+    """The closed form of :meth:`ParallelDims.crossing` (a group's span divides the ranks per node) against
+    the nodes of every group of every layout of up to 32 ranks on every node count that divides them."""
+    checked = 0
+    for world in range(1, 33):
+        for tp in (d for d in range(1, world + 1) if world % d == 0):
+            for pp in (d for d in range(1, world // tp + 1) if world // tp % d == 0):
+                dims = ParallelDims(world // (tp * pp), tp, pp)
+                for nodes in (n for n in range(1, world + 1) if world % n == 0):
+                    assert dims.crossing(nodes) == _crossing_by_enumeration(dims, nodes), (dims, nodes)
+                    checked += 1
+    assert checked > 1000
+    assert ParallelDims(2, 4, 1).crossing(2) == ["dp"] and ParallelDims(1, 8, 2).crossing(4) == ["tp", "pp"]

@@ -1,0 +1,176 @@
+"""Planning for GPUs and clusters without one: the device facts a plan uses (this machine, or a cluster's
+nodes from ``launcher.gpu_type``), the precision default, the GPU memory headroom, TP groups across nodes
+and the inter-node links of the cost model (issue #12, points 7-10)."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+
+from helpers_unit import compose_config
+from hybridtrain.config import Config
+from hybridtrain.config.choices import GpuType
+from hybridtrain.plan import Machine, PlanError, rank_budget, resolve
+from hybridtrain.plan.calibrate import INTER_NODE_LINK, Rates, planned_rates
+from hybridtrain.plan.devices import GPU_SPECS, GiB, memory_budget, planned_machine
+from hybridtrain.observe.peak import GPU_PEAK_TFLOPS
+
+CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4, device_memory_bytes=64 * GiB)
+"""A login node or laptop: no GPU, no fp16 kernels, 64 GiB of RAM."""
+GPUS8 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=80 * GiB)
+V100 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=32 * GiB, bf16_supported=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(*overrides: str) -> Config:
+    return compose_config(*overrides)
+
+
+def cfg_of(*overrides: str) -> Config:
+    return copy.deepcopy(_composed(*overrides))
+
+
+def test_every_gpu_type_has_a_spec_and_a_peak():
+    assert sorted(GPU_SPECS) == sorted(str(g) for g in GpuType)
+    for name, spec in GPU_SPECS.items():
+        assert spec.peak in GPU_PEAK_TFLOPS, name
+        assert 10 < spec.memory_gib < 200 and spec.link[1] > 1e10, name
+
+
+@pytest.mark.parametrize("overrides,machine,want", [
+    ((), CPU, "fp32"),                                              # CPU processes: the CPU suite's fp32
+    ((), GPUS8, "bf16"),                                            # this machine's GPUs
+    ((), V100, "fp32"),                                             # GPUs without bf16
+    (("launcher.gpus=false",), GPUS8, "fp32"),
+    (("launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4"), GPUS8, "fp32"),  # the nodes' GPUs unknown
+    (("launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.gpu_type=h100-80gb"), CPU, "bf16"),
+    (("launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.gpus=true"), CPU, "bf16"),
+    (("launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.gpu_type=v100-32gb"), CPU, "fp32"),
+    (("trainer.precision=fp32",), GPUS8, "fp32"),                   # the user's choice stands
+], ids=["cpu", "gpus", "v100", "gpus_false", "slurm_unknown", "slurm_h100", "slurm_gpus", "slurm_v100", "asked"])
+def test_precision_default_follows_the_planned_devices(overrides, machine, want):
+    cfg = cfg_of("+recipe=gpt_tiny", "trainer.global_batch_size=16", *overrides)
+    plan, _ = resolve(cfg, machine)
+    assert plan.precision == want and cfg.trainer.precision == want  # resolved into config.yaml
+
+
+def test_gpu_recipe_trains_in_bf16_by_default():
+    plan, _ = resolve(cfg_of("+recipe=llama_7b"), CPU)  # launcher.gpus=true: planned as GPUs anywhere
+    assert plan.precision == "bf16"
+
+
+def test_bf16_on_a_gpu_without_it_is_refused():
+    for machine, overrides, where in [(V100, (), "this machine's GPU"),
+                                      (CPU, ("launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4",
+                                             "launcher.gpu_type=v100-16gb"), "launcher.gpu_type=v100-16gb")]:
+        cfg = cfg_of("+recipe=gpt_tiny", "trainer.precision=bf16", "trainer.global_batch_size=16", *overrides)
+        with pytest.raises(PlanError) as info:
+            resolve(cfg, machine)
+        assert info.value.key == "trainer.precision"
+        assert where in str(info.value) and "bf16 needs an Ampere or newer GPU" in str(info.value)
+        assert "use trainer.precision=fp16 or fp32" in str(info.value)
+
+
+def test_a_cluster_plans_for_its_nodes_not_for_this_machine():
+    """A GPU-less login node without fp16 kernels plans an fp16 job for H200 nodes: the nodes' facts come
+    from launcher.gpu_type, and nothing of this machine leaks in (its RAM, its missing fp16, its GPUs)."""
+    cfg = cfg_of("+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4",
+                 "launcher.gpu_type=h200", "trainer.precision=fp16", "trainer.global_batch_size=16")
+    plan, _ = resolve(cfg, CPU)  # fp16 is refused on CPU here, allowed on the nodes
+    assert plan.precision == "fp16" and plan.padded_vocab_size % 64 == 0
+    nodes = planned_machine(cfg.launcher, CPU)
+    assert nodes.device_memory_bytes == int(140.0 * GiB) and nodes.fp16_supported and nodes.gpu_type == "h200"
+    assert planned_machine(cfg.launcher, GPUS8) == nodes  # whatever GPU the submitting machine has
+    assert rank_budget(cfg, plan, CPU) == int(0.9 * 140.0 * GiB - 2 * GiB)
+    # CPU nodes of a cluster: memory unknown (not this machine's RAM divided by the ranks)
+    cpu_nodes = cfg_of("+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2")
+    plan, _ = resolve(cpu_nodes, CPU)
+    assert plan.precision == "fp32" and rank_budget(cpu_nodes, plan, CPU) == 0
+    local, _ = resolve(cfg_of("+recipe=gpt_tiny", "parallel.dp=2"), CPU)
+    assert rank_budget(cfg_of("+recipe=gpt_tiny"), local, CPU) == 32 * GiB  # launcher=local: RAM / 2 ranks
+
+
+def test_cluster_rates_come_from_the_gpu_type():
+    cfg = cfg_of("+recipe=gpt_tiny", "launcher=multinode", "launcher.nodes=2", "launcher.gpus_per_node=8",
+                 "launcher.gpu_type=a100-80gb", "launcher.no_ssh=true", "launcher.node_rank=0", "launcher.master_addr=h")
+    nodes = planned_machine(cfg.launcher, CPU)
+    rates = planned_rates(cfg.launcher, nodes, "bf16", True, 1)
+    assert rates.device == "cuda" and rates.flops == pytest.approx(0.4 * 312e12)
+    assert (rates.latency, rates.bandwidth) == GPU_SPECS["a100-80gb"].link and not rates.measured_link
+    assert planned_rates(cfg.launcher, nodes, "fp32", False, 1).flops == pytest.approx(0.4 * 19.5e12)
+    assert planned_rates(cfg.launcher, nodes, "fp32", True, 1).flops == pytest.approx(0.4 * 156e12)
+
+
+def test_inter_node_links_are_slower():
+    rates = Rates(flops=1e14, latency=1e-5, bandwidth=3e11, device="cuda", threads=1)
+    assert rates.link(False) == (1e-5, 3e11)
+    assert rates.link(True) == INTER_NODE_LINK["cuda"] and INTER_NODE_LINK["cuda"][1] < 3e11
+    slow_node = Rates(flops=1e10, latency=1e-3, bandwidth=1e8, device="cpu", threads=1)
+    assert slow_node.link(True) == (1e-3, 1e8)  # never faster across nodes than within one
+
+
+@pytest.mark.parametrize("machine,overrides,want_gib", [
+    (GPUS8, (), 0.9 * 80 - 2),                                      # the GPU's memory less the headroom
+    (GPUS8, ("plan.device_memory_gb=40",), 0.9 * 40 - 2),           # a stated device size: the same headroom
+    (GPUS8, ("plan.memory_headroom=0", "plan.memory_reserved_gb=0"), 80),
+    (GPUS8, ("plan.memory_headroom=0.2", "plan.memory_reserved_gb=4"), 0.8 * 80 - 4),
+    (CPU, (), 64),                                                  # CPU processes: the whole RAM (1 rank)
+    (CPU, ("plan.device_memory_gb=8",), 8),
+], ids=["gpu", "gpu_stated", "no_headroom", "more_headroom", "cpu", "cpu_stated"])
+def test_gpu_memory_budget_keeps_headroom(machine, overrides, want_gib):
+    cfg = cfg_of("+recipe=gpt_tiny", *overrides)
+    assert memory_budget(cfg.plan, cfg.launcher, machine, 1) == int(want_gib * GiB)
+
+
+def test_headroom_reaches_warnings_partition_and_auto():
+    """A stage that fits 80 GiB but not 80 GiB less the headroom: the plan warns, the balanced partition
+    moves layers, parallel=auto refuses it."""
+    from hybridtrain.plan.report import build_report
+
+    cfg = cfg_of("+recipe=llama_7b", "launcher.nodes=1", "parallel.tp=8", "parallel.pp=1", "parallel.zero_stage=1",
+                 "plan.device_memory_gb=20")
+    plan, hf = resolve(cfg, CPU)
+    total = build_report(cfg, plan, hf, rank_budget(cfg, plan, CPU)).stages[0].memory.total
+    assert 0.9 * 20 * GiB - 2 * GiB < total < 20 * GiB  # fits the device, not its budget
+    report = build_report(cfg, plan, hf, rank_budget(cfg, plan, CPU))
+    assert any("exceeds the budget" in w and "plan.memory_headroom" in w for w in report.warnings)
+    roomy = cfg_of("+recipe=llama_7b", "launcher.nodes=1", "parallel.tp=8", "parallel.pp=1", "parallel.zero_stage=1",
+                   "plan.device_memory_gb=20", "plan.memory_headroom=0", "plan.memory_reserved_gb=0")
+    plan, hf = resolve(roomy, CPU)
+    assert not build_report(roomy, plan, hf, rank_budget(roomy, plan, CPU)).warnings
+
+
+@pytest.mark.parametrize("value,key,fragment", [
+    ("plan.memory_headroom=1", "plan.memory_headroom", "the share of a GPU's memory kept free"),
+    ("plan.memory_headroom=-0.1", "plan.memory_headroom", "must be in [0, 1)"),
+    ("plan.memory_reserved_gb=-1", "plan.memory_reserved_gb", "must be >= 0"),
+], ids=["headroom_all", "headroom_negative", "reserve_negative"])
+def test_headroom_keys_are_checked(value, key, fragment):
+    with pytest.raises(PlanError) as info:
+        resolve(cfg_of("+recipe=gpt_tiny", value), CPU)
+    assert info.value.key == key and fragment in str(info.value)
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "multinode"])
+def test_tensor_parallel_group_across_nodes_is_refused(launcher):
+    extra = ("launcher.no_ssh=true", "launcher.node_rank=0", "launcher.master_addr=h") if launcher == "multinode" else ()
+    cfg = cfg_of("+recipe=llama_tiny", f"launcher={launcher}", "launcher.nodes=2", "launcher.gpus_per_node=3",
+                 "parallel.tp=6", *extra)
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    message = str(info.value)
+    assert info.value.key == "parallel.tp" and "parallel.tp=6 does not divide the 3 ranks per node" in message
+    assert "launcher.gpus_per_node=3" in message and "use tp in [1, 3]" in message
+    ok = cfg_of("+recipe=llama_tiny", f"launcher={launcher}", "launcher.nodes=2", "launcher.gpus_per_node=6",
+                "parallel.tp=6", *extra)
+    assert resolve(ok, CPU)[0].tp == 6  # a TP group per node: dp crosses
+
+
+def test_a_dry_run_of_a_gpu_recipe_on_a_laptop_plans_gpus_of_unknown_memory():
+    cfg = cfg_of("+recipe=llama_7b")
+    nodes = planned_machine(cfg.launcher, CPU)
+    assert nodes.device_memory_bytes == 0 and nodes.fp16_supported
+    with pytest.raises(PlanError) as info:
+        resolve(cfg_of("+recipe=llama_7b", "parallel=auto"), CPU)
+    assert info.value.key == "plan.device_memory_gb" and "GPUs of unknown memory" in str(info.value)
