@@ -34,7 +34,7 @@ SKIP = 3  # warm-up steps left out of the step time
 
 
 def _run(work: Path, name: str, overrides: list[str], steps: int) -> dict:
-    from hybridtrain.plan.memory import estimate_for_run
+    from hybridtrain.plan.estimate import estimate_for_run
 
     run = check(run_hybridtrain(work / name, overrides + [f"trainer.max_steps={steps}"]))
     records = [r for r in run.metrics() if "loss" in r]

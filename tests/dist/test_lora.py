@@ -116,7 +116,7 @@ def _check_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters: dic
 
     from hybridtrain.export import export
     from hybridtrain.models.weights import SafetensorsWeights
-    from hybridtrain.plan.memory import estimate_for_run
+    from hybridtrain.plan.estimate import estimate_for_run
     from hybridtrain.train.logits import LOGITS_FILE
 
     got = losses(run_dir)
