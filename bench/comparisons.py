@@ -66,7 +66,7 @@ def _stage_flops(run_dir: str) -> list[float]:
     """Forward FLOPs per token of each pipeline stage of a run (plan.json + hybridtrain.plan.flops)."""
     from hybridtrain.models.families import family_of
     from hybridtrain.plan import model_config
-    from hybridtrain.models.build import one_layer_model
+    from hybridtrain.models.shapes import block_shapes
     from hybridtrain.models.units import model_units
     from hybridtrain.plan.flops import unit_forward_flops
 
@@ -74,8 +74,8 @@ def _stage_flops(run_dir: str) -> list[float]:
     cfg, plan = files.config(), files.plan_record()
     hf, family = model_config(cfg), family_of(cfg.model)
     units, bounds = model_units(family, hf), plan["stage_bounds"]
-    block = one_layer_model(family, hf).get_submodule(f"{family.blocks}.0")
-    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], block)
+    linear = block_shapes(family, hf).linear_flops
+    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], linear)
                 for u in units[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
 

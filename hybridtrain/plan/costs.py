@@ -6,6 +6,7 @@ estimate and the automatic plan search all read these numbers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, padded_vocab
@@ -83,32 +84,32 @@ class ModelFacts:
         return sum(u.params(1) for u in self.units if not u.tied)
 
 
-def _block_split(family: Family, block) -> tuple[list[int], list[int]]:
-    """Parameter element counts of one HF block: (TP-sharded, replicated), by the family's TP plan."""
+def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Parameter element counts of one HF block (name -> shape): (TP-sharded, replicated), by the family's TP plan."""
     sharded, replicated = [], []
-    for name, p in block.named_parameters():
+    for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         rule = family.tp_plan.get(module)
         split = rule is not None and (rule.style in ("column", "norm") or (rule.style == "row" and leaf == "weight"))
-        (sharded if split else replicated).append(p.numel())
+        (sharded if split else replicated).append(math.prod(shape))
     return sharded, replicated
 
 
 def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1,
                 vocab_pad_multiple: int = 1) -> ModelFacts:
-    """Facts of every pipeline layer of ``hf_config`` (one-block meta model, no memory)."""
-    from hybridtrain.models.build import one_layer_model  # torch: only when planning
+    """Facts of every pipeline layer of ``hf_config`` (shapes of one block: blocks are alike;
+    :func:`hybridtrain.models.shapes.block_shapes`, no memory)."""
+    from hybridtrain.models.shapes import block_shapes
 
     layers = int(getattr(hf_config, family.n_layers))
-    model = one_layer_model(family, hf_config)  # blocks are alike: one is enough
-    block = model.get_submodule(f"{family.blocks}.0")
+    shapes = block_shapes(family, hf_config)
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
-    sharded, replicated = _block_split(family, block)
-    norm = tuple(p.numel() for p in model.get_submodule(family.final_norm).parameters())
+    sharded, replicated = _block_split(family, shapes.block)
+    norm = tuple(math.prod(shape) for shape in shapes.final_norm.values())
     units: list[UnitFacts] = []
     for unit in model_units(family, hf_config):
-        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, block)
+        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, shapes.linear_flops)
         if unit.kind is Kind.EMBED:  # lookup; backward accumulates into a dense [V, H] gradient
             units.append(UnitFacts(unit, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
         elif unit.kind is Kind.POS_EMBED:

@@ -10,7 +10,6 @@ partition and the MFU metric: one definition for all of them.
 """
 from __future__ import annotations
 
-from typing import Any
 
 from hybridtrain.models.families import Family, head_dim_of
 from hybridtrain.models.units import Kind, Unit
@@ -19,25 +18,12 @@ TRAIN_FACTOR = 3
 """Forward + backward of a layer = 3 forwards (the backward computes input and weight gradients)."""
 
 
-def linear_flops(block: Any) -> float:
-    """Forward matmul FLOPs per token of every linear of ``block`` (an unsharded HF module, usually on
-    the meta device): ``2 x in x out`` for each ``nn.Linear`` and HF ``Conv1D`` (weight ``[in, out]``).
-    Read from the module itself, so fused, gated, biased and grouped-query projections of every
-    family count as they are."""
-    total = 0
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        kind = type(module).__name__
-        if weight is not None and weight.dim() == 2 and (kind == "Conv1D" or hasattr(module, "in_features")):
-            total += 2 * weight.shape[0] * weight.shape[1]
-    return float(total)
-
-
-def block_forward_flops(family: Family, hf_config, seq_len: int, block: Any) -> float:
-    """Forward FLOPs per token of one decoder block: its linears (:func:`linear_flops`) plus the
-    attention scores and the weighted sum over the sequence (``2 x 2 x seq x heads x head_dim``)."""
+def block_forward_flops(family: Family, hf_config, seq_len: int, linear: float) -> float:
+    """Forward FLOPs per token of one decoder block: its linears' ``linear`` FLOPs
+    (:func:`hybridtrain.models.shapes.linear_flops`) plus the attention scores and the weighted sum over
+    the sequence (``2 x 2 x seq x heads x head_dim``)."""
     q_dim = int(getattr(hf_config, family.heads)) * head_dim_of(family, hf_config)
-    return linear_flops(block) + 2 * 2 * seq_len * q_dim  # q @ k^T and probs @ v
+    return linear + 2 * 2 * seq_len * q_dim  # q @ k^T and probs @ v
 
 
 def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
@@ -46,11 +32,11 @@ def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
 
 
 def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, vocab_size: int,
-                       block: Any = None) -> float:
-    """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`); ``block`` is one
-    (meta) decoder block of the model, needed for blocks."""
+                       linear: float = 0.0) -> float:
+    """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`); ``linear``: the
+    linear FLOPs of one decoder block (:class:`hybridtrain.models.shapes.BlockShapes`), needed for blocks."""
     if unit.kind is Kind.BLOCK:
-        return block_forward_flops(family, hf_config, seq_len, block)
+        return block_forward_flops(family, hf_config, seq_len, linear)
     if unit.kind is Kind.HEAD:
         return head_forward_flops(family, hf_config, vocab_size)
     return 0.0  # lookups and norms: element-wise, not counted
@@ -58,9 +44,9 @@ def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, voca
 
 def model_flops_per_token(family: Family, hf_config, seq_len: int, vocab_size: int) -> float:
     """Training (forward + backward) model FLOPs per token of the whole model, for MFU."""
-    from hybridtrain.models.build import one_layer_model  # torch: only when asked
+    from hybridtrain.models.shapes import block_shapes
 
     layers = int(getattr(hf_config, family.n_layers))
-    block = one_layer_model(family, hf_config).get_submodule(f"{family.blocks}.0")
-    forward = layers * block_forward_flops(family, hf_config, seq_len, block) + head_forward_flops(family, hf_config, vocab_size)
+    linear = block_shapes(family, hf_config).linear_flops
+    forward = layers * block_forward_flops(family, hf_config, seq_len, linear) + head_forward_flops(family, hf_config, vocab_size)
     return TRAIN_FACTOR * forward

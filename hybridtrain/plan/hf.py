@@ -159,11 +159,12 @@ def _check_flash_attention() -> None:
 
 def _check_builds(family, hf_config) -> None:
     """Build one block of the model on the meta device: transformers validates shapes there
-    (GPT-2 refuses ``n_embd`` not divisible by ``n_head``), before anything is launched."""
-    from hybridtrain.models.build import one_layer_model
+    (GPT-2 refuses ``n_embd`` not divisible by ``n_head``), before anything is launched. A config
+    built before is not built again (:mod:`hybridtrain.models.shapes` remembers its shapes)."""
+    from hybridtrain.models.shapes import block_shapes
 
     if hf_config._attn_implementation in family.attn_implementations:  # else build_plan names the kernel
-        one_layer_model(family, hf_config)
+        block_shapes(family, hf_config)
 
 
 def _refused(cfg: Config, err: Exception) -> PlanError:
