@@ -91,3 +91,14 @@ def test_find_cycle_finds_one():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative ``tests/`` is no package): two
+    ``test_x.py`` in different tiers stop the whole collection ("import file mismatch")."""
+    from collections import Counter
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], sorted(n for n, c in names.items() if c > 1)
