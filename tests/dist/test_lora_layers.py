@@ -22,10 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:  # main moved the harness into the package (hybridtrain/parallel/spawn.py)
-    from hybridtrain.parallel.spawn import WorldRun, run_world
-except ImportError:
-    from tp_harness import WorldRun, run_world
+from hybridtrain.parallel.spawn import WorldRun, run_world
 
 TP_DEGREES = (2, 3)
 REL_TOL = 1e-6
