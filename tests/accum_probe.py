@@ -42,8 +42,8 @@ def main(micro_batches: int) -> dict:
     batches = [torch.randint(0, 8000, (1, seq + 1), generator=g) for _ in range(micro_batches)]
     shipped = engine_mod.ds_config
 
-    def bf16_accumulation(cfg, plan, gpu=False):  # the DeepSpeed config before the fix
-        conf = shipped(cfg, plan, gpu)
+    def bf16_accumulation(cfg, plan, **kwargs):  # the DeepSpeed config before the fix
+        conf = shipped(cfg, plan, **kwargs)
         conf.pop("data_types", None)
         return conf
 
