@@ -35,6 +35,13 @@ def rank_env(base: Mapping[str, str], rank: int, world: int, port: int, devices:
             "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
+def _default_sigint() -> None:
+    """In each rank before it starts: SIGINT's default action. A shell starts a background job (``cmd &``,
+    ``nohup``, many CI runners) with SIGINT ignored, children inherit that, and Python then installs no
+    KeyboardInterrupt handler: the Ctrl-C the controller forwards (:meth:`Ranks.forward`) would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Ranks:
     """The worker processes of this machine, each in its own session (the terminal's Ctrl-C reaches
     only the controller, which forwards it)."""
@@ -46,7 +53,8 @@ class Ranks:
         """Start one process per environment (install :meth:`forward` as the signal handler first)."""
         try:
             for env in envs:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, start_new_session=True))
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, start_new_session=True,
+                                                   preexec_fn=_default_sigint))
         except BaseException:
             self.terminate(grace=0)
             raise

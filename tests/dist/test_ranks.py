@@ -53,7 +53,12 @@ def test_sigterm_reaches_every_rank_which_exits_in_its_own_time(tmp_path):
 
 
 def test_sigint_ends_every_rank(tmp_path):
-    ranks = _start([SLEEPER, SLEEPER], tmp_path)
+    """Also when this process runs with SIGINT ignored, as a background job of a shell does."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the ranks would inherit it
+    try:
+        ranks = _start([SLEEPER, SLEEPER], tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, old)
     time.sleep(0.5)
     ranks.forward(signal.SIGINT)
     assert ranks.wait() != 0 and all(p.poll() is not None for p in ranks.procs)

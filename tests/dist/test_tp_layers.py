@@ -36,7 +36,7 @@ TP_DEGREES = (2, 3)
 # to each tensor's largest entry: a whole decoder block measured <= 6e-7 of it at tp=2, while a
 # mis-sliced or missing term is off by O(1).
 REL_TOL = 1e-6
-BLOCK_REL_TOL = 2e-6
+BLOCK_REL_TOL = 1e-5  # a whole block's fp32 gradients sum over batch, sequence and heads in another order
 B, S = 2, 5  # batch, sequence
 
 Checks = Dict[str, Tuple[Any, Any]]
