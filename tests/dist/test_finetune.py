@@ -29,7 +29,9 @@ def checkpoints(tmp_path_factory):
 CASES = [("llama", (1, 1, 1)), ("llama", (2, 2, 2)), ("gpt2", (1, 1, 1)), ("gpt2", (1, 2, 2))]
 
 
-@pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}_dp{l[0]}_tp{l[1]}_pp{l[2]}" for f, l in CASES])
+@pytest.mark.parametrize("family,layout", [  # (1,1,1) from a pretrained folder: every family's logits in tests/unit
+    pytest.param(f, l, id=f"{f}_dp{l[0]}_tp{l[1]}_pp{l[2]}", marks=[pytest.mark.slow] if l == (1, 1, 1) else [])
+    for f, l in CASES])
 def test_first_step_loss_equals_transformers(family, layout, checkpoints, tmp_path):
     dp, tp, pp = layout
     overrides = [f"model={family}", f"model.pretrained={checkpoints[family]}", "data.seq_len=32",
