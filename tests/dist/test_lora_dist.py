@@ -205,7 +205,8 @@ def uninterrupted(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("layout,rel", [((1, 2, 2), 1e-6), ((2, 1, 1), 1e-5)], ids=["same_layout", "other_layout"])
+@pytest.mark.parametrize("layout,rel", [pytest.param((1, 2, 2), 1e-6, id="same_layout"),
+                                        pytest.param((2, 1, 1), 1e-5, id="other_layout", marks=pytest.mark.slow)])
 def test_lora_run_resumes_exactly(uninterrupted, layout, rel, tmp_path):
     dp, tp, pp = layout
     ckpt = RunDir(uninterrupted).checkpoints / "step_2"

@@ -98,11 +98,11 @@ def test_single_process_equals_plain_transformers(recipe, baseline):
     assert ours[-1]["loss"] < ours[0]["loss"]
 
 
-LLAMA_CI = {(2, 2, 2), (1, 2, 1), (1, 1, 2)}
-"""Llama's layouts in CI: every axis alone and all three together. GPT-2 runs every layout in CI, so
-each layout's exactness is checked in CI; Llama's other four layouts run in the slow tier (its 3D
-layout also runs from pretrained folders, with LoRA and packed, in test_finetune.py,
-test_lora_dist.py and test_packing_dist.py)."""
+LLAMA_CI = {(2, 2, 2)}
+"""Llama's layout in CI: all three axes. GPT-2 runs every layout in CI, so each layout's exactness is
+checked in CI; Llama's other six run in the slow tier (its 3D layout also runs from a pretrained
+folder, with LoRA and packed in CI: test_finetune.py, test_lora_dist.py, test_packing_dist.py; the
+Llama-shaped families run tp- and pp-only layouts in test_families_dist.py)."""
 PARITY_CASES = [pytest.param(r, l, id="dp{}_tp{}_pp{}-{}".format(*l, r),
                              marks=[pytest.mark.slow] if r == "llama_tiny" and l not in LLAMA_CI else [])
                 for l in LAYOUTS for r in ("gpt_tiny", "llama_tiny")]
@@ -138,6 +138,7 @@ def test_zero_stages_without_pipeline(zero, baseline, tmp_path):
     assert got_norms == pytest.approx([m["grad_norm"] for m in baseline("llama_tiny")], rel=1e-3)
 
 
+@pytest.mark.slow  # in CI: LoRA with checkpointing (test_lora_dist.py), BlockInputs under recomputation (unit)
 def test_activation_checkpointing_changes_nothing(baseline, tmp_path):
     run_cli(tmp_path, "+recipe=gpt_tiny", *_overrides(1, 2, 2, "parallel.activation_checkpointing=true"))
     _assert_close(losses(tmp_path), [m["loss"] for m in baseline("gpt_tiny")], 1e-4, "activation checkpointing")
