@@ -2,7 +2,6 @@
 GPUs were asked for: pure functions of the environment, checked without a GPU."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
