@@ -52,7 +52,7 @@ def test_wheel_install_trains_from_another_directory(tmp_path):
     assert where.returncode == 0, where.stderr
     module, conf, template = map(Path, where.stdout.split())
     site = env_dir / "lib"
-    for path in (module, conf, template):  # the installed copy, not the checkout (or /work/main's editable install)
+    for path in (module, conf, template):  # the installed copy, not the checkout (or an editable install of another checkout)
         assert site in path.parents, f"{path} is not inside {env_dir}"
     assert (conf / "config.yaml").is_file() and (conf / "recipe" / "gpt_tiny.yaml").is_file() and template.is_file()
     assert not (conf / "recipe").is_symlink()  # the wheel holds the recipes themselves
