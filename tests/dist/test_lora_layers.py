@@ -88,19 +88,24 @@ class _Adapter:
 
 # -- single layers ------------------------------------------------------------------------------
 
-def _column_case(tp, sizes: Sequence[int], seed: int) -> Checks:
-    from hybridtrain.parallel.layers import ColumnParallelLinear, copy_to_tp
-    from hybridtrain.parallel.lora import LoraColumnParallelLinear
-
-    n_in, n_out = 10, sum(sizes)
+def _peft_linear_reference(n_in: int, n_out: int, seed: int, **lora):
+    """peft's LoRA on one unsharded ``nn.Linear`` run forward and backward on random input:
+    ``(peft module, lora_A, lora_B, base linear, x, output grad, x_ref with its grad, output)``."""
     torch.manual_seed(seed)
-    full = _peft(nn.ModuleDict({"lin": nn.Linear(n_in, n_out)}), ["lin"], seed)
+    full = _peft(nn.ModuleDict({"lin": nn.Linear(n_in, n_out)}), ["lin"], seed, **lora)
     a, b = _ab(full, "lin")
-    base = full["lin"].base_layer
     x, g = torch.randn(B, S, n_in), torch.randn(B, S, n_out)
     x_ref = x.clone().requires_grad_()
     y_ref = full["lin"](x_ref)
     y_ref.backward(g)
+    return full, a, b, full["lin"].base_layer, x, g, x_ref, y_ref
+
+
+def _column_case(tp, sizes: Sequence[int], seed: int) -> Checks:
+    from hybridtrain.parallel.layers import ColumnParallelLinear, copy_to_tp
+    from hybridtrain.parallel.lora import LoraColumnParallelLinear
+
+    full, a, b, base, x, g, x_ref, y_ref = _peft_linear_reference(10, sum(sizes), seed)
 
     rows = _fused_rows(sizes, tp)
     layer = LoraColumnParallelLinear(ColumnParallelLinear(base.weight.detach()[rows].clone(), base.bias.detach()[rows].clone()),
@@ -136,15 +141,8 @@ def case_row_rslora(tp) -> Checks:
     from hybridtrain.parallel.layers import RowParallelLinear
     from hybridtrain.parallel.lora import LoraRowParallelLinear
 
-    n_in, n_out = 12, 10
-    torch.manual_seed(3)
-    full = _peft(nn.ModuleDict({"lin": nn.Linear(n_in, n_out)}), ["lin"], 3, rslora=True)
-    a, b = _ab(full, "lin")
-    base = full["lin"].base_layer
-    x, g = torch.randn(B, S, n_in), torch.randn(B, S, n_out)
-    x_ref = x.clone().requires_grad_()
-    y_ref = full["lin"](x_ref)
-    y_ref.backward(g)
+    n_in = 12
+    full, a, b, base, x, g, x_ref, y_ref = _peft_linear_reference(n_in, 10, 3, rslora=True)
 
     cols = _fused_rows([n_in], tp)
     layer = LoraRowParallelLinear(RowParallelLinear(base.weight.detach()[:, cols].clone(), base.bias.detach().clone(), tp),
