@@ -14,7 +14,6 @@ for the whole input from the same RNG state (checked against masks drawn here).
 from __future__ import annotations
 
 import copy
-import traceback
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 import pytest
@@ -23,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtrain.parallel.spawn import WorldRun, run_world
+from tp_checks import assert_rank_checks, run_cases_at_degrees
 
 TP_DEGREES = (2, 3)
 REL_TOL = 1e-6
@@ -281,26 +281,10 @@ CASES: Dict[str, Callable] = {
 }
 
 
-def _key(tp: int, case: str) -> str:
-    return f"tp{tp}-{case}"
-
 
 def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: every case at every degree (TP group of degree n = ranks [0, n))."""
-    import torch.distributed as dist
-
-    from hybridtrain.parallel.context import TPContext
-
-    groups = {n: dist.new_group(list(range(n))) for n in TP_DEGREES}
-    for n in sorted(TP_DEGREES, reverse=True):
-        if rank >= n:
-            continue
-        tp = TPContext(group=groups[n], rank=rank, size=n)
-        for name, case in CASES.items():
-            try:
-                emit(_key(n, name), case(tp))
-            except Exception:
-                emit(_key(n, name), f"tp={n} rank {rank}, case {name} raised:\n{traceback.format_exc()}")
+    """Child entry: every case at every degree (:func:`tp_checks.run_cases_at_degrees`)."""
+    run_cases_at_degrees(CASES, TP_DEGREES, rank, emit)
 
 
 @pytest.fixture(scope="module")
@@ -311,21 +295,5 @@ def world_run() -> WorldRun:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("tp", TP_DEGREES, ids=lambda n: f"tp{n}")
 def test_lora_layer_matches_peft(world_run: WorldRun, tp: int, case: str) -> None:
-    rel = BLOCK_REL_TOL if case.startswith("block_") else REL_TOL
-    for rank, emitted in enumerate(world_run.emitted[:tp]):
-        if _key(tp, case) not in emitted:
-            pytest.fail(f"tp={tp} rank {rank} returned nothing for {case}:\n{world_run.problem_report()}")
-        checks = emitted[_key(tp, case)]
-        if isinstance(checks, str):
-            pytest.fail(checks)
-        for check, (got, want) in checks.items():
-            where = f"tp={tp} rank {rank} {case}: {check}"
-            if isinstance(want, torch.Tensor):
-                assert got is not None, f"{where}: no gradient"
-                scale = max(1.0, want.abs().max().item())
-                torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale, msg=lambda m: f"{where}\n{m}")
-            elif isinstance(want, float):
-                assert got == pytest.approx(want), where
-            else:
-                assert got == want, where
+    assert_rank_checks(world_run, tp, case, BLOCK_REL_TOL if case.startswith("block_") else REL_TOL, approx_floats=True)
     assert not world_run.problems, world_run.problem_report()

@@ -20,7 +20,6 @@ element is checked in the backward pass too.
 from __future__ import annotations
 
 import copy
-import traceback
 from functools import partial
 from typing import Any, Callable, Dict, Tuple
 
@@ -30,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtrain.parallel.spawn import WorldRun, run_world
+from tp_checks import assert_rank_checks, run_cases_at_degrees
 
 TP_DEGREES = (2, 3)
 # fp32 throughout; sharded and full runs differ only in summation order. Tolerances are relative
@@ -351,32 +351,11 @@ CASES: Dict[str, Callable] = {
 """V=10 is unpadded at tp=2 and padded to 12 at tp=3; V=11 is padded to 12 at both."""
 
 
-def _key(tp: int, case: str) -> str:
-    return f"tp{tp}-{case}"
-
 
 def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: every case at every degree in ``TP_DEGREES``; a failing case emits its traceback.
-
-    TP group of degree ``n`` = ranks ``[0, n)``; the others skip those cases. Cases run in the
-    same order on every member, so an exception raised on all ranks (the usual kind) leaves
-    them in step; a one-sided one hangs a peer until the harness kills it.
-    """
-    import torch.distributed as dist
-
-    from hybridtrain.parallel.context import TPContext
-
+    """Child entry: every case at every degree in ``TP_DEGREES`` (:func:`tp_checks.run_cases_at_degrees`)."""
     assert world == max(TP_DEGREES), world
-    groups = {n: dist.new_group(list(range(n))) for n in TP_DEGREES}  # collective: every rank calls it
-    for n in sorted(TP_DEGREES, reverse=True):
-        if rank >= n:
-            continue
-        tp = TPContext(group=groups[n], rank=rank, size=n)
-        for name, case in CASES.items():
-            try:
-                emit(_key(n, name), case(tp))
-            except Exception:
-                emit(_key(n, name), f"tp={n} rank {rank}, case {name} raised:\n{traceback.format_exc()}")
+    run_cases_at_degrees(CASES, TP_DEGREES, rank, emit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,22 +371,7 @@ def world_run() -> WorldRun:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("tp", TP_DEGREES, ids=lambda n: f"tp{n}")
 def test_tp_layer_matches_unsharded(world_run: WorldRun, tp: int, case: str) -> None:
-    rel = BLOCK_REL_TOL if case.startswith("block_") else REL_TOL
-    for rank, emitted in enumerate(world_run.emitted[:tp]):
-        if _key(tp, case) not in emitted:
-            pytest.fail(f"tp={tp} rank {rank} returned nothing for {case}:\n{world_run.problem_report()}")
-        checks = emitted[_key(tp, case)]
-        if isinstance(checks, str):  # the child's traceback
-            pytest.fail(checks)
-        for check, (got, want) in checks.items():
-            where = f"tp={tp} rank {rank} {case}: {check}"
-            if isinstance(want, torch.Tensor):
-                assert got is not None, f"{where}: no gradient"
-                scale = max(1.0, want.abs().max().item())
-                torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale,
-                                           msg=lambda m: f"{where}\n{m}")
-            else:
-                assert got == want, where
+    assert_rank_checks(world_run, tp, case, BLOCK_REL_TOL if case.startswith("block_") else REL_TOL)
     assert not world_run.problems, world_run.problem_report()
 
 
