@@ -148,22 +148,26 @@ def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None
 
 
 ROLES = [("runner", ("deepspeed.launcher.runner",)), ("launch", ("deepspeed.launcher.launch",)),
-         ("worker", ("hybridtrain.worker", "startup_deepspeed.py"))]
-"""Kinds of process in a launch, by a fragment of their command line, first match (the launcher's
-own command line names the worker's); anything else is the ``controller``."""
+         ("preload", ("hybridtrain.launch.preload",)), ("worker", ("hybridtrain.worker", "startup_deepspeed.py"))]
+"""Kinds of process in a launch, by a fragment of their command line, first match after the forked
+CPU ranks (:func:`hybridtrain.launch.ranks.rank_of`: they keep the preload process's command line);
+the launcher's own command line names the worker's; anything else is the ``controller``."""
 
 
 def tree_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system, reaped children included) used so far by process ``pid`` and its
     descendants, summed per kind (:data:`ROLES`), with ``worker_max`` (the busiest worker) and
-    ``critical``: every process but the workers, plus the busiest worker.
+    ``critical``: every process but the workers, plus the busiest worker. The preload process that
+    forks the CPU ranks counts only its own time (its reaped children are ranks).
 
     On an idle machine the start-up is a chain (controller, runner, launcher, then the workers side
     by side), so ``critical`` approximates its wall time; other processes on a busy machine stretch
     wall time far more than CPU time, which makes this the steadier number for a ratio there."""
     import psutil
 
-    out = {"controller": 0.0, "launch": 0.0, "runner": 0.0, "worker": 0.0, "worker_max": 0.0}
+    from hybridtrain.launch.ranks import rank_of
+
+    out = {"controller": 0.0, "launch": 0.0, "runner": 0.0, "preload": 0.0, "worker": 0.0, "worker_max": 0.0}
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -171,15 +175,15 @@ def tree_cpu(pid: int) -> dict[str, float]:
         return {}
     for p in procs:
         try:
-            t, cmd = p.cpu_times(), " ".join(p.cmdline())
+            t, cmd, forked = p.cpu_times(), " ".join(p.cmdline()), rank_of(p) is not None
         except psutil.Error:
             continue
-        used = t.user + t.system + t.children_user + t.children_system
-        role = next((name for name, parts in ROLES if any(x in cmd for x in parts)), "controller")
+        role = "worker" if forked else next((name for name, parts in ROLES if any(x in cmd for x in parts)), "controller")
+        used = t.user + t.system + (0.0 if role == "preload" else t.children_user + t.children_system)
         out[role] += used
         if role == "worker":
             out["worker_max"] = max(out["worker_max"], used)
-    out["critical"] = out["controller"] + out["launch"] + out["runner"] + out["worker_max"]
+    out["critical"] = out["controller"] + out["launch"] + out["runner"] + out["preload"] + out["worker_max"]
     return out
 
 

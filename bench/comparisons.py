@@ -283,8 +283,9 @@ def startup_rows(sides: dict[str, list[dict]], ds: list[dict]) -> list[list[str]
             row("launch to first step", "first_step_s", f"{d['first_step_s']:.1f}", bold=True),
             row("CPU s to the first step: controller", "cpu_controller_s", "-"),
             _cpu_row(med, d, "CPU s: DeepSpeed's runner + launcher", ("cpu_runner_s", "cpu_launch_s")),
+            _cpu_row(med, d, "CPU s: the process that imports once and forks the CPU ranks", ("cpu_preload_s",)),
             _cpu_row(med, d, "CPU s: the busiest worker", ("cpu_worker_max_s",)),
-            _cpu_row(med, d, "CPU s on the critical path (the sum of the three)", ("cpu_critical_s",), bold=True)]
+            _cpu_row(med, d, "CPU s on the critical path (the sum of the four)", ("cpu_critical_s",), bold=True)]
 
 
 def _cpu_row(med: dict, d: dict, label: str, keys: tuple[str, ...], bold: bool = False) -> list[str]:
@@ -339,6 +340,8 @@ def soak(work: Path, steps: int) -> dict:
     not memory the process allocated. A leak shows in the anonymous series."""
     import psutil
 
+    from hybridtrain.launch.ranks import rank_of
+
     run_dir = work / "run"
     proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "launcher.threads_per_rank=1",
                                f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.save_final=false"],
@@ -352,11 +355,11 @@ def soak(work: Path, steps: int) -> dict:
             records = files.metrics() if files.metrics_file.exists() else []
             step = records[-1]["step"] if records else 0
             for p in psutil.Process(proc.pid).children(recursive=True):
-                env = p.environ()  # the ranks have RANK; the runner and launcher (also "hybridtrain.worker" in argv) not
-                if "hybridtrain.worker" in " ".join(p.cmdline()) and "RANK" in env:
+                rank = rank_of(p)
+                if rank is not None:
                     mem = p.memory_info()
-                    samples.setdefault(int(env["RANK"]), []).append((step, mem.rss / 2**20))
-                    anon.setdefault(int(env["RANK"]), []).append((step, (mem.rss - mem.shared) / 2**20))
+                    samples.setdefault(rank, []).append((step, mem.rss / 2**20))
+                    anon.setdefault(rank, []).append((step, (mem.rss - mem.shared) / 2**20))
         except (psutil.Error, ValueError, json.JSONDecodeError, OSError):
             continue
     if proc.returncode != 0:

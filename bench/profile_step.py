@@ -83,6 +83,8 @@ def profile(out: Path, overrides: list[str]) -> list[Path]:
 
     import psutil
 
+    from hybridtrain.launch.ranks import rank_of
+
     run_dir = out / "run"
     proc = cli.start(run_dir, overrides, stdout=open(out / "run.log", "w"), stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"
@@ -91,8 +93,8 @@ def profile(out: Path, overrides: list[str]) -> list[Path]:
     spies, files = [], []
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            rank = p.environ().get("RANK")
-            if rank is None or "hybridtrain.worker" not in " ".join(p.cmdline()):
+            rank = rank_of(p)
+            if rank is None:
                 continue
         except psutil.Error:
             continue

@@ -207,21 +207,27 @@ def _slurm_gpus_missing() -> bool:
     return True
 
 
-def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m hybridtrain.worker RUN_DIR  (started by `python -m hybridtrain`)")
+def run_or_report(run_dir: Path) -> int:
+    """:func:`run` as a rank's whole life: an ``srun`` task first takes its place from SLURM's
+    variables; any exception is printed and becomes exit code 1 (the launcher then ends every rank)."""
     try:
         if os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm":  # an srun task: RANK etc. from SLURM's variables
             from hybridtrain.launch import env
 
             env.apply(os.environ)
         missing = os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm" and _slurm_gpus_missing()
-        code = 2 if missing else run(Path(sys.argv[1]))
+        return 2 if missing else run(run_dir)
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
         import traceback
 
         traceback.print_exc()
-        code = 1
+        return 1
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m hybridtrain.worker RUN_DIR  (started by `python -m hybridtrain`)")
+    code = run_or_report(Path(sys.argv[1]))
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter and gloo teardown (5-7 s on a loaded CPU): everything is written and flushed.

@@ -34,6 +34,12 @@ def command(run_dir: Path) -> list[str]:
     return [sys.executable, "-u", "-m", "hybridtrain.worker", str(run_dir)]
 
 
+def forks(machine: Machine, environ) -> bool:
+    """Whether the ranks are forked from one process that imported their libraries once
+    (:mod:`hybridtrain.launch.preload`): CPU ranks, unless ``HYBRIDTRAIN_PRELOAD=0``."""
+    return machine.gpus_per_node == 0 and environ.get("HYBRIDTRAIN_PRELOAD", "1") != "0"
+
+
 def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
     """Start ``plan.world_size`` workers on this machine and watch them (:mod:`hybridtrain.launch.ranks`);
     return the job's exit code.
@@ -53,13 +59,20 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     from hybridtrain.launch.devices import local_devices
 
     devices = local_devices(world, os.environ, machine.gpus_per_node)  # the user's CUDA_VISIBLE_DEVICES kept
-    where = f": {' '.join(cmd)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"
-    print(f"[hybridtrain] launching {world} rank(s), {threads} thread(s) each{where}", flush=True)
-    out, ranks = Output(run_dir, launcher.verbose, cmd), Ranks()
+    fork = forks(machine, os.environ)
+    shown = [sys.executable, "-u", "-m", "hybridtrain.launch.preload", str(run_dir)] if fork else cmd
+    where = f": {' '.join(shown)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"
+    how = " forked after one import" if fork else ""
+    print(f"[hybridtrain] launching {world} rank(s){how}, {threads} thread(s) each{where}", flush=True)
+    out, ranks = Output(run_dir, launcher.verbose, shown), Ranks()
     old = {s: signal.signal(s, ranks.forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    envs = [rank_env(env, r, world, port, devices) for r in range(world)]
     try:
         try:
-            ranks.start(cmd, [rank_env(env, r, world, port, devices) for r in range(world)], out.stdout)
+            if fork:
+                ranks.fork(run_dir, env, envs, out.stdout)
+            else:
+                ranks.start(cmd, envs, out.stdout)
         finally:
             out.started()
         code = ranks.wait()

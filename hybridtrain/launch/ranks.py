@@ -13,15 +13,21 @@ step) to set a few variables, start the ranks and wait, while the controller is 
   checkpoint and exit (:mod:`hybridtrain.train.preempt`) in their own time, where the launcher
   would kill them 30 s later.
 
+CPU ranks are forked from one process that imported their libraries once (:meth:`Ranks.fork`,
+:mod:`hybridtrain.launch.preload`); GPU ranks are each a new interpreter (:meth:`Ranks.start`).
 Several machines still go through the deepspeed runner (:mod:`hybridtrain.launch.multinode`).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 GRACE_S = 30.0
 """Seconds the other ranks get to exit after SIGTERM when one has failed (DeepSpeed's launcher's)."""
@@ -35,6 +41,20 @@ def rank_env(base: Mapping[str, str], rank: int, world: int, port: int, devices:
             "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
+def rank_of(process) -> Optional[int]:
+    """The rank a ``psutil.Process`` of a local job runs, or None when it is no rank (the controller,
+    the preload process, a launcher): a forked CPU rank by its name
+    (:func:`hybridtrain.launch.preload.rank_name`), a rank started as its own interpreter by its command
+    line and ``RANK``. Raises ``psutil.Error`` for a process that is gone."""
+    name = process.name()
+    if name.startswith("hybridtrain-r") and name[len("hybridtrain-r"):].isdigit():
+        return int(name[len("hybridtrain-r"):])
+    if "hybridtrain.worker" in " ".join(process.cmdline()):
+        rank = process.environ().get("RANK")  # the deepspeed runner and launcher name the worker too, without RANK
+        return int(rank) if rank is not None else None
+    return None
+
+
 def _default_sigint() -> None:
     """In each rank before it starts: SIGINT's default action. A shell starts a background job (``cmd &``,
     ``nohup``, many CI runners) with SIGINT ignored, children inherit that, and Python then installs no
@@ -42,12 +62,37 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+class Forked:
+    """A rank forked by the preload process (:mod:`hybridtrain.launch.preload`), which is its parent
+    and reports its exit code: what :class:`Ranks` uses of a ``Popen`` (``pid``, ``poll``,
+    ``send_signal``, ``wait``)."""
+
+    def __init__(self, pid: int, codes: dict[int, int]):
+        self.pid, self._codes = pid, codes
+
+    def poll(self) -> Optional[int]:
+        """The exit code once the preload process reported it (``-N``: killed by signal N)."""
+        return self._codes.get(self.pid)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.poll()
+
+
 class Ranks:
     """The worker processes of this machine, each in its own session (the terminal's Ctrl-C reaches
     only the controller, which forwards it)."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | Forked] = []
+        self.preload: Optional[subprocess.Popen] = None
+        self.failed: Optional[int] = None
+        """The job's exit code when the ranks could not all be started (:meth:`fork`)."""
 
     def start(self, cmd: list[str], envs: Sequence[dict], stdout=None) -> None:
         """Start one process per environment (install :meth:`forward` as the signal handler first)."""
@@ -59,8 +104,45 @@ class Ranks:
             self.terminate(grace=0)
             raise
 
+    def fork(self, run_dir: Path, base: Mapping[str, str], envs: Sequence[dict], stdout=None) -> None:
+        """Start one process per environment, forked from a process that imported what a rank needs
+        once (:mod:`hybridtrain.launch.preload`, itself in a session of its own with the environment
+        ``base``); return once every rank exists. Install :meth:`forward` as the signal handler first:
+        until then it ends the preload process."""
+        read, write = os.pipe()
+        try:
+            self.preload = subprocess.Popen(
+                [sys.executable, "-u", "-m", "hybridtrain.launch.preload", str(run_dir), str(write)],
+                env=dict(base), stdin=subprocess.PIPE, stdout=stdout, pass_fds=(write,), start_new_session=True,
+                preexec_fn=_default_sigint)
+        finally:
+            os.close(write)
+        reports = os.fdopen(read, "rb")
+        try:
+            self.preload.stdin.write(json.dumps(list(envs)).encode())
+            self.preload.stdin.close()
+            codes: dict[int, int] = {}
+            for _ in envs:
+                line = reports.readline()
+                if not line:  # it failed while importing (its traceback is above) or was stopped
+                    code = self.preload.wait()
+                    print(f"[hybridtrain] the process that starts the ranks (hybridtrain.launch.preload) exited "
+                          f"with code {code} before starting them all", file=sys.stderr, flush=True)
+                    self.failed = 128 - code if code < 0 else (code or 1)
+                    break
+                self.procs.append(Forked(int(line), codes))
+        except BaseException:
+            reports.close()
+            self.terminate(grace=0)
+            raise
+        threading.Thread(target=_read_codes, args=(reports, codes, [p.pid for p in self.procs]),
+                         name="hybridtrain-ranks", daemon=True).start()
+
     def forward(self, signum: int, _frame=None) -> None:
-        """A signal handler: SIGINT to every rank's process group, SIGTERM to every rank."""
+        """A signal handler: SIGINT to every rank's process group, SIGTERM to every rank (and to the
+        preload process while it has not started them all)."""
+        if self.preload is not None and not self.procs and self.preload.poll() is None:
+            self.preload.send_signal(signum)
         for p in self.procs:
             if p.poll() is not None:
                 continue
@@ -75,6 +157,9 @@ class Ranks:
     def wait(self, poll_s: float = 0.1) -> int:
         """Wait until every rank exited cleanly (0), or one failed: then end the others and return its
         code (``128 + N`` for a rank killed by signal N, as a shell reports it)."""
+        if self.failed is not None:
+            self.terminate()
+            return self.failed
         while True:
             codes = [p.poll() for p in self.procs]
             failed = next((c for c in codes if c not in (None, 0)), None)
@@ -82,6 +167,8 @@ class Ranks:
                 self.terminate()
                 return 128 - failed if failed < 0 else failed
             if all(c == 0 for c in codes):
+                if self.preload is not None:
+                    self.preload.wait()
                 return 0
             time.sleep(poll_s)
 
@@ -90,6 +177,12 @@ class Ranks:
         import psutil  # a DeepSpeed dependency
 
         tree = []
+        if self.preload is not None and self.preload.poll() is None:  # its children are the ranks
+            try:
+                root = psutil.Process(self.preload.pid)
+                tree += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                pass
         for p in self.procs:
             if p.poll() is not None:  # reaped: its pid may already name another process
                 continue
@@ -111,3 +204,21 @@ class Ranks:
                 pass
         for p in self.procs:
             p.wait()
+        if self.preload is not None:
+            self.preload.wait()
+
+
+def _read_codes(reports, codes: dict[int, int], pids: list[int]) -> None:
+    """The preload process's ``PID CODE`` lines into ``codes``. If it ends without reporting a rank (it
+    was killed), that rank is killed and counts as failed (code 1), so :meth:`Ranks.wait` ends the others."""
+    with reports:
+        for line in reports:
+            pid, code = line.split()
+            codes[int(pid)] = int(code)
+    for pid in pids:
+        if pid not in codes:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # its own session: its process group is its pid
+            except (ProcessLookupError, PermissionError):
+                pass
+            codes[pid] = 1

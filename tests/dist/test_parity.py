@@ -11,6 +11,7 @@ Each layout is a real ``python -m hybridtrain`` run through the deepspeed runner
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -108,9 +109,17 @@ PARITY_CASES = [pytest.param(r, l, id="dp{}_tp{}_pp{}-{}".format(*l, r),
                 for l in LAYOUTS for r in ("gpt_tiny", "llama_tiny")]
 
 
+OWN_INTERPRETERS = ("gpt_tiny", (2, 1, 2))
+"""The case whose ranks start as their own interpreters (``HYBRIDTRAIN_PRELOAD=0``: what GPU ranks do);
+every other run here forks its CPU ranks from one process that imported their libraries once."""
+
+
 @pytest.mark.parametrize("recipe,layout", PARITY_CASES)
 def test_layout_matches_single_process(recipe, layout, baseline, tmp_path):
-    run_cli(tmp_path, f"+recipe={recipe}", *_overrides(*layout))
+    own = (recipe, layout) == OWN_INTERPRETERS
+    proc = run_cli(tmp_path, f"+recipe={recipe}", *_overrides(*layout),
+                   env={**os.environ, "HYBRIDTRAIN_PRELOAD": "0"} if own else None)
+    assert ("forked after one import" in proc.stdout) != own
     want = baseline(recipe)
     _assert_close(losses(tmp_path), [m["loss"] for m in want], 1e-4, f"{recipe} {layout}")
     got_norms = [m["grad_norm"] for m in metrics(tmp_path)]

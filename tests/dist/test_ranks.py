@@ -66,3 +66,14 @@ def test_sigint_ends_every_rank(tmp_path):
 
 def test_every_rank_exiting_cleanly_is_a_clean_job(tmp_path):
     assert _start(["pass\n", "import time\ntime.sleep(0.3)\n"], tmp_path).wait() == 0
+
+
+def test_forked_ranks_that_cannot_start_end_the_job_with_the_preload_process_code(tmp_path, capfd):
+    """The process that forks the CPU ranks fails before forking (here: no ``config.yaml`` to read):
+    the job ends with its code, a line saying so, and no rank left behind."""
+    ranks = Ranks()
+    envs = [rank_env(os.environ, r, 2, 29999, range(2)) for r in range(2)]
+    ranks.fork(tmp_path, os.environ, envs)
+    assert ranks.procs == [] and ranks.wait() == 1
+    err = capfd.readouterr().err
+    assert "config.yaml" in err and "exited with code 1 before starting them all" in err

@@ -1,8 +1,10 @@
 """Fault injection for tests/dist/test_faults.py, loaded by every Python process whose PYTHONPATH
 starts with this folder (``sitecustomize`` is imported at interpreter start-up).
 
-It does nothing unless ``HT_FAULT_RANK`` names this process's ``RANK`` (set by DeepSpeed's launcher
-for each worker). Then, once DeepSpeed's pipeline engine module is imported, it wraps
+It does nothing unless ``HT_FAULT_RANK`` names this process's ``RANK`` (set by the launcher for each
+worker), or the process has no ``RANK`` yet: the process that forks the CPU ranks
+(``hybridtrain.launch.preload``), whose children take their ``RANK`` after the fork, so the wrapper
+below checks ``RANK`` when it is called. Then, once DeepSpeed's pipeline engine module is imported, it wraps
 ``PipelineEngine._exec_backward_pass`` (called once per micro-batch of a step, through the
 class's ``_INSTRUCTION_MAP``) so that:
 
@@ -16,7 +18,7 @@ The production code has no test hooks; this patches DeepSpeed's class from outsi
 """
 import os
 
-if os.environ.get("HT_FAULT") and os.environ.get("RANK") == os.environ.get("HT_FAULT_RANK"):
+if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAULT_RANK")) == os.environ.get("HT_FAULT_RANK"):
     import signal
     import sys
     import threading
@@ -37,6 +39,8 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK") == os.environ.get("HT_F
         at, calls = int(os.environ["HT_FAULT_AT"]), [0]
 
         def backward(self, *args, **kwargs):
+            if os.environ.get("RANK") != os.environ["HT_FAULT_RANK"]:  # another rank forked from the same process
+                return original(self, *args, **kwargs)
             calls[0] += 1
             if calls[0] == at:
                 if os.environ["HT_FAULT"] == "kill":
