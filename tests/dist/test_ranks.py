@@ -1,9 +1,11 @@
 """The local launcher's rank supervision (``hybridtrain.launch.ranks``) with tiny Python processes:
-a failing rank ends the others, signals reach every rank, a clean finish returns 0."""
+a failing rank ends the others, signals reach every rank, a clean finish returns 0; the process that
+forks the CPU ranks failing before it starts them, and how a forked rank is recognised."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -77,3 +79,27 @@ def test_forked_ranks_that_cannot_start_end_the_job_with_the_preload_process_cod
     assert ranks.procs == [] and ranks.wait() == 1
     err = capfd.readouterr().err
     assert "config.yaml" in err and "exited with code 1 before starting them all" in err
+
+
+def test_a_forked_rank_is_found_by_its_name(tmp_path):
+    """A forked rank keeps its parent's command line and start-up environment; tools find it by the
+    name it gives itself (``/proc/PID/comm``), a rank started as its own interpreter by ``RANK``."""
+    from hybridtrain.launch.ranks import rank_of
+
+    named = subprocess.Popen([sys.executable, "-c", "from hybridtrain.launch.preload import _name, rank_name\n"
+                              "_name(rank_name(12))\nimport time\ntime.sleep(30)"])
+    # a command line naming the worker (what rank_of reads; the real worker would exit on this empty folder)
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "hybridtrain.worker", str(tmp_path)],
+                           env={**os.environ, "RANK": "5"})
+    try:
+        deadline = time.monotonic() + 20
+        while psutil.Process(named.pid).name() != "hybridtrain-r12" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rank_of(psutil.Process(named.pid)) == 12
+        assert rank_of(psutil.Process(own.pid)) == 5
+        assert rank_of(psutil.Process()) is None  # pytest: no rank
+    finally:
+        named.kill()
+        own.kill()
+        named.wait()
+        own.wait()
