@@ -201,7 +201,9 @@ def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 5
     found = Rates(flops=flops, latency=lat, bandwidth=bw, device=device, threads=threads, measured_link=measured,
                   layer_overhead=overhead)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(found), indent=1))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(found), indent=1))
+    tmp.replace(path)  # concurrent planners (test workers, two runs) never read half a file
     return found
 
 
