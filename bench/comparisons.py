@@ -216,7 +216,7 @@ def memory(work: Path, rounds: int, quick: bool, done: dict, alternate) -> dict:
 
 def _run_ds_minimal(out: Path, pp: int, quick: bool) -> dict:
     """bench/startup_deepspeed.py through the deepspeed runner; seconds from launch to its phases."""
-    from hybridtrain.launch.local import free_port
+    from hybridtrain.ports import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     shape = {"n_layer": 4, "n_embd": 96 if quick else 192, "n_head": 6, "n_positions": 256, "vocab": 8000,

@@ -27,8 +27,10 @@ def hostnames(nodelist: str) -> list[str]:
 
 
 def job_port(job_id: int) -> int:
-    """The rendezvous port of a job: 20000 + job id modulo 20000, so jobs sharing a node differ."""
-    return 20000 + job_id % 20000
+    """The rendezvous port of a job: 20000 + job id modulo 12000, so jobs sharing a node differ, and
+    below Linux's default ephemeral range (32768 on), which outgoing connections take ports from
+    (:mod:`hybridtrain.ports`)."""
+    return 20000 + job_id % 12000
 
 
 def rank_env(environ: Mapping[str, str], expand: Callable[[str], Sequence[str]] = hostnames,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -12,13 +11,7 @@ from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.launch.output import LOG_NAME, Output
 from hybridtrain.launch.ranks import Ranks, rank_env
 from hybridtrain.plan.types import Machine, Plan
-
-
-def free_port() -> int:
-    """A TCP port free on this machine right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridtrain.ports import free_port
 
 
 def threads_per_rank(launcher: LauncherConfig, plan: Plan, machine: Machine) -> int:

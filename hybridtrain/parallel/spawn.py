@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -30,19 +29,14 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.multiprocessing as mp
 
+from hybridtrain.ports import free_port
+
 Emit = Callable[[str, Any], None]
 Target = Callable[[int, int, Emit], None]
 """``target(rank, world, emit)``: a module-level function (the spawned child imports it by name)."""
 
 _FATAL = "fatal.txt"
 _DONE = "done"  # the target returned on every rank: what follows is teardown
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

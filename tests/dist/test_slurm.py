@@ -174,7 +174,7 @@ def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_clu
 
 
 def test_two_node_no_ssh_launch_matches_the_local_run(reference, tmp_path):
-    from hybridtrain.launch.local import free_port
+    from hybridtrain.ports import free_port
 
     port = free_port()
     common = [*PLAN, "launcher=multinode", *TWO_NODES, "launcher.no_ssh=true", "launcher.master_addr=127.0.0.1",
