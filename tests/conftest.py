@@ -26,8 +26,26 @@ if os.environ.get("HYBRIDTRAIN_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported anywhere in this process
 
 
+LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
+                 "test_packing_dist.py", "test_lora_dist.py", "test_faults.py", "test_data_e2e.py")
+"""The dist modules that take longest (``--durations``), started first. CI runs the suite on two
+workers (``-n 2 --dist loadfile``: a module stays on one worker, so its module fixtures, the SLURM
+cluster among them, are made once); a long module started last would leave one worker idle at the end,
+so these go first, then the other dist modules, then the many short unit modules."""
+
+
+def _run_order(item) -> tuple[int, int]:
+    rel = Path(str(item.fspath)).resolve().relative_to(HERE).parts
+    name = rel[-1]
+    if name in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(name)
+    return (1, 0) if rel[0] == "dist" else (2, 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark items by tier folder; skip ``gpu`` items when CUDA is not available."""
+    """Order items longest module first (:data:`LONGEST_FIRST`); mark items by tier folder; skip
+    ``gpu`` items when CUDA is not available."""
+    items.sort(key=_run_order)  # stable: each module's own order is kept
     gpu_skip = None
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(HERE).parts
