@@ -33,18 +33,13 @@ def _models(name: str):
     from transformers import AutoModelForCausalLM
 
     from hybridtrain.cli import compose
-    from hybridtrain.models.build import ModelBuilder
-    from hybridtrain.models.families import padded_vocab
-    from hybridtrain.models.stages import sequential_model
-    from hybridtrain.parallel.context import TPContext
-    from hybridtrain.parallel.layers import VocabParallelLoss
+    from hybridtrain.models.stages import one_process_model
     from hybridtrain.plan import model_config
 
     cfg = compose(MODELS[name].overrides)
     hf_config = model_config(cfg)
     vocab = int(hf_config.vocab_size)
-    tp, padded = TPContext(), padded_vocab(vocab, 1)
-    ours = sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp))
+    ours = one_process_model(cfg, hf_config)
     torch.manual_seed(cfg.trainer.seed)
     theirs = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return ours.train(), theirs.train(), vocab

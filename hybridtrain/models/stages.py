@@ -258,6 +258,17 @@ class SequentialLM(nn.Module):
         return self.loss_fn(self.logits(inputs), labels)
 
 
+def one_process_model(cfg, hf_config) -> "SequentialLM":
+    """hybridtrain's whole model of a run's config at tp = 1 in this process, with its loss: what the
+    family checks, the packing tests and ``bench/model_step.py`` compare against transformers' model."""
+    from hybridtrain.models.families.base import padded_vocab
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.layers import VocabParallelLoss
+
+    tp, padded = TPContext(), padded_vocab(int(hf_config.vocab_size), 1)
+    return sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp))
+
+
 def sequential_model(builder: ModelBuilder, loss_fn, partition: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """All units in this process (pp = 1); a tied head reuses the embedding module. ``partition``, when
     given, is called on each layer as soon as it is built (ZeRO-3 partitions it then, so the rank never

@@ -23,18 +23,13 @@ def _need_flash() -> None:
 
 
 def _model(folder, attn: str):
-    from hybridtrain.models.build import ModelBuilder
-    from hybridtrain.models.families import padded_vocab
-    from hybridtrain.models.stages import sequential_model
-    from hybridtrain.parallel.context import TPContext
-    from hybridtrain.parallel.layers import VocabParallelLoss
+    from hybridtrain.models.stages import one_process_model
     from hybridtrain.plan import apply_pretrained_defaults, model_config
 
     cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}", f"model.attn_implementation={attn}")
     apply_pretrained_defaults(cfg)
     hf_config = model_config(cfg)
-    tp, padded = TPContext(), padded_vocab(VOCAB, 1)
-    model = sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp))
+    model = one_process_model(cfg, hf_config)
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 

@@ -25,18 +25,13 @@ def _ids() -> torch.Tensor:
 
 def hybridtrain_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     """Logits of hybridtrain's one-process model (tp = 1) for the checkpoint in ``folder``."""
-    from hybridtrain.models.stages import sequential_model
-    from hybridtrain.models.build import ModelBuilder
-    from hybridtrain.models.families import padded_vocab
-    from hybridtrain.parallel.context import TPContext
-    from hybridtrain.parallel.layers import VocabParallelLoss
+    from hybridtrain.models.stages import one_process_model
     from hybridtrain.plan import apply_pretrained_defaults, model_config
 
     cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}")
     apply_pretrained_defaults(cfg)
     hf_config = model_config(cfg)
-    tp, padded = TPContext(), padded_vocab(VOCAB, 1)
-    model = sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp)).eval()
+    model = one_process_model(cfg, hf_config).eval()
     with torch.no_grad():
         return model.logits(ids)
 

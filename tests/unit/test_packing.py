@@ -190,18 +190,13 @@ def folders(tmp_path_factory):
 
 
 def _model(folder):
-    from hybridtrain.models.stages import sequential_model
-    from hybridtrain.models.build import ModelBuilder
-    from hybridtrain.models.families import padded_vocab
-    from hybridtrain.parallel.context import TPContext
-    from hybridtrain.parallel.layers import VocabParallelLoss
+    from hybridtrain.models.stages import one_process_model
     from hybridtrain.plan import apply_pretrained_defaults, model_config
 
     cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}")
     apply_pretrained_defaults(cfg)
     hf_config = model_config(cfg)
-    tp, padded = TPContext(), padded_vocab(VOCAB, 1)
-    return sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp)).eval()
+    return one_process_model(cfg, hf_config).eval()
 
 
 def _loss_and_grads(model, batches, weight: torch.Tensor):
