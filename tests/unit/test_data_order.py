@@ -120,6 +120,35 @@ def test_open_samples_memory_maps_both_kinds(tmp_path):
     assert isinstance(val.labels, ArrowColumn) and val.rows(np.array([2]))[1].tolist() == [[-100] * 4]
 
 
+def test_numpy_view_is_the_arrow_values_without_a_copy():
+    import pyarrow as pa
+
+    from hybridtrain.data.sampler import numpy_view
+
+    lists = pa.array([[1, 2], [3], [], [4, 5, 6]], type=pa.list_(pa.uint16()))[1:]  # a slice: offset 1
+    flat = numpy_view(lists.flatten())
+    assert flat.tolist() == [3, 4, 5, 6] and flat.dtype == np.uint16 and not flat.flags.owndata
+    assert np.diff(numpy_view(lists.offsets)).tolist() == [1, 0, 3]
+    assert numpy_view(pa.array([7.5, 8.5], type=pa.float32())[1:]).tolist() == [8.5]
+    with pytest.raises(ValueError, match="missing"):
+        numpy_view(pa.array([1, None], type=pa.int32()))
+    with pytest.raises(TypeError, match="numeric"):
+        numpy_view(pa.array([True]))
+
+
+def test_reading_a_saved_column_imports_no_pandas(tmp_path):
+    """pyarrow's ``to_numpy`` imports pandas (~0.7 s of CPU per rank): the ranks' reads must not."""
+    import subprocess
+    import sys
+
+    save_samples(tmp_path / "ds", "rows", np.arange(12).reshape(3, 4), np.arange(12).reshape(3, 4))
+    code = ("import sys; from hybridtrain.data.sampler import ArrowColumn; "
+            f"c = ArrowColumn({str(tmp_path / 'ds')!r}, 'input_ids'); "
+            "print(int(c[[2]][0, 3]), 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["11", "False"]
+
+
 def test_validation_batches_are_fixed_unshuffled_and_drop_the_remainder():
     samples = rows_store(27, seed=9)
     want = [list(range(b * 8, b * 8 + 8)) for b in range(3)]  # 27 // 8 = 3 batches, 3 samples dropped
