@@ -22,6 +22,7 @@ own interpreter instead.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -38,10 +39,13 @@ def warm(run_dir: Path) -> None:
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     import deepspeed  # noqa: F401
     import deepspeed.runtime.pipe.engine  # noqa: F401
+    import pyarrow.compute  # noqa: F401  (the ranks' data reads: ListArray.flatten imports it)
 
     import hybridtrain.checkpoint.save  # noqa: F401
     import hybridtrain.data.sampler  # noqa: F401
     import hybridtrain.engine  # noqa: F401
+    import hybridtrain.engine.pipeline  # noqa: F401
+    import hybridtrain.observe.observer  # noqa: F401
     import hybridtrain.train.loop  # noqa: F401
     from hybridtrain.plan import model_config
     from hybridtrain.rundir import RunDir
@@ -50,7 +54,9 @@ def warm(run_dir: Path) -> None:
     optional = [config_module.replace(".configuration_", ".modeling_"),  # the family's modules
                 # deepspeed.initialize's optimizer check imports it, and it calls torch.compile at import
                 # (torch._inductor: ~1 s of CPU per rank)
-                "deepspeed.runtime.zero.muon.muon_optimizer"]
+                "deepspeed.runtime.zero.muon.muon_optimizer",
+                # and its expert-parallel check these two (~0.3 s of CPU per rank)
+                "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer"]
     for name in optional:
         try:
             importlib.import_module(name)
@@ -104,6 +110,9 @@ def main() -> None:
     run_dir, report = Path(sys.argv[1]), int(sys.argv[2])
     envs = json.load(sys.stdin)
     warm(run_dir)
+    # What the children inherit is never collected there: a collection in a child would touch (and so
+    # copy) every page of the inherited heap; frozen, the children share those pages (gc.freeze docs).
+    gc.freeze()
     # From here on the controller talks to the ranks, not to this process (a Ctrl-C while importing
     # still ends it: the controller forwards signals here until every rank exists).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
