@@ -24,7 +24,7 @@ def test_jsonl_corpus_with_a_content_field_trains(tmp_path):
     text_corpus(tmp_path / "corpus" / "part-1.jsonl", n=40, start=80)
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, "+recipe=gpt_tiny", "data=files", f"data.path={corpus.parent}/*.jsonl",
-                   "data.text_field=content", "trainer.max_steps=3", env={"HYBRIDTRAIN_CACHE": str(tmp_path / "cache")})
+                   "data.text_field=content", "trainer.max_steps=3", f"data.cache_dir={tmp_path / 'cache'}")
     assert "tokenized 120 records" in proc.stdout and "data      files text: train" in proc.stdout
     train, val = _split(metrics(run_dir))
     assert [m["step"] for m in train] == [1, 2, 3] and not val
@@ -42,16 +42,16 @@ def chat_runs(tmp_path_factory):
     write_jsonl(d / "train.jsonl", chat_records(60))
     write_jsonl(d / "val.jsonl", chat_records(30, start=60))  # 30 // 12 = 2 validation batches
     common = ["+recipe=llama_tiny", "data=files", f"data.path={d}/train.jsonl", f"data.val_path={d}/val.jsonl",
-              "data.format=chat", "data.seq_len=64", "trainer.max_steps=3", "trainer.eval_every=2"]
-    env = {"HYBRIDTRAIN_CACHE": str(d / "cache")}
+              "data.format=chat", "data.seq_len=64", "trainer.max_steps=3", "trainer.eval_every=2",
+              f"data.cache_dir={d / 'cache'}"]
     out = {}
     for layout in [(1, 1, 1), (1, 2, 2), (2, 1, 2, 3)]:
         run_dir = d / "run_{}".format("".join(map(str, layout)))
         dp, tp, pp, mbs = (*layout, 1)[:4]
         proc = run_cli(run_dir, *common, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                       f"parallel.micro_batch_size={mbs}", env=env)
+                       f"parallel.micro_batch_size={mbs}")
         out[layout] = (proc, metrics(run_dir))
-    out["common"], out["env"] = common, env
+    out["common"] = common
     return out
 
 
@@ -79,7 +79,7 @@ def test_validation_is_the_same_under_tp2_pp2(chat_runs):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4)
 
 
-def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs, monkeypatch):
+def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs):
     """Chats carry different numbers of assistant tokens, so a mean of per-micro-batch means would
     change with the micro-batch size; the step loss is the mean over every loss token of the global
     batch instead: micro-batches of 3 (dp=2, pp=2) give the losses of micro-batches of 1, and both
@@ -94,7 +94,6 @@ def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs, monkeyp
     for g, w in zip(got_train + got_val, want_train + want_val):
         key = "loss" if "loss" in w else "val_loss"
         assert g[key] == pytest.approx(w[key], rel=1e-5), (g, w)
-    monkeypatch.setenv("HYBRIDTRAIN_CACHE", chat_runs["env"]["HYBRIDTRAIN_CACHE"])
     oracle = reference_run(compose_config(chat_runs["common"]))
     for o, w in zip(oracle, want_train, strict=True):
         assert o["loss"] == pytest.approx(w["loss"], rel=1e-5), (o, w)

@@ -62,8 +62,8 @@ def runs(tmp_path_factory):
     started = {}
     for name, overrides in inputs.items():
         run_dir = base / name / "run"
-        started[name] = (run_dir, Background(run_dir, [*BASE, *overrides], base / name, cwd=base / name,
-                                             env={"HYBRIDTRAIN_CACHE": str(base / "cache")}))
+        started[name] = (run_dir, Background(run_dir, [*BASE, f"data.cache_dir={base / 'cache'}", *overrides],
+                                             base / name, cwd=base / name))
     yield started
     for _, run in started.values():
         run.kill()

@@ -28,24 +28,22 @@ def packed(tmp_path_factory):
     """The data, the common overrides, and a run per CI layout (saving every 2 steps)."""
     d = tmp_path_factory.mktemp("packing")
     write_jsonl(d / "train.jsonl", skewed_prompt_completion(300, SEQ, seed=3))
-    env = {"HYBRIDTRAIN_CACHE": str(d / "cache")}
-    common = ["data=files", f"data.path={d}/train.jsonl", "data.format=prompt_completion", f"data.seq_len={SEQ}",
+    common = ["data=files", f"data.path={d}/train.jsonl", f"data.cache_dir={d / 'cache'}", "data.format=prompt_completion", f"data.seq_len={SEQ}",
               f"trainer.max_steps={STEPS}"]
     runs = {}
     for recipe, (dp, tp, pp) in (("llama_tiny", (2, 2, 2)), ("gpt_tiny", (1, 1, 2))):
         run_dir = d / f"{recipe}_{dp}{tp}{pp}"
         run_cli(run_dir, f"+recipe={recipe}", *common, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                "trainer.save_every=2", "trainer.save_logits=true", env=env)
+                "trainer.save_every=2", "trainer.save_logits=true")
         runs[(recipe, (dp, tp, pp))] = run_dir
-    return {"dir": d, "env": env, "common": common, "runs": runs}
+    return {"dir": d, "common": common, "runs": runs}
 
 
-def _oracle(packed, recipe: str, monkeypatch) -> tuple[list[dict], object]:
+def _oracle(packed, recipe: str) -> tuple[list[dict], object]:
     """``reference_run`` of the same config (records alone) and the run's training samples."""
     from hybridtrain.data.prepare import train_samples
     from hybridtrain.reference import reference_run
 
-    monkeypatch.setenv("HYBRIDTRAIN_CACHE", packed["env"]["HYBRIDTRAIN_CACHE"])
     cfg = compose_config([f"+recipe={recipe}", *packed["common"]])
     return reference_run(cfg), train_samples(cfg.data, cfg.trainer.seed)
 
@@ -60,12 +58,12 @@ def _assert_matches_oracle(run_dir, oracle: list[dict], what: str) -> None:
 
 @pytest.mark.parametrize("recipe,layout", [("llama_tiny", (2, 2, 2)), ("gpt_tiny", (1, 1, 2))],
                          ids=["llama_222", "gpt_112"])
-def test_packed_layout_matches_records_run_alone(recipe, layout, packed, monkeypatch):
+def test_packed_layout_matches_records_run_alone(recipe, layout, packed):
     from hybridtrain.data.sampler import DocumentSamples
     from hybridtrain.plan.estimate import estimate_for_run
 
     run_dir = packed["runs"][(recipe, layout)]
-    oracle, samples = _oracle(packed, recipe, monkeypatch)
+    oracle, samples = _oracle(packed, recipe)
     assert isinstance(samples, DocumentSamples) and samples.fill > 0.9
     _assert_matches_oracle(run_dir, oracle, f"{recipe} {layout}")
     gbs = compose_config([f"+recipe={recipe}"]).trainer.global_batch_size
@@ -99,7 +97,7 @@ def test_packed_run_resumes_exactly(layout, rel, packed, tmp_path):
     dp, tp, pp = layout
     full = packed["runs"][("gpt_tiny", (1, 1, 2))]
     run_cli(tmp_path, "+recipe=gpt_tiny", *packed["common"], f"parallel.dp={dp}", f"parallel.tp={tp}",
-            f"parallel.pp={pp}", f"trainer.resume={RunDir(full).checkpoints / 'step_2'}", env=packed["env"])
+            f"parallel.pp={pp}", f"trainer.resume={RunDir(full).checkpoints / 'step_2'}")
     resumed, want = _train(metrics(tmp_path)), _train(metrics(full))[2:]
     assert [m["step"] for m in resumed] == [3, 4]
     assert [m["loss_tokens"] for m in resumed] == [m["loss_tokens"] for m in want]  # the same rows
@@ -111,9 +109,9 @@ SLOW_LAYOUTS = [l for l in itertools.product((1, 2), repeat=3)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", SLOW_LAYOUTS, ids=lambda l: "dp{}_tp{}_pp{}".format(*l))
-def test_every_layout_trains_packed_records_like_the_oracle(layout, packed, monkeypatch, tmp_path):
+def test_every_layout_trains_packed_records_like_the_oracle(layout, packed, tmp_path):
     dp, tp, pp = layout
     run_cli(tmp_path, "+recipe=llama_tiny", *packed["common"], f"parallel.dp={dp}", f"parallel.tp={tp}",
-            f"parallel.pp={pp}", "trainer.save_final=false", env=packed["env"])
-    oracle, _ = _oracle(packed, "llama_tiny", monkeypatch)
+            f"parallel.pp={pp}", "trainer.save_final=false")
+    oracle, _ = _oracle(packed, "llama_tiny")
     _assert_matches_oracle(tmp_path, oracle, f"llama_tiny {layout}")

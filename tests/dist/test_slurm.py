@@ -113,19 +113,6 @@ def _slurm_log(run_dir: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob(RunDir(run_dir).slurm_log("*").name)))
 
 
-def test_two_node_slurm_job_matches_the_local_run(slurm_cluster, reference, tmp_path):
-    proc = run_cli(tmp_path, *PLAN, *SLURM, timeout=400)
-    assert re.search(r"submitted job \d+; log .*slurm-\d+\.out", proc.stdout) and "completed" in proc.stdout
-    close(losses(tmp_path), reference)
-    log = _slurm_log(tmp_path)
-    # rank 0 prints the rank map: consecutive ranks per node, only the pipeline crosses nodes
-    for line in ["rank    0  node node1        dp 0  tp 0  pp 0", "rank    1  node node1        dp 1  tp 0  pp 0",
-                 "rank    2  node node2        dp 0  tp 0  pp 1", "rank    3  node node2        dp 1  tp 0  pp 1",
-                 "groups crossing nodes: pp"]:
-        assert line in log, log[-3000:]
-    assert RunDir(tmp_path).job_script.is_file() and RunDir(tmp_path).config_file.is_file()
-
-
 SITECUSTOMIZE = """
 import os
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HT_TEST_FAIL_RANK"):
@@ -156,6 +143,8 @@ def test_rejected_submission_shows_slurms_message(slurm_cluster, tmp_path):
 
 
 def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_cluster, reference, tmp_path):
+    """A two-node SLURM job, stopped by SLURM's signal, requeued and resumed: together it trains exactly
+    like the plan run locally, and rank 0 prints where each rank runs."""
     run = Background(tmp_path, *PLAN, *SLURM)
     run.wait_for(lambda: re.search(r"submitted job (\d+)", run.output), timeout=200)
     job = re.search(r"submitted job (\d+)", run.output).group(1)
@@ -171,6 +160,13 @@ def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_clu
     assert (RunDir(tmp_path).checkpoints / f"step_{stopped}" / "meta.json").is_file()
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, STEPS + 1))
     close(losses(tmp_path), reference)
+    assert re.search(r"submitted job \d+; log .*slurm-\d+\.out", run.output) and f"job {job} completed" in run.output
+    # rank 0 prints the rank map: consecutive ranks per node, only the pipeline crosses nodes
+    for line in ["rank    0  node node1        dp 0  tp 0  pp 0", "rank    1  node node1        dp 1  tp 0  pp 0",
+                 "rank    2  node node2        dp 0  tp 0  pp 1", "rank    3  node node2        dp 1  tp 0  pp 1",
+                 "groups crossing nodes: pp"]:
+        assert line in log, log[-3000:]
+    assert RunDir(tmp_path).job_script.is_file() and RunDir(tmp_path).config_file.is_file()
 
 
 def test_two_node_no_ssh_launch_matches_the_local_run(reference, tmp_path):
