@@ -50,13 +50,16 @@ def warm(run_dir: Path) -> None:
     from hybridtrain.plan import model_config
     from hybridtrain.rundir import RunDir
 
-    config_module = type(model_config(RunDir(run_dir).config())).__module__  # transformers.models.X.configuration_X
+    files = RunDir(run_dir)
+    config_module = type(model_config(files.config())).__module__  # transformers.models.X.configuration_X
     optional = [config_module.replace(".configuration_", ".modeling_"),  # the family's modules
-                # deepspeed.initialize's optimizer check imports it, and it calls torch.compile at import
-                # (torch._inductor: ~1 s of CPU per rank)
-                "deepspeed.runtime.zero.muon.muon_optimizer",
-                # and its expert-parallel check these two (~0.3 s of CPU per rank)
+                # deepspeed.initialize's expert-parallel check imports these two (~0.3 s of CPU per rank)
                 "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer"]
+    plan = files.plan()
+    if plan.zero_stage > 0 or plan.precision != "fp32":
+        # DeepSpeed's ZeRO and BF16 optimizers import Muon's, which calls torch.compile at import
+        # (torch._inductor: ~0.8 s of CPU); an fp32 run without ZeRO never does, so it is not warmed then
+        optional.append("deepspeed.runtime.zero.muon.muon_optimizer")
     for name in optional:
         try:
             importlib.import_module(name)
