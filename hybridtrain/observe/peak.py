@@ -154,7 +154,11 @@ def measure_matmul_tflops(threads: int, precision: str, n: int = 1024, seconds: 
 CONTENDED = 0.1
 """A probe during which other processes ran more than this share of its cores x seconds is
 *contended*: kept (the largest rate measured so far counts) but measured again by the next run,
-until one probe runs on a quiet machine."""
+until one probe runs on a quiet machine or :data:`MAX_PROBES` have been taken."""
+MAX_PROBES = 5
+"""Contended probes after which an entry is kept as it is (the fastest of them): on a machine that is
+never quiet (a CI runner with parallel jobs) every run would otherwise spend ~0.5 s x threads of CPU
+at start-up probing again, while the kept rate, the fastest of several, hardly moves any more."""
 MAX_OTHERS = 0.75
 """The largest share of the cores a probe is assumed to have lost to other processes when its rate
 is scaled up (at most 4x)."""
@@ -168,7 +172,8 @@ def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[fl
     would make MFU too high (a new user's first run showed 143%), so a probe's rate is divided by
     the share of the cores it got (``1 - others``, :func:`measure_matmul_tflops`); a probe taken
     while other processes competed (``quiet: false``, or an entry of an older format) is repeated
-    by the next run, and the entry keeps the largest rate measured."""
+    by the next run (up to :data:`MAX_PROBES` probes in all), and the entry keeps the largest rate
+    measured."""
     key = probe_key(threads, precision)
     try:
         cache = json.loads(cache_file.read_text())
@@ -176,15 +181,17 @@ def probe_cpu_tflops(cache_file: Path, threads: int, precision: str) -> tuple[fl
         cache = {}
     entry = cache.get(key)
     if not isinstance(entry, dict):  # absent, or a bare number of the first format (load unknown)
-        entry = {"tflops": float(entry), "quiet": False} if isinstance(entry, (int, float)) else None
-    if entry is not None and entry.get("quiet"):
+        entry = {"tflops": float(entry), "quiet": False, "probes": 0} if isinstance(entry, (int, float)) else None
+    if entry is not None and (entry.get("quiet") or int(entry.get("probes", 1)) >= MAX_PROBES):
         return float(entry["tflops"]), True
     tflops, others = measure_matmul_tflops(threads, precision)
     quiet = others <= CONTENDED
     tflops /= 1.0 - min(others, MAX_OTHERS)  # the rate the probe would have had with its cores to itself
+    probes = 1
     if entry is not None:
         tflops = max(tflops, float(entry["tflops"]))
-    cache[key] = {"tflops": tflops, "quiet": quiet}
+        probes += int(entry.get("probes", 1))
+    cache[key] = {"tflops": tflops, "quiet": quiet, "probes": probes}
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))

@@ -71,7 +71,7 @@ def test_cpu_probe_is_measured_once_and_cached_per_thread_count(tmp_path, monkey
     again, cached = probe_cpu_tflops(cache, 1, "fp32")
     assert cached and again == first
     stored = json.loads(cache.read_text())
-    assert stored == {probe_key(1, "fp32"): {"tflops": first, "quiet": True}}
+    assert stored == {probe_key(1, "fp32"): {"tflops": first, "quiet": True, "probes": 1}}
     assert len({probe_key(1, "fp32"), probe_key(2, "fp32"), probe_key(1, "bf16")}) == 3  # threads, dtype: own entries
     cache.write_text(json.dumps({probe_key(1, "fp32"): {"tflops": 42.0, "quiet": True}}))  # the file is the truth
     peak = resolve_peak(None, "fp32", None, cache, 1)
@@ -87,14 +87,26 @@ def test_cpu_probe_on_a_busy_machine_is_repeated_and_keeps_the_fastest(tmp_path,
     probes = iter([(1.0, 0.5), (1.5, 0.5), (2.0, 0.0)])  # (TFLOP/s, share of the cores others used)
     monkeypatch.setattr(peak_mod, "measure_matmul_tflops", lambda threads, precision: next(probes))
     assert probe_cpu_tflops(cache, 1, "fp32") == (2.0, False)  # half the cores: the rate scaled up 2x
-    assert json.loads(cache.read_text())[key] == {"tflops": 2.0, "quiet": False}
+    assert json.loads(cache.read_text())[key] == {"tflops": 2.0, "quiet": False, "probes": 1}
     assert probe_cpu_tflops(cache, 1, "fp32") == (3.0, False)  # busy again: measured again, the faster kept
     assert probe_cpu_tflops(cache, 1, "fp32") == (3.0, False)  # quiet now, slower than the best: best kept
-    assert json.loads(cache.read_text())[key] == {"tflops": 3.0, "quiet": True}
+    assert json.loads(cache.read_text())[key] == {"tflops": 3.0, "quiet": True, "probes": 3}
     assert probe_cpu_tflops(cache, 1, "fp32") == (3.0, True)  # a quiet probe is final
     cache.write_text(json.dumps({key: 0.5}))  # the first format, a bare number taken under unknown load
     monkeypatch.setattr(peak_mod, "measure_matmul_tflops", lambda threads, precision: (2.5, 0.0))
     assert probe_cpu_tflops(cache, 1, "fp32") == (2.5, False)
+
+
+def test_cpu_probe_on_a_machine_that_is_never_quiet_stops_after_max_probes(tmp_path, monkeypatch):
+    from hybridtrain.observe import peak as peak_mod
+
+    cache, measured = tmp_path / "peak.json", []
+    monkeypatch.setattr(peak_mod, "measure_matmul_tflops",
+                        lambda threads, precision: measured.append(1) or (1.0 + len(measured), 0.5))
+    got = [probe_cpu_tflops(cache, 1, "fp32") for _ in range(peak_mod.MAX_PROBES + 2)]
+    assert len(measured) == peak_mod.MAX_PROBES  # then the entry is kept: no run probes again
+    best = 2.0 * (1.0 + peak_mod.MAX_PROBES)  # the fastest contended probe, scaled up for half the cores
+    assert got[-2:] == [(best, True), (best, True)] and got[peak_mod.MAX_PROBES - 1] == (best, False)
 
 
 def test_cpu_mfu_never_shows_above_100_percent():
