@@ -67,3 +67,16 @@ def make_family_checkpoint(folder: Path, family: str, seed: int = 7, **extra) ->
     model.save_pretrained(str(folder))
     save_tokenizer(folder)
     return folder
+
+
+def one_process_model_of(folder: Path, *overrides: str):
+    """hybridtrain's one-process model (tp = 1, :func:`hybridtrain.models.stages.one_process_model`) of the
+    pretrained folder ``folder``, configured as ``+recipe=finetune model.pretrained=FOLDER OVERRIDES``
+    composes it for a run."""
+    from helpers_unit import compose_config
+    from hybridtrain.models.stages import one_process_model
+    from hybridtrain.plan import apply_pretrained_defaults, model_config
+
+    cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}", *overrides)
+    apply_pretrained_defaults(cfg)
+    return one_process_model(cfg, model_config(cfg))

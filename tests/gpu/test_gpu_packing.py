@@ -9,8 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from family_configs import SEQ, VOCAB, make_family_checkpoint
-from helpers_unit import compose_config
+from family_configs import SEQ, VOCAB, make_family_checkpoint, one_process_model_of
 
 IGNORE = -100
 
@@ -23,13 +22,7 @@ def _need_flash() -> None:
 
 
 def _model(folder, attn: str):
-    from hybridtrain.models.stages import one_process_model
-    from hybridtrain.plan import apply_pretrained_defaults, model_config
-
-    cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}", f"model.attn_implementation={attn}")
-    apply_pretrained_defaults(cfg)
-    hf_config = model_config(cfg)
-    model = one_process_model(cfg, hf_config)
+    model = one_process_model_of(folder, f"model.attn_implementation={attn}")
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint
-from helpers_unit import compose_config
+from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
 
 FAMILIES = sorted(TINY)
 
@@ -25,13 +24,7 @@ def _ids() -> torch.Tensor:
 
 def hybridtrain_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     """Logits of hybridtrain's one-process model (tp = 1) for the checkpoint in ``folder``."""
-    from hybridtrain.models.stages import one_process_model
-    from hybridtrain.plan import apply_pretrained_defaults, model_config
-
-    cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}")
-    apply_pretrained_defaults(cfg)
-    hf_config = model_config(cfg)
-    model = one_process_model(cfg, hf_config).eval()
+    model = one_process_model_of(folder).eval()
     with torch.no_grad():
         return model.logits(ids)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint
+from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
 from helpers_unit import compose_config
 from hybridtrain.config import DataConfig
 from hybridtrain.config.choices import Packing
@@ -190,13 +190,7 @@ def folders(tmp_path_factory):
 
 
 def _model(folder):
-    from hybridtrain.models.stages import one_process_model
-    from hybridtrain.plan import apply_pretrained_defaults, model_config
-
-    cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}")
-    apply_pretrained_defaults(cfg)
-    hf_config = model_config(cfg)
-    return one_process_model(cfg, hf_config).eval()
+    return one_process_model_of(folder).eval()
 
 
 def _loss_and_grads(model, batches, weight: torch.Tensor):
