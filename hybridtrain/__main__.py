@@ -61,6 +61,9 @@ def run(cfg: DictConfig) -> int:
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
         print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
         return 2
+    from hybridtrain.launch.local import early_preloader
+
+    preloader = early_preloader(typed.launcher, os.environ)  # before the planner first calls torch
     apply_pretrained_defaults(typed)
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)
@@ -121,7 +124,7 @@ def run(cfg: DictConfig) -> int:
         return 0
     if prepared is not None:  # where the workers memory-map the samples
         files.write_data(prepared)
-    code = start(run_dir, plan, typed.launcher, machine)
+    code = start(run_dir, plan, typed.launcher, machine, preloader)
     if code != 0 and typed.launcher.name != "slurm":  # the slurm launcher names the job's log itself
         from hybridtrain.launch.output import LOG_NAME
 

@@ -27,14 +27,18 @@ def check(launcher: LauncherConfig, plan: Plan, machine: Machine | None = None) 
             local_devices(plan.world_size, os.environ, machine.gpus_per_node)  # CUDA_VISIBLE_DEVICES usable
 
 
-def start(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
-    """Start (or submit) the run in ``run_dir`` with ``launcher.name``; return the exit code."""
+def start(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine, preloader=None) -> int:
+    """Start (or submit) the run in ``run_dir`` with ``launcher.name``; return the exit code.
+    ``preloader``: the local launcher's preload process, forked by the controller
+    (:func:`hybridtrain.launch.preload.fork_preloader`)."""
     if launcher.name == "slurm":
         from hybridtrain.launch.slurm import submit
 
         return submit(run_dir, plan, launcher)
     if launcher.name == "multinode":
         from hybridtrain.launch.multinode import launch
-    else:
-        from hybridtrain.launch.local import launch
-    return launch(run_dir, plan, launcher, machine)
+
+        return launch(run_dir, plan, launcher, machine)
+    from hybridtrain.launch.local import launch
+
+    return launch(run_dir, plan, launcher, machine, preloader)

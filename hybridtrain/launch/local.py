@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.launch.output import LOG_NAME, Output
+from hybridtrain.launch.preload import Preloader
 from hybridtrain.launch.ranks import Ranks, rank_env
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.ports import free_port
@@ -27,15 +28,23 @@ def command(run_dir: Path) -> list[str]:
     return [sys.executable, "-u", "-m", "hybridtrain.worker", str(run_dir)]
 
 
-def forks(machine: Machine, environ) -> bool:
-    """Whether the ranks are forked from one process that imported their libraries once
-    (:mod:`hybridtrain.launch.preload`): CPU ranks, unless ``HYBRIDTRAIN_PRELOAD=0``."""
-    return machine.gpus_per_node == 0 and environ.get("HYBRIDTRAIN_PRELOAD", "1") != "0"
+def early_preloader(launcher: LauncherConfig, environ) -> Preloader | None:
+    """The preload process for a local run, forked from the controller now, before it plans
+    (:func:`~hybridtrain.launch.preload.fork_preloader`): its CPU ranks are forked from that process,
+    which imports their libraries once. None for another launcher, a dry run, a machine with CUDA
+    (GPU ranks are never forked) and ``HYBRIDTRAIN_PRELOAD=0``: then every rank is its own interpreter."""
+    if launcher.name != "local" or launcher.dry_run or environ.get("HYBRIDTRAIN_PRELOAD", "1") == "0":
+        return None
+    from hybridtrain.launch.preload import fork_preloader
+
+    return fork_preloader()
 
 
-def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine) -> int:
+def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine,
+           preloader: Preloader | None = None) -> int:
     """Start ``plan.world_size`` workers on this machine and watch them (:mod:`hybridtrain.launch.ranks`);
-    return the job's exit code.
+    return the job's exit code. ``preloader`` (:func:`early_preloader`): the process to fork the CPU
+    ranks from; without one every rank starts as its own interpreter.
 
     Workers find everything in ``run_dir`` (``config.yaml``, ``plan.json``, ``data.json``). A rank
     that fails ends every other rank, so a dead rank ends the job with a non-zero code. Ctrl-C and
@@ -52,8 +61,10 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     from hybridtrain.launch.devices import local_devices
 
     devices = local_devices(world, os.environ, machine.gpus_per_node)  # the user's CUDA_VISIBLE_DEVICES kept
-    fork = forks(machine, os.environ)
-    shown = [sys.executable, "-u", "-m", "hybridtrain.launch.preload", str(run_dir)] if fork else cmd
+    fork = preloader is not None and machine.gpus_per_node == 0
+    if preloader is not None and not fork:
+        preloader.close()
+    shown = [f"(fork of {os.getpid()})", "hybridtrain.launch.preload.serve", str(run_dir)] if fork else cmd
     where = f": {' '.join(shown)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"
     how = " forked after one import" if fork else ""
     print(f"[hybridtrain] launching {world} rank(s){how}, {threads} thread(s) each{where}", flush=True)
@@ -63,7 +74,7 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     try:
         try:
             if fork:
-                ranks.fork(run_dir, env, envs, out.stdout)
+                ranks.fork(run_dir, env, envs, out.stdout, preloader)
             else:
                 ranks.start(cmd, envs, out.stdout)
         finally:

@@ -1,13 +1,15 @@
 """The local launcher's CPU ranks, forked from one process that imported their libraries once.
 
-``python -m hybridtrain.launch.preload RUN_DIR REPORT_FD``, started by the controller
-(:meth:`hybridtrain.launch.ranks.Ranks.fork`), reads the ranks' environments (a JSON list) from
-stdin, imports what a rank imports (torch, DeepSpeed, transformers and the model family's modeling
-module, hybridtrain's engine and loop: :func:`warm`), then forks one child per environment. Each child
-starts its own session, takes its environment and runs :func:`hybridtrain.worker.run_or_report`,
-exactly what ``python -m hybridtrain.worker RUN_DIR`` runs. Through the pipe ``REPORT_FD`` the
-process tells the controller each child's pid (one line per rank, in rank order) and then, as each
-exits, ``PID CODE`` (``CODE`` as :attr:`subprocess.Popen.returncode` gives it: ``-N`` for signal N).
+The controller forks the preload process (:func:`fork_preloader`) as soon as its config is typed,
+having imported torch and transformers' configuration code, which it needs to plan; the process waits
+for its job (:meth:`Preloader.start`, from :meth:`hybridtrain.launch.ranks.Ranks.fork`): the ranks'
+environments. It then imports what a rank imports (DeepSpeed, transformers and the model family's
+modeling module, hybridtrain's engine and loop: :func:`warm`) and forks one child per environment
+(:func:`serve`). Each child starts its own session, takes its environment and runs
+:func:`hybridtrain.worker.run_or_report`, exactly what ``python -m hybridtrain.worker RUN_DIR`` runs.
+Through its socket the process tells the controller each child's pid (one line per rank, in rank
+order) and then, as each exits, ``PID CODE`` (``CODE`` as :attr:`subprocess.Popen.returncode` gives
+it: ``-N`` for signal N).
 
 Why by hand: every rank otherwise spends 7-10 s of CPU importing the same modules (transformers'
 modeling imports alone take ~7 s: ``torch._dynamo``, ``torch.distributed.tensor``, scipy), so an
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import gc
 import importlib
+import io
 import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def warm(run_dir: Path) -> None:
@@ -104,14 +108,12 @@ def _child(run_dir: Path, env: dict[str, str], report: int) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # as the worker does: no interpreter teardown, and never back into main()
+        os._exit(code)  # as the worker does: no interpreter teardown, and never back into serve()
 
 
-def main() -> None:
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m hybridtrain.launch.preload RUN_DIR REPORT_FD  (started by `python -m hybridtrain`)")
-    run_dir, report = Path(sys.argv[1]), int(sys.argv[2])
-    envs = json.load(sys.stdin)
+def serve(run_dir: Path, envs: list[dict[str, str]], report: int) -> NoReturn:
+    """Import what the ranks need (:func:`warm`), fork one rank per environment in ``envs``, write each
+    rank's pid and then ``PID CODE`` as it exits to the file descriptor ``report``; never returns."""
     warm(run_dir)
     # What the children inherit is never collected there: a collection in a child would touch (and so
     # copy) every page of the inherited heap; frozen, the children share those pages (gc.freeze docs).
@@ -141,5 +143,120 @@ def main() -> None:
     os._exit(0)  # tearing down torch, DeepSpeed and transformers takes ~2 s and leaves nothing to write
 
 
-if __name__ == "__main__":
-    main()
+class Preloader:
+    """The preload process forked from the controller (:func:`fork_preloader`) before it plans: it has
+    imported torch and transformers there once, for the controller and the ranks together, and waits
+    for its job (:meth:`start`). What :class:`~hybridtrain.launch.ranks.Ranks` uses of a ``Popen``
+    (``pid``, ``poll``, ``wait``, ``send_signal``). If the controller ends without starting it (a
+    config error, a GPU machine), the process sees its socket close and exits."""
+
+    def __init__(self, pid: int, sock):
+        self.pid, self._sock, self.returncode = pid, sock, None
+
+    def start(self, run_dir: Path, env: dict[str, str], envs: list[dict[str, str]], stdout: int | None):
+        """Send the job: the environment ``env`` (the process's own, as a ``Popen`` would set it), one
+        environment per rank, the run directory, and ``stdout`` (a file descriptor, or None: the
+        controller's). Return the binary stream of the process's pid and exit-code lines (:func:`serve`)."""
+        import socket
+
+        socket.send_fds(self._sock, [b"\0"], [stdout] if stdout is not None else [])
+        self._sock.sendall(json.dumps({"run_dir": str(run_dir), "env": dict(env), "envs": list(envs)}).encode())
+        self._sock.shutdown(socket.SHUT_WR)
+        reports = self._sock.makefile("rb")
+        self._sock.close()  # the stream keeps the socket open
+        return reports
+
+    def close(self) -> None:
+        """Never used: let the process go (it exits when its socket closes)."""
+        self._sock.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+def fork_preloader() -> Preloader | None:
+    """Import torch and transformers' configuration classes here (the controller imports them to plan
+    anyway), then fork the preload process from this one, so neither it nor the ranks import them again
+    (~2.5 s of CPU a job). None on a machine with CUDA: GPU ranks are never forked.
+
+    Safe to fork as :func:`serve` is: so far this process has only imported modules and composed the
+    config (no tensor made, no thread pool of torch's started; numpy's OpenBLAS thread, which ``import
+    torch`` starts, stops itself around a fork). Call it before anything else: the planner's first
+    torch calls start OpenMP's threads, which a forked child could not use."""
+    import socket
+
+    import torch
+    from transformers import AutoConfig  # noqa: F401  (the planner's; it imports transformers' configuration code)
+
+    if torch.cuda.is_available():
+        return None
+    mine, its = socket.socketpair()
+    gc.freeze()  # the controller's collections then leave the pages it shares with the fork alone
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        mine.close()
+        _preloader(its)
+    its.close()
+    return Preloader(pid, mine)
+
+
+def _preloader(sock) -> NoReturn:
+    """In the forked preload process: wait for the job (:meth:`Preloader.start`), take what a process
+    the controller started for it would have (its environment, stdin, stdout, a session of its own),
+    then :func:`serve`; never returns."""
+    import socket
+
+    code = 1
+    try:
+        os.setsid()  # the terminal's Ctrl-C reaches only the controller, which forwards it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        head, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if not head:  # the controller ended (or went on) without it
+            code = 0
+            return
+        body = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+        job = json.loads(body)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        if fds:
+            os.dup2(fds[0], 1)
+            os.close(fds[0])
+        # as `python -u` (what a rank started as its own interpreter runs with): the ranks' lines unbuffered
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
+                                      write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
+                                      errors="backslashreplace", write_through=True)
+        import logging
+
+        logging.root.handlers.clear()  # Hydra's, which write the controller's log: a new interpreter has none
+        logging.root.setLevel(logging.WARNING)
+        serve(Path(job["run_dir"]), job["envs"], sock.detach())
+    except BaseException:  # noqa: BLE001 - the controller reads the missing pids as a failed start
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

@@ -19,7 +19,6 @@ Several machines still go through the deepspeed runner (:mod:`hybridtrain.launch
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,7 +26,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from hybridtrain.launch.preload import Preloader
 
 GRACE_S = 30.0
 """Seconds the other ranks get to exit after SIGTERM when one has failed (DeepSpeed's launcher's)."""
@@ -90,7 +92,7 @@ class Ranks:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen | Forked] = []
-        self.preload: Optional[subprocess.Popen] = None
+        self.preload: Optional[Preloader] = None
         self.failed: Optional[int] = None
         """The job's exit code when the ranks could not all be started (:meth:`fork`)."""
 
@@ -104,23 +106,13 @@ class Ranks:
             self.terminate(grace=0)
             raise
 
-    def fork(self, run_dir: Path, base: Mapping[str, str], envs: Sequence[dict], stdout=None) -> None:
-        """Start one process per environment, forked from a process that imported what a rank needs
-        once (:mod:`hybridtrain.launch.preload`, itself in a session of its own with the environment
-        ``base``); return once every rank exists. Install :meth:`forward` as the signal handler first:
-        until then it ends the preload process."""
-        read, write = os.pipe()
+    def fork(self, run_dir: Path, base: Mapping[str, str], envs: Sequence[dict], stdout, preloader: Preloader) -> None:
+        """Start one process per environment, forked by ``preloader``, the process forked from the
+        controller that imports what a rank needs once (:mod:`hybridtrain.launch.preload`; it takes
+        the environment ``base`` and a session of its own); return once every rank exists. Install
+        :meth:`forward` as the signal handler first: until then it ends the preload process."""
+        self.preload, reports = preloader, preloader.start(run_dir, base, envs, stdout)
         try:
-            self.preload = subprocess.Popen(
-                [sys.executable, "-u", "-m", "hybridtrain.launch.preload", str(run_dir), str(write)],
-                env=dict(base), stdin=subprocess.PIPE, stdout=stdout, pass_fds=(write,), start_new_session=True,
-                preexec_fn=_default_sigint)
-        finally:
-            os.close(write)
-        reports = os.fdopen(read, "rb")
-        try:
-            self.preload.stdin.write(json.dumps(list(envs)).encode())
-            self.preload.stdin.close()
             codes: dict[int, int] = {}
             for _ in envs:
                 line = reports.readline()

@@ -70,15 +70,39 @@ def test_every_rank_exiting_cleanly_is_a_clean_job(tmp_path):
     assert _start(["pass\n", "import time\ntime.sleep(0.3)\n"], tmp_path).wait() == 0
 
 
-def test_forked_ranks_that_cannot_start_end_the_job_with_the_preload_process_code(tmp_path, capfd):
+def _controller(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a new interpreter, like the controller, which forks the preload process first."""
+    head = ("import os, sys\nfrom hybridtrain.launch.preload import fork_preloader\n"
+            "from hybridtrain.launch.ranks import Ranks, rank_env\npreloader = fork_preloader()\n")
+    return subprocess.run([sys.executable, "-c", head + script], capture_output=True, text=True, timeout=120)
+
+
+def test_forked_ranks_that_cannot_start_end_the_job_with_the_preload_process_code(tmp_path):
     """The process that forks the CPU ranks fails before forking (here: no ``config.yaml`` to read):
     the job ends with its code, a line saying so, and no rank left behind."""
-    ranks = Ranks()
-    envs = [rank_env(os.environ, r, 2, 29999, range(2)) for r in range(2)]
-    ranks.fork(tmp_path, os.environ, envs)
-    assert ranks.procs == [] and ranks.wait() == 1
-    err = capfd.readouterr().err
-    assert "config.yaml" in err and "exited with code 1 before starting them all" in err
+    done = _controller("envs = [rank_env(os.environ, r, 2, 29999, range(2)) for r in range(2)]\n"
+                       f"ranks = Ranks()\nranks.fork({str(tmp_path)!r}, os.environ, envs, None, preloader)\n"
+                       "print('ranks', len(ranks.procs), 'code', ranks.wait())\n")
+    assert "ranks 0 code 1" in done.stdout, done.stderr
+    assert "config.yaml" in done.stderr and "exited with code 1 before starting them all" in done.stderr
+
+
+def test_the_preload_process_of_a_run_that_never_launches_exits_with_it():
+    """A config error or a dry run ends the controller before the launch: the process it forked to
+    start the ranks sees its socket close and exits too."""
+    done = _controller("print(preloader.pid, flush=True)\nsys.exit(2)\n")
+    assert done.returncode == 2, done.stderr
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the preload process {pid} outlived its controller")
 
 
 def test_a_forked_rank_is_found_by_its_name(tmp_path):

@@ -4,7 +4,9 @@ starts with this folder (``sitecustomize`` is imported at interpreter start-up).
 It does nothing unless ``HT_FAULT_RANK`` names this process's ``RANK`` (set by the launcher for each
 worker), or the process has no ``RANK`` yet: the process that forks the CPU ranks
 (``hybridtrain.launch.preload``), whose children take their ``RANK`` after the fork, so the wrapper
-below checks ``RANK`` when it is called. Then, once DeepSpeed's pipeline engine module is imported, it wraps
+below checks ``RANK`` when it is called. That process is usually forked from the controller (which
+also has no ``RANK``): a thread does not survive a fork, so every forked child starts the watcher
+again, which leaves a class it already wrapped alone. Then, once DeepSpeed's pipeline engine module is imported, it wraps
 ``PipelineEngine._exec_backward_pass`` (called once per micro-batch of a step, through the
 class's ``_INSTRUCTION_MAP``) so that:
 
@@ -35,6 +37,8 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
             if cls is not None and hasattr(cls, "_INSTRUCTION_MAP"):
                 break
             time.sleep(0.02)
+        if getattr(cls, "_ht_wrapped", False):  # wrapped before this process was forked
+            return
         original = cls._exec_backward_pass
         at, calls = int(os.environ["HT_FAULT_AT"]), [0]
 
@@ -51,7 +55,12 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
             return original(self, *args, **kwargs)
 
         cls._exec_backward_pass = backward
+        cls._ht_wrapped = True
         # the engine dispatches through this class-level table of the original functions
         cls._INSTRUCTION_MAP = {k: (backward if v is original else v) for k, v in cls._INSTRUCTION_MAP.items()}
 
-    threading.Thread(target=_ht_patch, name="ht-fault-inject", daemon=True).start()
+    def _ht_watch():
+        threading.Thread(target=_ht_patch, name="ht-fault-inject", daemon=True).start()
+
+    _ht_watch()
+    os.register_at_fork(after_in_child=_ht_watch)
