@@ -48,7 +48,7 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.config import to_config
     from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
-    from hybridtrain.launch import check, start
+    from hybridtrain.launch.dispatch import check, start
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.models.families import family_of

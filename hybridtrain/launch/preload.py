@@ -171,15 +171,19 @@ class Preloader:
         self._sock.close()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self._reap(os.WNOHANG)
 
     def wait(self) -> int:
+        return self._reap(0)
+
+    def _reap(self, flags: int) -> int | None:
         if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped elsewhere (psutil's wait_procs): as Popen, count it as 0
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
