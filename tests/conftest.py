@@ -25,6 +25,13 @@ HERE = Path(__file__).resolve().parent
 if os.environ.get("HYBRIDTRAIN_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported anywhere in this process
 
+# CI runs two workers on two cores, and every job (and every in-process test) sizes its OpenMP threads for
+# the whole machine. OpenMP's default wait policy spins at each barrier, so when both workers compute the
+# threads burn the cores waiting for each other: two 8-step tiny jobs run side by side took 37-65 s of
+# CPU each with it and 6-7 s passive (each ~7 s alone either way). Before libgomp is loaded; the ranks
+# inherit it; a value already set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
                  "test_packing_dist.py", "test_lora_dist.py", "test_faults.py", "test_data_e2e.py")
