@@ -150,8 +150,9 @@ def run_hybridtrain(run_dir: Path, overrides: list[str], env: dict | None = None
 ROLES = [("runner", ("deepspeed.launcher.runner",)), ("launch", ("deepspeed.launcher.launch",)),
          ("preload", ("hybridtrain.launch.preload",)), ("worker", ("hybridtrain.worker", "startup_deepspeed.py"))]
 """Kinds of process in a launch, by a fragment of their command line, first match after the forked
-CPU ranks (:func:`hybridtrain.launch.ranks.rank_of`: they keep the preload process's command line);
-the launcher's own command line names the worker's; anything else is the ``controller``."""
+CPU ranks (:func:`hybridtrain.launch.ranks.rank_of`: they keep the preload process's command line)
+and the preload process forked from the controller (its command line is the controller's); the
+launcher's own command line names the worker's; anything else is the ``controller``."""
 
 
 def tree_cpu(pid: int) -> dict[str, float]:
@@ -170,15 +171,20 @@ def tree_cpu(pid: int) -> dict[str, float]:
     out = {"controller": 0.0, "launch": 0.0, "runner": 0.0, "preload": 0.0, "worker": 0.0, "worker_max": 0.0}
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        procs, root_cmd = [root, *root.children(recursive=True)], root.cmdline()
     except psutil.Error:
         return {}
     for p in procs:
         try:
-            t, cmd, forked = p.cpu_times(), " ".join(p.cmdline()), rank_of(p) is not None
+            t, cmd, forked = p.cpu_times(), p.cmdline(), rank_of(p) is not None
         except psutil.Error:
             continue
-        role = "worker" if forked else next((name for name, parts in ROLES if any(x in cmd for x in parts)), "controller")
+        if forked:
+            role = "worker"
+        elif p.pid != root.pid and cmd == root_cmd:  # forked from the controller: the preload process
+            role = "preload"
+        else:
+            role = next((name for name, parts in ROLES if any(x in " ".join(cmd) for x in parts)), "controller")
         used = t.user + t.system + (0.0 if role == "preload" else t.children_user + t.children_system)
         out[role] += used
         if role == "worker":
