@@ -61,9 +61,7 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     from hybridtrain.launch.devices import local_devices
 
     devices = local_devices(world, os.environ, machine.gpus_per_node)  # the user's CUDA_VISIBLE_DEVICES kept
-    fork = preloader is not None and machine.gpus_per_node == 0
-    if preloader is not None and not fork:
-        preloader.close()
+    fork = preloader is not None  # never on a machine with CUDA (early_preloader)
     shown = [f"(fork of {os.getpid()})", "hybridtrain.launch.preload.serve", str(run_dir)] if fork else cmd
     where = f": {' '.join(shown)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"
     how = " forked after one import" if fork else ""

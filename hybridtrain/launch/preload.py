@@ -148,7 +148,7 @@ class Preloader:
     imported torch and transformers there once, for the controller and the ranks together, and waits
     for its job (:meth:`start`). What :class:`~hybridtrain.launch.ranks.Ranks` uses of a ``Popen``
     (``pid``, ``poll``, ``wait``, ``send_signal``). If the controller ends without starting it (a
-    config error, a GPU machine), the process sees its socket close and exits."""
+    config error), the process sees its socket close and exits."""
 
     def __init__(self, pid: int, sock):
         self.pid, self._sock, self.returncode = pid, sock, None
@@ -165,10 +165,6 @@ class Preloader:
         reports = self._sock.makefile("rb")
         self._sock.close()  # the stream keeps the socket open
         return reports
-
-    def close(self) -> None:
-        """Never used: let the process go (it exits when its socket closes)."""
-        self._sock.close()
 
     def poll(self) -> int | None:
         return self._reap(os.WNOHANG)

@@ -192,9 +192,9 @@ def test_local_sigterm_saves_a_checkpoint_and_exits_cleanly(reference, tmp_path)
     assert 2 <= stopped < STEPS and "Traceback" not in run.output
     assert (RunDir(tmp_path).checkpoints / f"step_{stopped}" / "meta.json").is_file()
     assert not RunDir(tmp_path).stop_marker.exists()
-    # every process of the job names the run directory on its command line: the controller, the preload
-    # process and the ranks forked from it keep the controller's (or `python -m hybridtrain.launch.preload
-    # RUN_DIR`'s), a rank started as its own interpreter has `hybridtrain.worker RUN_DIR`
+    # every process of the job names the run directory on its command line: the preload process and the
+    # ranks forked from it keep the controller's, a rank started as its own interpreter has
+    # `hybridtrain.worker RUN_DIR`
     left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"processes left behind:\n{left.stdout}"
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, stopped + 1))
