@@ -2,13 +2,16 @@
 
 * ``plain``: transformers + ``torch.optim.AdamW`` (:func:`hybridtrain.reference.reference_run`);
 * ``trainer``: the HF ``Trainer`` with its defaults (``adamw_torch_fused``, its data loader, its
-  gradient accumulation and clipping), fed the same samples in the same order.
+  gradient accumulation and clipping), fed the same samples in the same order;
+* ``plain_keep``: ``plain`` with the ``malloc`` setting of hybridtrain's CPU ranks
+  (``launcher.keep_host_memory``, :mod:`hybridtrain.host_memory`), which separates what that setting
+  gains from what hybridtrain's own code costs.
 
 Both take the same config as the hybridtrain side (``hybridtrain.cli.compose`` of the same
 overrides): same model and initial weights (:func:`hybridtrain.models.build.reference_model`), same
 global batch, micro-batch size, accumulation, threads and precision (fp32).
 
-    python -m bench.baselines trainer|plain THREADS OVERRIDES_JSON    # prints "RECORDS [...]"
+    python -m bench.baselines trainer|plain|plain_keep THREADS OVERRIDES_JSON    # prints "RECORDS [...]"
 
 Each record is one optimizer step: ``step``, ``loss``, ``step_time_s`` (wall seconds of the step,
 everything the loop does per step included).
@@ -109,6 +112,12 @@ def main() -> None:
     from hybridtrain.cli import compose
 
     cfg = compose(overrides)
+    if kind == "plain_keep":
+        from hybridtrain.host_memory import keep_freed_memory
+
+        if not keep_freed_memory():
+            raise SystemExit("plain_keep needs glibc's mallopt")
+        kind = "plain"
     if kind == "plain":
         from hybridtrain.reference import reference_run
 
@@ -116,7 +125,7 @@ def main() -> None:
     elif kind == "trainer":
         records = trainer_run(cfg)
     else:
-        raise SystemExit(f"unknown baseline {kind!r}: plain or trainer")
+        raise SystemExit(f"unknown baseline {kind!r}: plain, plain_keep or trainer")
     print("RECORDS " + json.dumps(records), flush=True)
 
 

@@ -1,5 +1,6 @@
 """The overhead comparison: hybridtrain (1,1,1) against the plain transformers + AdamW loop and the
-HF ``Trainer``, one process each, same model, data, batch, micro-batches, threads and precision.
+HF ``Trainer``, one process each, same model, data, batch, micro-batches, threads and precision, and
+against the plain loop with hybridtrain's ``malloc`` setting (:data:`SIDES`).
 
 The step time of every side is the wall time of a whole loop iteration: for hybridtrain the
 difference of consecutive ``elapsed_s`` in ``metrics.jsonl`` (the step plus its observation,
@@ -18,7 +19,9 @@ from bench.common import check, median_of, run_hybridtrain
 from bench.models import MODELS, BenchModel, quick_steps
 
 SIDES = {"hybridtrain": "A: hybridtrain (1,1,1)", "plain": "B: plain transformers + AdamW loop",
-         "trainer": "C: HF Trainer"}
+         "trainer": "C: HF Trainer", "plain_keep": "D: B with hybridtrain's malloc setting"}
+"""B and C run as a user runs them; D is B with ``launcher.keep_host_memory``'s ``malloc`` setting, so
+A / D is hybridtrain's own cost alone and D / B what the setting gains."""
 
 
 def loop_times(records: list[dict], skip: int) -> list[float]:
@@ -55,9 +58,9 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate, model:
     def baseline(kind: str):
         return lambda r: _result([x["step_time_s"] for x in run_baseline(kind, overrides, threads) if x["step"] > skip], bm)
 
-    res = alternate({"hybridtrain": ht, "plain": baseline("plain"), "trainer": baseline("trainer")}, rounds)
+    res = alternate({k: ht if k == "hybridtrain" else baseline(k) for k in SIDES}, rounds)
     tps = {k: bm.tokens_per_step / median_of(v, "step_s") for k, v in res.items()}
-    ratios = {k: tps["hybridtrain"] / tps[k] for k in ("plain", "trainer")}
+    ratios = {k: tps["hybridtrain"] / tps[k] for k in ("plain", "trainer", "plain_keep")}
     rows = [["side", "median step s", "tokens/s", "runs (median step s)"]]
     rows += [[SIDES[k], f"{median_of(v, 'step_s'):.4f}", f"{tps[k]:,.1f}", ", ".join(f"{x['step_s']:.4f}" for x in v)]
              for k, v in res.items()]
@@ -71,7 +74,9 @@ def overhead(work: Path, rounds: int, quick: bool, done: dict, alternate, model:
                  f"accumulated), schedule and precision (fp32); {steps} steps per run, the median wall time of a "
                  f"loop iteration after {skip} warm-up steps (`bench/overhead.py`: hybridtrain from "
                  "consecutive `elapsed_s` of metrics.jsonl, plain from `hybridtrain.reference.reference_run`, "
-                 "the Trainer between its `on_step_end` callbacks; `bench/baselines.py`). Each side in a fresh process."),
+                 "the Trainer between its `on_step_end` callbacks; `bench/baselines.py`). Each side in a fresh process; "
+                 "D is the plain loop with the `malloc` setting of hybridtrain's CPU ranks (`launcher.keep_host_memory`): "
+                 "A / D is hybridtrain's own cost, D / B what the setting gains."),
         "table": rows, "summary": summary + ".", "ratio": ratios["plain"], "ratios": ratios, "targets": target,
         "model": name, "raw": res,
         "plot": {"labels": list(res), "values": [tps[k] for k in res], "ylabel": "tokens/s"},

@@ -49,6 +49,7 @@ def run(run_dir: Path) -> int:
     cfg = files.config()
     plan = files.plan()
     on_cpu = get_accelerator().device_name() == "cpu"
+    kept = False
     if on_cpu:
         # DeepSpeed JIT-compiles a shared-memory op (25 s on a fresh machine) that only serves
         # inference all-reduce; training never calls it.
@@ -56,6 +57,10 @@ def run(run_dir: Path) -> int:
 
         # (``import deepspeed.comm.torch as m`` would bind the torch package re-exported there)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        if cfg.launcher.keep_host_memory:  # reuse freed host memory (glibc only; elsewhere the default policy)
+            from hybridtrain.host_memory import keep_freed_memory
+
+            kept = keep_freed_memory()
     else:
         _setup_gpu(cfg)
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None,
@@ -81,7 +86,8 @@ def run(run_dir: Path) -> int:
         print(f"[hybridtrain] rank 0 ready in {time.perf_counter() - t0:.1f}s "
               f"(stage {built.stage}, tp_rank {built.tp_rank}, dp_rank {built.dp_rank}); model state "
               f"{held['total'] / 2**20:.1f} MiB = params {held['params'] / 2**20:.1f} + grads "
-              f"{held['grads'] / 2**20:.1f} + optimizer {held['optim'] / 2**20:.1f}", flush=True)
+              f"{held['grads'] / 2**20:.1f} + optimizer {held['optim'] / 2**20:.1f}"
+              f"{'; freed host memory kept for reuse' if kept else ''}", flush=True)
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
                    stop=stop)
