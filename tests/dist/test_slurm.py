@@ -135,6 +135,14 @@ def test_slurm_job_whose_rank_fails_reports_status_and_log(slurm_cluster, tmp_pa
     assert "task 1: Exited with exit code 3" in log.read_text()
 
 
+def test_hostnames_uses_scontrol(slurm_cluster):
+    """A job's node list is expanded by SLURM's own ``scontrol show hostnames`` (here in the tier that
+    brings SLURM up, so that it runs on a fresh machine too, not only where SLURM was installed before)."""
+    from hybridtrain.launch import env
+
+    assert env.hostnames("node[1-3],gpu07") == ["node1", "node2", "node3", "gpu07"]
+
+
 def test_rejected_submission_shows_slurms_message(slurm_cluster, tmp_path):
     proc = run_cli(tmp_path, *PLAN, *SLURM, "launcher.partition=nosuchpartition", check=False, timeout=200)
     assert proc.returncode == 1, proc.stdout[-2000:]
