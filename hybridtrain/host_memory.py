@@ -26,8 +26,8 @@ KEEP_BYTES = 1 << 30
 """Both thresholds: blocks under 1 GiB come from the heap, and up to 1 GiB of free heap top is kept."""
 
 
-def keep_freed_memory(keep_bytes: int = KEEP_BYTES) -> bool:
-    """Make this process's ``malloc`` reuse freed blocks under ``keep_bytes`` instead of unmapping
+def keep_freed_memory() -> bool:
+    """Make this process's ``malloc`` reuse freed blocks under :data:`KEEP_BYTES` instead of unmapping
     them. Returns whether it took effect: ``False`` where the C library is not glibc (no
     ``mallopt``), which only leaves the default policy (slower, never different numbers)."""
     import ctypes
@@ -36,4 +36,4 @@ def keep_freed_memory(keep_bytes: int = KEEP_BYTES) -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return all(mallopt(param, keep_bytes) == 1 for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
+    return all(mallopt(param, KEEP_BYTES) == 1 for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
