@@ -12,6 +12,7 @@ HELIUM = ["+recipe=llama_tiny", "model.model_type=helium", "model.family=auto", 
           "trainer.max_steps=3"]  # Helium's default head_dim (128) does not fit llama_tiny's 96 / 12 heads
 
 
+@pytest.mark.slow  # 28 s; CI keeps the derivation checks (tests/unit/test_family_auto.py) and the refusal below
 def test_auto_family_trains_like_transformers(tmp_path):
     from hybridtrain.reference import reference_run
 
