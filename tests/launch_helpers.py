@@ -12,10 +12,18 @@ from hybridtrain.cli import REPO, compose as compose_config  # noqa: F401  (re-e
 from hybridtrain.rundir import RunDir
 
 
+NO_REPORT = "trainer.report=false"
+"""Added to a test's job unless it sets ``trainer.report`` itself: writing ``report.md`` and its plots at
+the end of a run costs 0.5-0.7 s of CPU a job, about a minute over CI; the report's tests ask for it."""
+
+
 def run_cli(run_dir: Path, *overrides: str, timeout: float = 400, env: dict | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES...`` from the repository root; with
-    ``check`` a non-zero exit fails the test showing the end of the output."""
+    """``python -m hybridtrain hydra.run.dir=RUN_DIR OVERRIDES...`` from the repository root, without the
+    end-of-run report unless the overrides set ``trainer.report`` (:data:`NO_REPORT`); with ``check`` a
+    non-zero exit fails the test showing the end of the output."""
+    if not any(o.lstrip("+~").startswith("trainer.report=") for o in overrides):
+        overrides = (*overrides, NO_REPORT)
     return cli.run(run_dir, overrides, timeout=timeout, env=env, cwd=REPO, check=check)
 
 

@@ -19,7 +19,8 @@ def pipe_run(tmp_path_factory) -> Path:
     """gpt_tiny at pp=2 (12 micro-batches), steps 2 and 3 profiled, validation at the end, TensorBoard."""
     d = tmp_path_factory.mktemp("observe_pp2")
     run_cli(d / "run", "+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=4", "trainer.profile_steps=[2,3]",
-            "trainer.save_final=false", "data.val_fraction=0.003", "logger=tensorboard", f"data.cache_dir={d / 'cache'}")
+            "trainer.save_final=false", "data.val_fraction=0.003", "logger=tensorboard", f"data.cache_dir={d / 'cache'}",
+            "trainer.report=true")
     return d / "run"
 
 
@@ -100,7 +101,7 @@ def test_sequential_data_parallel_run_with_wandb_offline(tmp_path):
     """pp=1, dp=2: forward/backward timed in the loop, both ranks' memory gathered, a W&B offline run."""
     run_dir = tmp_path / "run"
     run_cli(run_dir, "+recipe=gpt_tiny", "parallel.dp=2", "trainer.max_steps=3", "trainer.profile_steps=[3]",
-            "trainer.save_final=false", "trainer.peak_tflops=0.5", "logger=wandb",
+            "trainer.save_final=false", "trainer.peak_tflops=0.5", "logger=wandb", "trainer.report=true",
             f"data.cache_dir={tmp_path / 'cache'}", env={"WANDB_MODE": "online"})  # forced offline anyway
     train = _train(run_dir)
     for m in train:
