@@ -25,19 +25,18 @@ def summary(plan, hf_config, params: int) -> str:
     lines = [
         f"model     {hf_config.model_type}: {params / 1e6:.2f}M parameters, {plan.num_layers} layers, "
         f"vocab {plan.vocab_size} (padded to {plan.padded_vocab_size})",
-        f"plan      dp={plan.dp} x tp={plan.tp} x pp={plan.pp} = {plan.world_size} rank(s), "
+        f"plan      dp={plan.dims.dp} x tp={plan.dims.tp} x pp={plan.dims.pp} = {plan.world_size} rank(s), "
         f"ZeRO-{plan.zero_stage}, {plan.precision}",
         f"batch     global {plan.global_batch_size} = micro {plan.micro_batch_size} x accumulation "
-        f"{plan.grad_accum} x dp {plan.dp}; {plan.tokens_per_step} tokens/step "
+        f"{plan.grad_accum} x dp {plan.dims.dp}; {plan.tokens_per_step} tokens/step "
         f"({plan.global_batch_size} x {plan.seq_len})",
     ]
-    for s in range(plan.pp):
+    for s in range(plan.dims.pp):
         names = plan.stage_layers(s)
         blocks = count_blocks(names)
         lines.append(f"stage {s}   {blocks} block(s): {', '.join(names)}")
-    if plan.pp > 1:
-        bubble = (plan.pp - 1) / (plan.grad_accum + plan.pp - 1)
-        lines.append(f"pipeline  {plan.grad_accum} micro-batches per step, 1F1B bubble (pp-1)/(m+pp-1) = {bubble:.1%}")
+    if plan.dims.pp > 1:
+        lines.append(f"pipeline  {plan.grad_accum} micro-batches per step, 1F1B bubble (pp-1)/(m+pp-1) = {plan.bubble:.1%}")
     return "\n".join("[hybridtrain] " + ln for ln in lines)
 
 

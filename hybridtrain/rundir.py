@@ -152,7 +152,7 @@ class RunDir:
 
     def plan(self) -> Plan:
         """The :class:`Plan` of ``plan.json``."""
-        return Plan(**json.loads(self.plan_file.read_text()))
+        return Plan.from_dict(json.loads(self.plan_file.read_text()))
 
     def plan_record(self) -> dict[str, Any] | None:
         """``plan.json`` as written, or ``None`` when there is none (the report reads what it finds)."""

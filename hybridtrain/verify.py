@@ -58,13 +58,13 @@ def shrink(cfg, plan, hf_config, steps: int) -> dict:
     kv = int(getattr(hf_config, family.kv_heads, None) or heads) if family.kv_heads else heads
     hidden = int(getattr(hf_config, family.hidden))
     width = mlp_width_of(family, hf_config)
-    tp = plan.tp
+    tp = plan.dims.tp
     kv_small = tp  # the fewest KV heads tp divides; heads keep their ratio to them
     heads_small = kv_small * (heads // kv)
     head_dim = 8
     hidden_small = heads_small * head_dim
     width_small = -(-max(tp, round(hidden_small * width / hidden)) // tp) * tp
-    layers = max(2, plan.pp)
+    layers = max(2, plan.dims.pp)
     seq = min(plan.seq_len, 32)
     config = {k: v for k, v in cfg.model.config.items() if k not in ("vocab_size",)}
     config.update({family.n_layers: layers, family.hidden: hidden_small, family.heads: heads_small,
@@ -77,9 +77,9 @@ def shrink(cfg, plan, hf_config, steps: int) -> dict:
     for key in family.dropout_keys:  # 0 in the twin: masks depend on the layout, so would any comparison
         if hasattr(hf_config, key):
             config[key] = 0.0
-    micro_batches = max(2, plan.pp)  # the pipeline runs more than one micro-batch
+    micro_batches = max(2, plan.dims.pp)  # the pipeline runs more than one micro-batch
     return {"model": config, "seq_len": seq, "layers": layers,
-            "global_batch_size": plan.micro_batch_size * plan.dp * micro_batches, "steps": steps}
+            "global_batch_size": plan.micro_batch_size * plan.dims.dp * micro_batches, "steps": steps}
 
 
 def fit_devices(plan, gpus: int) -> tuple[int, bool]:
@@ -88,11 +88,11 @@ def fit_devices(plan, gpus: int) -> tuple[int, bool]:
     it fits the local GPUs; when even one replica (tp x pp ranks) needs more GPUs than there are,
     both runs use CPU processes (the twin is small; fp16 then needs CPU fp16 kernels)."""
     if gpus == 0 or plan.world_size <= gpus:
-        return plan.dp, False
-    model_ranks = plan.tp * plan.pp
+        return plan.dims.dp, False
+    model_ranks = plan.dims.tp * plan.dims.pp
     if model_ranks <= gpus:
         return gpus // model_ranks, False
-    return plan.dp, True
+    return plan.dims.dp, True
 
 
 def _value(v) -> str:
@@ -199,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[hybridtrain] config error: {explain(err)}", file=sys.stderr)
         return 2
     dp, on_cpu = fit_devices(plan, machine_facts().gpus_per_node)  # the plan may be for a bigger cluster
-    if dp != plan.dp or on_cpu:
+    if dp != plan.dims.dp or on_cpu:
         print(f"[hybridtrain] verify: the plan's {plan.world_size} ranks do not fit this machine's GPUs: the twin "
               + ("runs as CPU processes" if on_cpu else f"runs dp={dp}"), flush=True)
     env = {"CUDA_VISIBLE_DEVICES": ""} if on_cpu else None
     twin = shrink(cfg, dataclasses.replace(plan, dp=dp), hf_config, steps)
-    layout = {"dp": dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
+    layout = {"dp": dp, "tp": plan.dims.tp, "pp": plan.dims.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
     base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": None,
             "stage_layers": None, "activation_checkpointing": False}
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     out = (out or Path("runs") / "verify" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     print(f"[hybridtrain] verify: {cfg.model.model_type} twin with {twin['layers']} layers, "
           f"{twin['model']}, seq {twin['seq_len']}, global batch {twin['global_batch_size']}, {steps} steps; "
-          f"plan dp={dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
+          f"plan dp={dp} tp={plan.dims.tp} pp={plan.dims.pp} ZeRO-{plan.zero_stage} {plan.precision} against (1, 1, 1); "
           f"runs in {out}", flush=True)
     records = {}
     for name, lay in (("plan", layout), ("single", base)):

@@ -142,7 +142,9 @@ def _stopped(run_dir: Path, stop) -> None:
 def _saved_plan(checkpoint: Path) -> dict:
     from hybridtrain.checkpoint.io import CheckpointDir
 
-    return CheckpointDir(checkpoint).meta()["plan"]
+    from hybridtrain.plan.types import saved_layout
+
+    return saved_layout(CheckpointDir(checkpoint).meta()["plan"])
 
 
 def _saved_vocab(checkpoint: Path) -> int:

@@ -8,7 +8,7 @@ from typing import Optional
 from hybridtrain.checkpoint.io import CheckpointDir, latest_checkpoint, problem
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.plan.types import Plan
+from hybridtrain.plan.types import Plan, saved_layout
 
 
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
@@ -38,12 +38,12 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
             raise PlanError("trainer.resume", f"{why}; the newest loadable checkpoint there is {newest}")
     ckpt = CheckpointDir(path)
     meta = ckpt.meta()
-    saved = meta["plan"]
+    saved = saved_layout(meta["plan"])
     now = plan.layout()
     if saved != now and (max(saved["zero_stage"], now["zero_stage"]) > 2 or not ckpt.optim.is_dir()):
         raise PlanError("parallel", f"{path} was saved with {saved} but this run is {now}; changing the plan on "
                         "resume needs ZeRO <= 2 on both sides and the checkpoint's optim/ folder: resume with " +
-                        " ".join(_override(k, v) for k, v in saved.items()))
+                        " ".join(_override(k, v) for k, v in saved.items() if _configurable(cfg, k)))
     ckpt_config = json.loads((ckpt.hf / "config.json").read_text())
     for key in family_of(cfg.model).shape_keys():
         if key in ckpt_config and getattr(hf_config, key, None) != ckpt_config[key]:
@@ -58,6 +58,12 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         raise PlanError("trainer.max_steps", f"{cfg.trainer.max_steps} but {path} is at step {meta['step']} "
                         "already; raise trainer.max_steps to train on")
     return path
+
+
+def _configurable(cfg: Config, key: str) -> bool:
+    """Whether a saved layout's entry has a ``parallel.*`` key to restore it with (an axis added since has
+    none until its key exists)."""
+    return key == "stage_bounds" or hasattr(cfg.parallel, key)
 
 
 def _override(key: str, value) -> str:

@@ -34,24 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hybridtrain.data.packing import pack, row_positions
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one global batch is divided (all counts in samples)."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    dp: int
-
-    @property
-    def grad_accum(self) -> int:
-        """Micro-batches per step on each data-parallel rank."""
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
-
-    def rank_rows(self, indices: np.ndarray, dp_rank: int) -> np.ndarray:
-        """This rank's micro-batches of one global batch's sample indices: ``[grad_accum, micro]``."""
-        return indices.reshape(self.grad_accum, self.dp, self.micro_batch_size)[:, dp_rank]  # [gas, dp, mbs] -> [gas, mbs]
+from hybridtrain.parallel.dims import BatchLayout
 
 
 @dataclass(frozen=True)

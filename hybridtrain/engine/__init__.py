@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
-from hybridtrain.parallel.dims import ParallelDims, ParallelGroups
+from hybridtrain.parallel.groups import ParallelGroups
 from hybridtrain.plan.types import Plan
 
 
@@ -78,7 +78,7 @@ def ds_config(cfg: Config, plan: Plan, trainable: int | None = None) -> dict[str
         # device at every micro-batch's forward and step; hybridtrain measures steps itself (observe/).
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
-    if plan.pp > 1:
+    if plan.dims.pp > 1:
         # Only the hidden states cross stages; partitioning them over TP is Megatron-specific.
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return conf
@@ -95,10 +95,10 @@ def bucket_size(trainable: int) -> int:
 def _single_replica_without_zero(plan: Plan) -> bool:
     """Whether the data-parallel gradient reduction is a no-op: one replica, and no ZeRO optimizer
     (whose reduction also moves the gradients into its partitions, so it must run even then)."""
-    return plan.dp == 1 and plan.zero_stage == 0
+    return plan.dims.dp == 1 and plan.zero_stage == 0
 
 
-def zero3_partitioner(conf: dict[str, Any], grid: Any, precision: str) -> Callable[[Any], None]:
+def zero3_partitioner(conf: dict[str, Any], groups: ParallelGroups, precision: str) -> Callable[[Any], None]:
     """ZeRO-3 at pp = 1: partition each layer's parameters over its data-parallel group as soon as the
     layer is built, instead of building the whole (TP-sharded) model on every rank and letting
     ``deepspeed.initialize`` partition it (a 70B model at tp = 8: 35 GB of fp32 per rank on the host).
@@ -119,8 +119,8 @@ def zero3_partitioner(conf: dict[str, Any], grid: Any, precision: str) -> Callab
         for p in layer.parameters():  # parameters only, as the engine casts them
             p.data = p.data.to(dtype)
         layer.to(device)
-        deepspeed.zero.Init(module=layer, data_parallel_group=grid.get_data_parallel_group(), dtype=dtype,
-                            config_dict_or_path=conf, mpu=grid)
+        deepspeed.zero.Init(module=layer, data_parallel_group=groups.data_group, dtype=dtype,
+                            config_dict_or_path=conf, mpu=groups)
 
     return partition
 
@@ -136,7 +136,7 @@ class Built:
 
     engine: Any
     groups: ParallelGroups
-    """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.dims`)."""
+    """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.groups`)."""
     lora: Any = None
     """The run's :class:`~hybridtrain.models.lora.LoraSpec` (``finetune.method=lora``), else ``None``."""
     at_step: dict = field(default_factory=dict)
@@ -218,33 +218,31 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     """
     import deepspeed
     import torch
-    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
     from torch.optim.lr_scheduler import LambdaLR
 
     from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs
     from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.groups import pipeline_groups, sequential_groups
     from hybridtrain.parallel.layers import VocabParallelLoss
 
-    dims = ParallelDims.of(plan)
-    topo = dims.topology()
+    dims = plan.dims
     tp = TPContext()
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
     loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
-        if plan.pp > 1:
-            model = HybridPipelineModule(layers=layer_specs(builder), topology=topo, loss_fn=loss_fn,
+        if plan.dims.pp > 1:
+            model = HybridPipelineModule(layers=layer_specs(builder), dims=dims, loss_fn=loss_fn,
                                          tp=tp, stage_bounds=plan.stage_bounds)
-            grid, mpu = model._grid, None  # the pipeline engine takes its grid from the module
+            groups, mpu = pipeline_groups(dims, model, tp), None  # the pipeline engine takes its grid from the module
         else:
-            grid = PipelineParallelGrid(topology=topo)
-            tp.bind_grid(grid)  # before the layers are built: they read the TP group
+            groups = sequential_groups(dims, tp)  # before the layers are built: they read the TP group
             partition = None
             if plan.zero_stage == 3 and builder.lora is None:  # LoRA: DeepSpeed partitions the frozen model whole
-                partition = zero3_partitioner(ds_config(cfg, plan), grid, plan.precision)
-            model, mpu = sequential_model(builder, loss_fn, partition), grid
+                partition = zero3_partitioner(ds_config(cfg, plan), groups, plan.precision)
+            model, mpu = sequential_model(builder, loss_fn, partition), groups
     if builder.lora is not None:
         from hybridtrain.parallel.lora import freeze_base
 
@@ -257,15 +255,15 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
         # DeepSpeed would still flatten every gradient into one buffer, "all-reduce" it over a
         # data-parallel group of one and copy it back at each step: two passes over the gradients
         # for nothing (2-5% of a step of a 135M model on a CPU, py-spy).
-        if plan.pp > 1:
+        if plan.dims.pp > 1:
             engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's own flag
         else:
             engine.enable_backward_allreduce = False
-    built = Built(engine=engine, groups=ParallelGroups.from_grid(dims, grid, tp), lora=builder.lora)
+    built = Built(engine=engine, groups=groups, lora=builder.lora)
     from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
     if _own_clipping(plan):
-        install_fp32_clipping(engine, tp.rank, cfg.optim.grad_clip)
+        install_fp32_clipping(engine, tp.rank, groups.model_group, cfg.optim.grad_clip)
     guard_empty_norm(engine.optimizer, engine.device)
     built.watch_model_state()
     return built

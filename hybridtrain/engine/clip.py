@@ -35,22 +35,21 @@ def global_grad_norm(params: Iterable[Any], tp_rank: int, group: Any, device: An
     return squares.sqrt().float()
 
 
-def install_fp32_clipping(engine: Any, tp_rank: int, max_norm: float) -> None:
+def install_fp32_clipping(engine: Any, tp_rank: int, model_group: Any, max_norm: float) -> None:
     """Before each optimizer step: compute the global gradient norm, clip to ``max_norm`` (when
     > 0) and store the norm where ``engine.get_global_grad_norm()`` reads it.
 
     The DeepSpeed config of such a run sets ``gradient_clipping`` to 0 so that DeepSpeed does not
-    clip a second time with its own norm (:func:`hybridtrain.engine.ds_config`).
+    clip a second time with its own norm (:func:`hybridtrain.engine.ds_config`). ``model_group``: the
+    pipe x tensor ranks of this replica (:attr:`~hybridtrain.parallel.groups.ParallelGroups.model_group`).
     """
     import torch
 
     from hybridtrain.engine.memory import torch_optimizer
 
-    group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
-
     def clip(*_):
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(params, tp_rank, group, engine.device)
+        norm = global_grad_norm(params, tp_rank, model_group, engine.device)
         if max_norm > 0:  # torch's coefficient: max_norm / (norm + 1e-6), at most 1
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         engine._global_grad_norm = norm  # what get_global_grad_norm() returns (DeepSpeed leaves it None)

@@ -8,6 +8,8 @@ from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.models.stages import LAYER_CLASSES, DecoderBlock, TokenEmbedding, tied_head
 from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.dims import ParallelDims
+from hybridtrain.parallel.groups import bind_pipeline_tp
 
 
 class HybridPipelineModule(PipelineModule):
@@ -18,17 +20,18 @@ class HybridPipelineModule(PipelineModule):
     exists and no layer has been built yet.
     """
 
-    def __init__(self, *, tp: TPContext, stage_bounds: list[int], **kwargs):
+    def __init__(self, *, dims: ParallelDims, tp: TPContext, stage_bounds: list[int], **kwargs):
         self._hybrid_tp = tp
         self._hybrid_bounds = list(stage_bounds)
-        super().__init__(**kwargs)
+        self._hybrid_dims = dims
+        super().__init__(topology=dims.topology(), **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:
-        self._hybrid_tp.bind_grid(self._grid)
+        bind_pipeline_tp(self, self._hybrid_tp)
         assert len(self._hybrid_bounds) == self.num_stages + 1
         assert self._hybrid_bounds[-1] == len(self._layer_specs), "plan and layer list disagree"
         self.parts = self._hybrid_bounds
-        stage = self._topo.get_coord(self.global_rank).pipe
+        stage = self._hybrid_dims.coords(self.global_rank).pp
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.types import Plan
 
 
@@ -30,13 +29,13 @@ def places(plan: Plan) -> list[Place]:
     """Every rank's :class:`Place` under block placement (``world / nodes`` consecutive ranks per node)."""
     per_node = plan.world_size // plan.nodes
     return [Place(rank=r, node=r // per_node, dp=c.dp, tp=c.tp, pp=c.pp)
-            for r, c in enumerate(ParallelDims.of(plan).all_coords())]
+            for r, c in enumerate(plan.dims.all_coords())]
 
 
 def crossing(plan: Plan) -> list[str]:
     """The parallel axes whose groups span more than one node (``tp``, ``dp``, ``pp``):
     :meth:`~hybridtrain.parallel.dims.ParallelDims.crossing`, which the plan checks too."""
-    return ParallelDims.of(plan).crossing(plan.nodes)
+    return plan.dims.crossing(plan.nodes)
 
 
 def describe(plan: Plan, node_names: Optional[Sequence[str]] = None) -> str:

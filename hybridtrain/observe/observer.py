@@ -17,7 +17,6 @@ from hybridtrain.observe import gather, loggers, resources
 from hybridtrain.observe.clock import CATEGORIES, KINDS, StepClock
 from hybridtrain.observe.peak import Peak, resolve_peak
 from hybridtrain.parallel import collectives
-from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.rundir import RunDir
 
 
@@ -48,7 +47,7 @@ class Observer:
             from omegaconf import OmegaConf
 
             self.logger = loggers.create(cfg.logger, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
-        if plan.pp > 1:
+        if plan.dims.pp > 1:
             from hybridtrain.observe.pipe_timer import instrument
 
             instrument(built.engine, self.clock)
@@ -134,7 +133,7 @@ class Observer:
         if not self.is_rank0:
             return {}
         col = {name: [r[i] for r in ranks] for i, name in enumerate(gather.RANK_FIELDS)}
-        stages = range(self.plan.pp)
+        stages = range(self.plan.dims.pp)
 
         def per_stage(name: str) -> list[float]:
             vals = [[v for v, s in zip(col[name], col["stage"]) if int(s) == st] for st in stages]
@@ -165,7 +164,7 @@ class Observer:
 
         plan = self.plan
         events = []
-        dims = ParallelDims.of(plan)
+        dims = plan.dims
         for rank, rows in enumerate(per_rank):
             c = dims.coords(rank)
             for step, k, mb, t0, t1 in rows:
@@ -176,7 +175,7 @@ class Observer:
         offsets = {s: o - first for s, o in self._origins.items()}
         t0 = time.perf_counter()
         try:
-            summary = timeline.write(self.run_dir, events, offsets, plan.pp, plan.grad_accum)
+            summary = timeline.write(self.run_dir, events, offsets, plan.dims.pp, plan.grad_accum)
         except Exception as err:  # noqa: BLE001 - a failed picture must not end the training run
             import traceback
 

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from hybridtrain.parallel.dims import pipeline_bubble
 from hybridtrain.rundir import RunDir
 
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "send_act": "#DD8452", "recv_act": "#F1C39E",
@@ -24,11 +25,6 @@ COLORS = {"forward": "#4C72B0", "backward": "#55A868", "send_act": "#DD8452", "r
 """Timeline colour per span kind (``hybridtrain.observe.clock.KINDS``)."""
 
 COMPUTE = ("forward", "backward")
-
-
-def theoretical_bubble(pp: int, micro_batches: int) -> float:
-    """Idle fraction of a 1F1B (or GPipe) step with equal stages: ``(pp - 1) / (m + pp - 1)``."""
-    return (pp - 1) / (micro_batches + pp - 1)
 
 
 def representatives(events: Iterable[dict]) -> dict[int, int]:
@@ -120,7 +116,7 @@ def legend(fig, kinds: Iterable[str]) -> None:
 def step_title(step: int, pp: int, m: int, measured: float) -> str:
     """The caption of a step: measured against theoretical bubble."""
     return (f"step {step}: pp={pp}, {m} micro-batch(es); bubble measured {measured:.0%}, "
-            f"theory (pp-1)/(m+pp-1) = {theoretical_bubble(pp, m):.0%}")
+            f"theory (pp-1)/(m+pp-1) = {pipeline_bubble(pp, m):.0%}")
 
 
 def save_png(path: Path, panels: list[tuple[list[dict], str]], share_x: bool = False) -> None:
@@ -158,7 +154,7 @@ def write(run_dir: Path, events: list[dict], step_offsets: dict[int, float], pp:
         per_step[str(s)] = {"bubble": mean, "stage_idle": idle}
         panels.append((ev, step_title(s, pp, micro_batches, mean)))
     summary = {"pp": pp, "micro_batches": micro_batches, "steps": steps,
-               "bubble_theory": theoretical_bubble(pp, micro_batches),
+               "bubble_theory": pipeline_bubble(pp, micro_batches),
                "bubble_measured": sum(v["bubble"] for v in per_step.values()) / max(1, len(per_step)),
                "per_step": per_step,
                "files": {"png": files.timeline_png.name, "trace": files.timeline_trace.name}}

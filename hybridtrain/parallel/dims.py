@@ -1,101 +1,205 @@
 """The one owner of the parallel axes: degrees, rank <-> coordinates, the device rules, the DeepSpeed
-topology and the process-group handles of a rank.
+topology and the batch layout.
 
-The rank layout is DeepSpeed's ``PipeModelDataParallelTopology`` (axes ``pipe``, ``data``, ``model``,
-the last varying fastest)::
+The ranks form one grid over the axes of :data:`AXES`, outermost first, the last varying fastest::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so tensor-parallel peers are adjacent ranks and the pipeline axis is outermost (what crosses nodes
-first). Everything that needs a rank's coordinates, the product of the degrees or the groups takes
-them from here; adding an axis means a field here and a config key.
+first). Coordinates, groups and spans are computed from that one ordered tuple, for every axis alike.
+DeepSpeed sees three axes, ``pipe x data x model`` (``PipeModelDataParallelTopology``) with
+``data = dp x cp``: ZeRO and the gradient reduction run over every rank that holds the same weights.
 
-Imports neither torch nor deepspeed at module level.
+Expert parallelism is not an axis of its own: its groups are folded inside the data axis (consecutive
+members of a data-parallel group hold different experts), as DeepSpeed, Megatron and torchtitan do;
+:meth:`ParallelDims.expert_groups` derives them from the same grid.
+
+Adding an axis: its name in :data:`AXES` at its place in the order, its field here, its ``parallel.*``
+config key and its planner terms (``docs/contributing.md``). Imports neither torch nor deepspeed at
+module level.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from hybridtrain.errors import PlanError
 
-AXES = ("pp", "dp", "tp")
-"""The axes from outermost to innermost (``tp`` fastest), as DeepSpeed orders ``pipe, data, model``."""
+AXES = ("pp", "dp", "cp", "tp")
+"""The rank axes from outermost to innermost (``tp`` fastest). ``cp`` (context parallelism) is 1 for now."""
+
+DATA_AXES = ("dp", "cp")
+"""The axes DeepSpeed's ``data`` axis spans: ranks on them hold the same weights (ZeRO partitions and the
+gradient all-reduce cover them)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Coords:
     """One rank's position on every axis."""
 
-    pp: int
-    dp: int
-    tp: int
+    pp: int = 0
+    dp: int = 0
+    cp: int = 0
+    tp: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """The degrees of a run (``world = dp x tp x pp``)."""
+    """The degrees of a run (``world = pp x dp x cp x tp``), keyword-only so no call can swap two axes."""
 
-    dp: int
-    tp: int
-    pp: int
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    cp: int = 1
+    """Context-parallel ranks splitting each sequence (1: every rank holds whole rows)."""
+    tp: int = 1
+    """Tensor-parallel ranks splitting each layer."""
+    ep: int = 1
+    """Expert-parallel ranks, a view folded inside ``dp x cp`` (not a rank axis; 1: every rank holds every
+    expert)."""
 
-    @classmethod
-    def of(cls, plan: Any) -> "ParallelDims":
-        """The degrees of a :class:`~hybridtrain.plan.types.Plan` (or anything with ``dp``, ``tp``, ``pp``)."""
-        return cls(dp=plan.dp, tp=plan.tp, pp=plan.pp)
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: a degree is an integer >= 1")
+        if self.data % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp x cp = {self.data}")
+
+    def degrees(self) -> dict[str, int]:
+        """``{axis: degree}`` of every rank axis, in :data:`AXES` order."""
+        return {axis: getattr(self, axis) for axis in AXES}
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return math.prod(self.degrees().values())
+
+    @property
+    def data(self) -> int:
+        """DeepSpeed's data-parallel degree: ``dp x cp`` (ranks holding the same weights)."""
+        return math.prod(getattr(self, a) for a in DATA_AXES)
 
     @property
     def model_ranks(self) -> int:
-        """Ranks holding one replica of the model (``tp x pp``)."""
-        return self.tp * self.pp
+        """Ranks holding one replica of the model (``pp x tp``)."""
+        return self.world // self.data
+
+    def stride(self, axis: str) -> int:
+        """Distance in ranks between neighbours on ``axis``: the product of the degrees inside it."""
+        inner = AXES[self._index(axis) + 1:]
+        return math.prod(getattr(self, a) for a in inner)
+
+    def span(self, axis: str) -> int:
+        """Consecutive ranks one group of ``axis`` lies in (``stride x degree``); groups start at its multiples."""
+        return self.stride(axis) * getattr(self, axis)
 
     def coords(self, rank: int) -> Coords:
         """The coordinates of global rank ``rank``."""
-        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
+        return Coords(**{axis: rank // self.stride(axis) % getattr(self, axis) for axis in AXES})
 
     def rank(self, c: Coords) -> int:
         """The global rank at coordinates ``c`` (inverse of :meth:`coords`)."""
-        return (c.pp * self.dp + c.dp) * self.tp + c.tp
+        return sum(getattr(c, axis) * self.stride(axis) for axis in AXES)
 
     def all_coords(self) -> list[Coords]:
         """Every rank's coordinates, indexed by global rank."""
         return [self.coords(r) for r in range(self.world)]
 
     def group_of(self, axis: str, rank: int) -> list[int]:
-        """The global ranks of ``rank``'s group along ``axis`` (``tp``, ``dp`` or ``pp``): the ranks that
+        """The global ranks of ``rank``'s group along ``axis`` (one of :data:`AXES`): the ranks that
         differ from it on that axis only."""
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; use one of {AXES}")
-        here = self.coords(rank)
-        size = getattr(self, axis)
-        return [self.rank(Coords(**{**here.__dict__, axis: i})) for i in range(size)]
+        here = rank - getattr(self.coords(rank), self._axis(axis)) * self.stride(axis)
+        return [here + i * self.stride(axis) for i in range(getattr(self, axis))]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, ordered by their lowest rank (the order every rank must create
+        them in, as ``torch.distributed.new_group`` requires)."""
+        seen = {tuple(self.group_of(axis, r)) for r in range(self.world)}
+        return [list(g) for g in sorted(seen)]
+
+    def data_group_of(self, rank: int) -> list[int]:
+        """``rank``'s group on DeepSpeed's data axis (``dp x cp``): the ranks equal to it on every other axis."""
+        c = self.coords(rank)
+        out = [rank]
+        for axis in DATA_AXES:
+            out = [r - getattr(c, axis) * self.stride(axis) + i * self.stride(axis)
+                   for r in out for i in range(getattr(self, axis))]
+        return sorted(out)
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(expert-parallel groups, expert-data-parallel groups)``: each data group (``dp x cp``) cut into
+        ``data / ep`` runs of ``ep`` consecutive members (one expert shard each), and the members at the
+        same place of every run (the replicas of one expert shard). DeepSpeed's default layout
+        (``deepspeed.utils.groups._get_expert_parallel_ranks``; checked in tests/unit/test_units_dims.py)."""
+        experts, replicas = [], []
+        data_groups = sorted({tuple(self.data_group_of(r)) for r in range(self.world)})
+        for group in data_groups:
+            runs = [list(group[i:i + self.ep]) for i in range(0, len(group), self.ep)]
+            experts += runs
+            replicas += [[run[j] for run in runs] for j in range(self.ep)]
+        return sorted(experts), sorted(replicas)
 
     def crossing(self, nodes: int) -> list[str]:
-        """The axes (``tp``, ``dp``, ``pp``, in that order) whose groups span more than one of ``nodes``
-        nodes under block placement: each node holds ``world / nodes`` consecutive ranks (srun
+        """The axes (innermost first: ``tp``, ``cp``, ``dp``, ``pp``) whose groups span more than one of
+        ``nodes`` nodes under block placement: each node holds ``world / nodes`` consecutive ranks (srun
         ``--distribution=block``, the deepspeed runner).
 
-        The ranks of one group of an axis lie in a block of ``span`` consecutive ranks (``tp``: ``tp``;
-        ``dp``: ``dp x tp``; ``pp``: the world) that starts at a multiple of ``span``, and every group of
-        a block that a node boundary cuts has members on both sides. So an axis of size > 1 crosses
-        exactly when ``span`` does not divide the ranks per node (checked against enumerating every
-        group in ``tests/unit/test_units_dims.py``)."""
+        The ranks of one group of an axis lie in a block of :meth:`span` consecutive ranks that starts at a
+        multiple of the span, and every group of a block that a node boundary cuts has members on both
+        sides. So an axis of degree > 1 crosses exactly when its span does not divide the ranks per node
+        (checked against enumerating every group in ``tests/unit/test_units_dims.py``)."""
         if nodes <= 1:
             return []
         per_node = self.world // nodes
-        spans = {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.world}
-        return [axis for axis, span in spans.items() if getattr(self, axis) > 1 and per_node % span]
+        return [axis for axis in reversed(AXES) if getattr(self, axis) > 1 and per_node % self.span(axis)]
 
     def topology(self):
-        """DeepSpeed's ``PipeModelDataParallelTopology`` of these degrees (imports deepspeed)."""
+        """DeepSpeed's ``PipeModelDataParallelTopology`` of these degrees, ``data = dp x cp`` (imports deepspeed)."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.data)
+
+    def batch_layout(self, global_batch_size: int, micro_batch_size: int) -> "BatchLayout":
+        """How a global batch of ``global_batch_size`` samples is divided over these degrees."""
+        return BatchLayout(global_batch_size, micro_batch_size, self.dp)
+
+    @staticmethod
+    def _axis(axis: str) -> str:
+        if axis not in AXES:
+            raise ValueError(f"unknown axis {axis!r}; use one of {AXES}")
+        return axis
+
+    @classmethod
+    def _index(cls, axis: str) -> int:
+        return AXES.index(cls._axis(axis))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one global batch is divided (all counts in samples): ``[accumulation, dp, micro_batch]``.
+
+    Data-parallel rank ``r`` takes column ``r`` of every accumulation row; the ranks of the other axes
+    (tensor-parallel peers, the pipeline's stages) read the same rows as their replica's."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp: int
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def rank_rows(self, indices: Any, dp_rank: int) -> Any:
+        """This rank's micro-batches of one global batch's sample indices (a numpy array):
+        ``[grad_accum, micro]``."""
+        return indices.reshape(self.grad_accum, self.dp, self.micro_batch_size)[:, dp_rank]  # [gas, dp, mbs] -> [gas, mbs]
+
+
+def pipeline_bubble(pp: int, micro_batches: int) -> float:
+    """The idle share of a 1F1B (or GPipe) step: ``(pp - 1) / (m + pp - 1)`` for ``m`` micro-batches."""
+    return (pp - 1) / (micro_batches + pp - 1)
 
 
 def data_parallel_degree(dp: Optional[int], tp: int, pp: int, per_node: Optional[int], nodes: int) -> int:
@@ -120,29 +224,3 @@ def data_parallel_degree(dp: Optional[int], tp: int, pp: int, per_node: Optional
                         f"devices (launcher.nodes={nodes} x launcher.gpus_per_node={per_node}); use dp <= "
                         f"{total // model_ranks}" + ("" if dp is not None else f" and tp x pp dividing {total}"))
     return chosen
-
-
-@dataclass
-class ParallelGroups:
-    """One rank's process groups, taken from DeepSpeed's ``PipelineParallelGrid`` once it exists.
-
-    Passed explicitly to whoever runs a collective (no module globals). ``tp`` is the
-    :class:`~hybridtrain.parallel.context.TPContext` the layers hold.
-    """
-
-    dims: ParallelDims
-    coords: Coords
-    tp: Any
-    """This rank's :class:`~hybridtrain.parallel.context.TPContext`."""
-    dp_group: Any = None
-    """``torch.distributed`` group of the data-parallel replicas of this rank's (pipe, model) position."""
-    model_group: Any = None
-    """The pipe x tensor ranks of this rank's replica (the gradient-norm group)."""
-
-    @classmethod
-    def from_grid(cls, dims: ParallelDims, grid: Any, tp: Any) -> "ParallelGroups":
-        """Bind ``tp`` to the grid's TP ("slice") group and take the other groups from ``grid``."""
-        tp.bind_grid(grid)
-        coords = Coords(pp=grid.get_stage_id(), dp=grid.get_data_parallel_rank(), tp=tp.rank)
-        return cls(dims=dims, coords=coords, tp=tp, dp_group=grid.get_data_parallel_group(),
-                   model_group=grid.get_model_parallel_group())

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.models.units import Kind
-from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.calibrate import Rates, planned_rates
 from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
 from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for, uses_gpus
@@ -94,50 +93,51 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     """``c`` with its step time, memory, stage bounds and time breakdown filled in, for its validated
     ``plan`` (whose stage bounds it uses) on ``cfg.launcher.nodes`` nodes of ``ranks_per_node`` ranks
     (``cores`` per node; 0: unknown, no oversubscription)."""
+    dims = plan.dims  # the candidate's degrees, as the plan built from it holds them
     s, h = facts.seq_len, facts.hidden
     w = 4 if plan.precision == "fp32" else 2
     m = plan.grad_accum
     tokens = c.micro_batch_size * s
-    costs = layer_time_costs(facts, tokens, c.tp)
+    costs = layer_time_costs(facts, tokens, dims.tp)
     if c.activation_checkpointing:  # one more forward of every block (1/3 of its training FLOPs)
-        costs = [x + (u.flops * tokens / c.tp / 3 if u.kind is Kind.BLOCK else 0.0)
+        costs = [x + (u.flops * tokens / dims.tp / 3 if u.kind is Kind.BLOCK else 0.0)
                  for x, u in zip(costs, facts.units)]
     bounds = list(plan.stage_bounds)
-    crossing = ParallelDims(c.dp, c.tp, c.pp).crossing(plan.nodes)
+    crossing = dims.crossing(plan.nodes)
     node_link, dp_link, pp_link = rates.link(False), rates.link("dp" in crossing), rates.link("pp" in crossing)
     cores = cores or ranks_per_node * rates.threads
     slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
     rate = rates.flops / slow
     act = tokens * h * w
     per_stage, tp_comm = [], 0.0
-    for st in range(c.pp):
+    for st in range(dims.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
         compute = sum(costs[bounds[st]:bounds[st + 1]]) / rate + len(units) * rates.layer_overhead * slow
         blocks = sum(u.kind is Kind.BLOCK for u in units)
-        comm = 4 * blocks * _allreduce(act, c.tp, node_link)
+        comm = 4 * blocks * _allreduce(act, dims.tp, node_link)
         # vocabulary parallel: the embedding's output, the head's input gradient, the loss's max,
         # sum of exponentials and target logit
         comm += (any(u.kind is Kind.EMBED for u in units) + 4 * any(u.kind is Kind.HEAD for u in units)) * (
-            _allreduce(act, c.tp, node_link))
-        send = 2 * (pp_link[0] + act / pp_link[1]) if c.pp > 1 else 0.0
+            _allreduce(act, dims.tp, node_link))
+        send = 2 * (pp_link[0] + act / pp_link[1]) if dims.pp > 1 else 0.0
         per_stage.append(compute + comm + send)
         tp_comm = max(tp_comm, comm)
     slowest = max(per_stage)
-    pipeline = (m + c.pp - 1) * slowest
+    pipeline = (m + dims.pp - 1) * slowest
     worst_mem, dp_comm, optim = 0, 0.0, 0.0
-    for st in range(c.pp):
+    for st in range(dims.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
-        params = sum(stage_param_sizes(units, c.tp))
-        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, c.dp, dp_link))
-        share = params if c.zero_stage == 0 else params / c.dp
+        params = sum(stage_param_sizes(units, dims.tp))
+        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, dims.data, dp_link))
+        share = params if c.zero_stage == 0 else params / dims.data
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
-        mem = rank_memory(facts, bounds, st, tp=c.tp, pp=c.pp, dp=c.dp, zero=plan.zero_stage,
+        mem = rank_memory(facts, bounds, st, dims, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=c.micro_batch_size, micro_batches=m,
                           checkpointing=c.activation_checkpointing, **attention_flags(cfg))
         worst_mem = max(worst_mem, mem.total)
     total = pipeline + dp_comm + optim
     parts = {"compute+comm per micro-batch (slowest stage)": slowest, "micro-batches": m,
-             "bubble": (c.pp - 1) * slowest, "tp_comm per micro-batch": tp_comm, "dp_comm": dp_comm,
+             "bubble": (dims.pp - 1) * slowest, "tp_comm per micro-batch": tp_comm, "dp_comm": dp_comm,
              "optimizer": optim}
     return replace(c, step_time=total, memory=worst_mem, parts=parts, bounds=tuple(bounds))
 

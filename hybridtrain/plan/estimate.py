@@ -16,8 +16,8 @@ def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
     files = RunDir(run_dir)
     cfg, plan = files.config(), files.plan()
     hf_config = model_config(cfg)
-    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
-    return rank_memory(facts, plan.stage_bounds, stage, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple)
+    return rank_memory(facts, plan.stage_bounds, stage, plan.dims, zero=plan.zero_stage,
                        precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
                        checkpointing=cfg.parallel.activation_checkpointing, lora=lora_memory(cfg, hf_config, plan),
                        **attention_flags(cfg))

@@ -70,7 +70,7 @@ def _check_stages(spec: LoraSpec, family: Family, plan: Plan) -> None:
     """Every pipeline stage must hold an adapter: DeepSpeed cannot build an optimizer for a stage with
     nothing to train, nor run its backward."""
     adapted = {t.split(".")[len(family.blocks.split("."))] for t in spec.targets}  # block indices
-    for s in range(plan.pp):
+    for s in range(plan.dims.pp):
         names = plan.stage_layers(s)
         if not any(kind_of(n) is Kind.BLOCK and n.split(".", 1)[1] in adapted for n in names):
             raise PlanError(f"{KEY}.target_modules", f"pipeline stage {s} ({', '.join(names)}) holds no adapted "
@@ -142,7 +142,7 @@ def lora_memory(cfg: Config, hf_config, plan: Plan) -> Optional[Callable[[str], 
     def per_unit(name: str) -> list[int]:
         if kind_of(name) is not Kind.BLOCK:
             return []
-        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{name.split('.', 1)[1]}", plan.tp)
+        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{name.split('.', 1)[1]}", plan.dims.tp)
 
     return per_unit
 

@@ -45,6 +45,7 @@ from typing import Callable
 from hybridtrain.config.choices import Packing
 from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
+from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
 from hybridtrain.plan.devices import GiB, memory_budget  # noqa: F401 (GiB: the unit the report prints)
 
@@ -145,32 +146,44 @@ def in_flight(stage: int, pp: int, micro_batches: int) -> int:
     return max(1, min(pp - stage, micro_batches))
 
 
-def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, *, tp: int, pp: int, dp: int, zero: int,
+def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, dims: ParallelDims, *, zero: int,
                 precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
                 eager: bool = False, mask: bool = False,
                 lora: Callable[[str], list[int]] | None = None) -> RankMemory:
-    """Estimated memory of a rank of pipeline stage ``stage`` (``eager``, ``mask``: :func:`attention_flags`).
-    ``lora(unit name)``: the element counts of the LoRA matrices a TP rank holds in that unit
-    (``finetune.method=lora``: the rest is frozen)."""
-    units = facts.units[bounds[stage]:bounds[stage + 1]]
+    """Estimated memory of a rank of pipeline stage ``stage`` of the layout ``dims`` (``eager``, ``mask``:
+    :func:`attention_flags`). ``lora(unit name)``: the element counts of the LoRA matrices a TP rank holds in
+    that unit (``finetune.method=lora``: the rest is frozen)."""
+    return units_memory(facts, bounds[stage], bounds[stage + 1], stage, dims, zero=zero, precision=precision,
+                        micro_batch=micro_batch, micro_batches=micro_batches, checkpointing=checkpointing,
+                        eager=eager, mask=mask, lora=lora)
+
+
+def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: ParallelDims, *, zero: int,
+                 precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
+                 eager: bool = False, mask: bool = False,
+                 lora: Callable[[str], list[int]] | None = None) -> RankMemory:
+    """:func:`rank_memory` of a stage ``stage`` holding the units ``facts.units[start:stop]``."""
+    units = facts.units[start:stop]
     if lora is None:
-        params, grads, optim = model_state(stage_param_sizes(units, tp), zero, dp, precision)
+        params, grads, optim = model_state(stage_param_sizes(units, dims.tp), zero, dims.data, precision)
     else:
         trained = [n for u in units for n in lora(u.name)]
-        params, grads, optim = model_state(trained, zero, dp, precision, frozen=stage_param_sizes(units, tp))
-    act = activation_bytes(units, facts, micro_batch, tp, precision, checkpointing, eager, mask)
-    return RankMemory(params, grads, optim, act * in_flight(stage, pp, micro_batches))
+        params, grads, optim = model_state(trained, zero, dims.data, precision,
+                                           frozen=stage_param_sizes(units, dims.tp))
+    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask)
+    return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches))
 
 
-def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_batches: int, padded_vocab: int,
+def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches: int, padded_vocab: int,
                     machine, facts: ModelFacts | None = None) -> tuple[list[float], Callable[[int, int, int], bool] | None]:
     """Per-layer time costs and the memory constraint for ``parallel.partition=balanced`` (``facts``: the
     model's :func:`~hybridtrain.plan.costs.model_facts` at this tp, when the caller has them already)."""
     par = cfg.parallel
-    facts = facts or model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, tp, cfg.model.vocab_pad_multiple)
+    facts = facts or model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, dims.tp,
+                                 cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
-    costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, tp)
-    per_node = max(1, dp * tp * pp // max(1, cfg.launcher.nodes))
+    costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, dims.tp)
+    per_node = max(1, dims.world // max(1, cfg.launcher.nodes))
     limit = memory_budget(cfg.plan, cfg.launcher, machine, per_node)
     if not limit:
         return costs, None
@@ -179,10 +192,10 @@ def balanced_inputs(cfg, hf_config, tp: int, pp: int, dp: int, zero: int, micro_
 
     def fits(stage: int, start: int, stop: int) -> bool:
         if (stage, start, stop) not in known:
-            mem = rank_memory(facts, [start, stop], 0, tp=tp, pp=pp - stage, dp=dp, zero=zero,
-                              precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
-                              micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
-                              **attention_flags(cfg))
+            mem = units_memory(facts, start, stop, stage, dims, zero=zero,
+                               precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
+                               micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
+                               **attention_flags(cfg))
             known[stage, start, stop] = mem.total <= limit
         return known[stage, start, stop]
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from hybridtrain.config.schema import Config
 from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind, block_index, kind_of
-from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.costs import (
     ModelFacts,
     layer_time_costs,
@@ -63,26 +62,26 @@ class PlanReport:
         p = self.plan
         per_node = self.ranks_per_node or max(1, p.world_size // p.nodes)
         return [{"rank": r, "node": r // per_node, "pp": c.pp, "dp": c.dp, "tp": c.tp}
-                for r, c in enumerate(ParallelDims.of(p).all_coords())]
+                for r, c in enumerate(p.dims.all_coords())]
 
 
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
     """Estimate stages and memory of ``plan``; collect the warnings."""
-    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.tp, cfg.model.vocab_pad_multiple)
-    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple)
+    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.dims.tp)
     stages = []
     lora = lora_memory(cfg, hf_config, plan)  # LoRA: only the adapters train
-    for s in range(plan.pp):
+    for s in range(plan.dims.pp):
         a, b = plan.stage_bounds[s], plan.stage_bounds[s + 1]
-        mem = rank_memory(facts, plan.stage_bounds, s, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero_stage,
+        mem = rank_memory(facts, plan.stage_bounds, s, plan.dims, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
                           lora=lora, **attention_flags(cfg))
-        stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.tp)),
+        stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.dims.tp)),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]
-    imbalance = max(times) / (sum(times) / len(times)) - 1 if plan.pp > 1 else 0.0
-    bubble = (plan.pp - 1) / (plan.grad_accum + plan.pp - 1)
+    imbalance = max(times) / (sum(times) / len(times)) - 1 if plan.dims.pp > 1 else 0.0
+    bubble = plan.bubble
     report = PlanReport(plan, facts, stages, device_memory, bubble, imbalance,
                         ranks_per_node=cfg.launcher.gpus_per_node or 0)
     if imbalance > IMBALANCE_WARN:
@@ -98,7 +97,7 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                 f"{device_memory / GiB:.2f} GiB (plan.device_memory_gb or the device's memory; on GPUs less "
                 "plan.memory_headroom and plan.memory_reserved_gb); raise tp/pp/dp with ZeRO, turn on "
                 "parallel.activation_checkpointing or lower parallel.micro_batch_size")
-    if plan.pp > 1 and bubble > 0.25:
+    if plan.dims.pp > 1 and bubble > 0.25:
         report.warnings.append(f"pipeline bubble {bubble:.0%}: raise the micro-batches per step "
                                f"(trainer.global_batch_size / (micro x dp) = {plan.grad_accum})")
     return report
@@ -128,19 +127,19 @@ def format_report(report: PlanReport) -> str:
     p, f = report.plan, report.facts
     lines = [f"model     {f.family.model_type}: {f.total_params() / 1e6:,.1f}M parameters, {p.num_layers} blocks, "
              f"hidden {f.hidden}, vocab {p.vocab_size} (padded to {p.padded_vocab_size})",
-             f"plan      dp={p.dp} x tp={p.tp} x pp={p.pp} = {p.world_size} rank(s) on {p.nodes} node(s), "
+             f"plan      dp={p.dims.dp} x tp={p.dims.tp} x pp={p.dims.pp} = {p.world_size} rank(s) on {p.nodes} node(s), "
              f"ZeRO-{p.zero_stage}, {p.precision}",
              f"batch     global {p.global_batch_size} = micro {p.micro_batch_size} x accumulation {p.grad_accum} "
-             f"x dp {p.dp}; tokens per step {p.tokens_per_step:,} ({p.global_batch_size} x {p.seq_len})",
-             f"pipeline  bubble (pp-1)/(m+pp-1) = ({p.pp}-1)/({p.grad_accum}+{p.pp}-1) = {report.bubble:.1%}"
-             + (f"; stage imbalance {report.imbalance:.1%} (slowest stage over the mean)" if p.pp > 1 else ""),
+             f"x dp {p.dims.dp}; tokens per step {p.tokens_per_step:,} ({p.global_batch_size} x {p.seq_len})",
+             f"pipeline  bubble (pp-1)/(m+pp-1) = ({p.dims.pp}-1)/({p.grad_accum}+{p.dims.pp}-1) = {report.bubble:.1%}"
+             + (f"; stage imbalance {report.imbalance:.1%} (slowest stage over the mean)" if p.dims.pp > 1 else ""),
              "", "rank map (DeepSpeed topology: tp fastest, then dp, then pp)",
              f"  {'rank':>5} {'node':>5} {'dp':>4} {'tp':>4} {'pp':>4}"]
     ranks = report.rank_map()
     for r in ranks[:MAX_RANK_ROWS]:
         lines.append(f"  {r['rank']:>5} {r['node']:>5} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4}")
     if len(ranks) > MAX_RANK_ROWS:
-        lines.append(f"  ... {len(ranks) - MAX_RANK_ROWS} more: rank = pp x {p.dp * p.tp} + dp x {p.tp} + tp, "
+        lines.append(f"  ... {len(ranks) - MAX_RANK_ROWS} more: rank = pp x {p.dims.dp * p.dims.tp} + dp x {p.dims.tp} + tp, "
                      f"node = rank // {report.ranks_per_node or p.world_size // p.nodes}")
     total_flops = sum(st.flops_per_token for st in report.stages) or 1.0
     lines += ["", "stages (params per TP rank; model FLOPs per token, forward + backward, all TP ranks)",
@@ -155,7 +154,7 @@ def format_report(report: PlanReport) -> str:
               f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'total':>8}  in-flight"]
     for st in report.stages:
         m = st.memory
-        flight = min(p.pp - st.stage, p.grad_accum)
+        flight = min(p.dims.pp - st.stage, p.grad_accum)
         lines.append(f"  {st.stage:>5} {_gib(m.params)} {_gib(m.grads)} {_gib(m.optim)} {_gib(m.activations)} "
                      f"{_gib(m.total)}  {max(1, flight)}")
     lines.append("")

@@ -2,8 +2,10 @@
 planned for (:class:`Machine`). The bottom of :mod:`hybridtrain.plan`: no rules, no imports of the planner."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from hybridtrain.parallel.dims import AXES, BatchLayout, ParallelDims, pipeline_bubble
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,11 @@ class Machine:
 
 @dataclass
 class Plan:
-    """The resolved parallel layout of a run (saved next to ``config.yaml``)."""
+    """The resolved parallel layout of a run (saved next to ``config.yaml`` as ``plan.json``, where the degrees
+    of :attr:`dims` are top-level keys: ``{"pp": 2, "dp": 1, "cp": 1, "tp": 2, "world_size": 4, ...}``)."""
 
-    dp: int
-    tp: int
-    pp: int
+    dims: ParallelDims
+    """The degrees of every parallel axis (:mod:`hybridtrain.parallel.dims`)."""
     world_size: int
     nodes: int
     micro_batch_size: int
@@ -52,15 +54,42 @@ class Plan:
         """Pipeline layer names of ``stage``."""
         return self.layer_names[self.stage_bounds[stage]:self.stage_bounds[stage + 1]]
 
+    def batch_layout(self) -> BatchLayout:
+        """How each global batch is divided over the ranks (:class:`~hybridtrain.parallel.dims.BatchLayout`)."""
+        return self.dims.batch_layout(self.global_batch_size, self.micro_batch_size)
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share of a step in theory, ``(pp - 1) / (m + pp - 1)`` with ``m = grad_accum``."""
+        return pipeline_bubble(self.dims.pp, self.grad_accum)
+
     def layout(self) -> dict[str, Any]:
-        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``).
+        """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``):
+        every axis's degree and the ZeRO stage (compare saved layouts through :func:`saved_layout`).
 
         With pp > 1 the stage boundaries too: each stage's ZeRO flat buffers hold its own layers.
         """
-        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
-        if self.pp > 1:
+        out: dict[str, Any] = {**self.dims.degrees(), "zero_stage": self.zero_stage}
+        if self.dims.pp > 1:
             out["stage_bounds"] = list(self.stage_bounds)
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``plan.json``'s content: the fields, with the degrees of :attr:`dims` as top-level keys."""
+        out = asdict(self)
+        dims = out.pop("dims")
+        return {**{axis: dims[axis] for axis in AXES}, **out}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """The plan of a ``plan.json`` (an axis a file predating it lacks has degree 1)."""
+        data = dict(data)
+        dims = ParallelDims(**{axis: int(data.pop(axis, 1)) for axis in AXES})
+        known = {f.name for f in fields(cls)}
+        return cls(dims=dims, **{k: v for k, v in data.items() if k in known})
+
+
+def saved_layout(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's saved :meth:`Plan.layout`, with the axes a checkpoint predating them lacks at degree 1,
+    so that it compares equal to the same layout today."""
+    return {**saved, **{axis: 1 for axis in AXES if axis not in saved}}

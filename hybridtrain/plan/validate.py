@@ -143,8 +143,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     here = (machine.gpus_per_node or None) if lau.name == "local" else None
     per_node = lau.gpus_per_node if lau.gpus_per_node is not None else here
     dp = data_parallel_degree(par.dp, par.tp, par.pp, per_node, lau.nodes)
-    model_ranks = par.tp * par.pp
-    world = dp * model_ranks
+    dims = ParallelDims(pp=par.pp, dp=dp, tp=par.tp)  # the one place a run's degrees are put together
+    model_ranks = dims.model_ranks
+    world = dims.world
     if lau.name != "local" and per_node is not None:  # srun / the runner start one rank per device
         _need(world == per_node * lau.nodes, "launcher.gpus_per_node",
               f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} ranks but launcher.nodes={lau.nodes} x "
@@ -154,7 +155,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
 
     # Topology: a TP group all-reduces twice per block forward and backward; across nodes that
     # traffic would leave NVLink for the network (placement: world / nodes consecutive ranks a node).
-    if lau.nodes > 1 and world % lau.nodes == 0 and "tp" in ParallelDims(dp, par.tp, par.pp).crossing(lau.nodes):
+    if lau.nodes > 1 and world % lau.nodes == 0 and "tp" in dims.crossing(lau.nodes):
         ranks = world // lau.nodes
         fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
         raise PlanError("parallel.tp", f"parallel.tp={par.tp} does not divide the {ranks} ranks per node "
@@ -237,7 +238,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     else:
         costs = fits = None
         if par.partition == "balanced" and par.pp > 1:
-            costs, fits = balanced_inputs(cfg, hf_config, par.tp, par.pp, dp, zero, grad_accum, padded, machine,
+            costs, fits = balanced_inputs(cfg, hf_config, dims, zero, grad_accum, padded, machine,
                                           facts_for_tp(par.tp) if facts_for_tp else None)
         bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits,
                            block_per_stage=cfg.finetune.method == "lora")
@@ -248,7 +249,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
             "change parallel.stage_layers" if par.stage_layers is not None
             else f"use parallel.partition=balanced or blocks instead of {par.partition}"))
     return Plan(
-        dp=dp, tp=par.tp, pp=par.pp, world_size=world, nodes=lau.nodes,
+        dims=dims, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,
         global_batch_size=tr.global_batch_size, zero_stage=zero, precision=tr.precision,
         seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.data.sampler import BatchLayout, Samples, open_samples
+from hybridtrain.data.sampler import Samples, open_samples
+from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.engine import Built
 from hybridtrain.rundir import RunDir
 
@@ -40,7 +41,7 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
             total += engine(inputs, (labels.to(engine.device), weight.to(engine.device))).float()
     total /= layout.grad_accum
     if layout.dp > 1:
-        total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp
+        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.dp
     return float(total)
 
 
@@ -58,8 +59,8 @@ class Evaluator:
         samples = open_samples(data_json, "val", cfg.trainer.seed) if data_json.is_file() else None
         if samples is None:
             return None
-        layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
-        return cls(samples, layout, cfg.trainer.eval_every, cfg.trainer.max_steps, plan.pp > 1)
+        layout = plan.batch_layout()
+        return cls(samples, layout, cfg.trainer.eval_every, cfg.trainer.max_steps, plan.dims.pp > 1)
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after optimizer step ``step`` (1-based): every ``eval_every`` and the last."""

@@ -23,13 +23,13 @@ def micro_batch_logits(built, plan, inputs, labels):
     from hybridtrain.parallel import collectives
 
     engine = built.engine
-    if plan.pp > 1:
+    if plan.dims.pp > 1:
         try:  # DeepSpeed's inference schedule; return_logits keeps the last stage's outputs
             _, shard = engine.eval_batch(iter([(inputs, labels)]), return_logits=True, bcast_loss=False,
                                          num_micro_batches=1)
         finally:
             engine.train()  # eval_batch leaves the module in eval mode
-        if built.stage != plan.pp - 1:
+        if built.stage != plan.dims.pp - 1:
             return None
     else:
         module = engine.module
@@ -48,12 +48,11 @@ def micro_batch_logits(built, plan, inputs, labels):
 def logits_writer(built, plan, samples, step: int):
     """The ``extra(tmp_dir)`` callback of :func:`~hybridtrain.checkpoint.save.save_checkpoint` that
     writes ``logits.safetensors`` for the first micro-batch of step ``step`` (0-based)."""
-    from hybridtrain.data.sampler import BatchLayout
 
     def write(folder: Path) -> None:
         from safetensors.torch import save_file
 
-        layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
+        layout = plan.batch_layout()
         inputs, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
         logits = micro_batch_logits(built, plan, inputs, labels)
         if logits is not None and built.tp_rank == 0 and built.dp_rank == 0:

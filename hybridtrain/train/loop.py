@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridtrain.config.schema import Config
-from hybridtrain.data.sampler import BatchLayout, Samples
+from hybridtrain.data.sampler import Samples
+from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.engine import Built
 from hybridtrain.observe.clock import StepClock
 from hybridtrain.plan.types import Plan
@@ -67,7 +68,7 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
         total += loss.detach().float()
     total /= layout.grad_accum
     if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
-        total = collectives.all_reduce(total, engine.device, group=engine.mpu.get_data_parallel_group()) / layout.dp
+        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.dp
     return float(total)
 
 
@@ -81,12 +82,12 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     stop signal arrived; if so they save (if this step did not already) and leave the loop early,
     recording the step in ``stop.stopped_at`` (:mod:`hybridtrain.train.preempt`).
     """
-    layout = BatchLayout(plan.global_batch_size, plan.micro_batch_size, plan.dp)
+    layout = plan.batch_layout()
     engine = built.engine
     timer = DataTimer()  # data: wait time and validation (hybridtrain/train/evaluate.py)
     evaluator = Evaluator.from_run_dir(run_dir, cfg, plan, built)
     stream = (timer.wrap(DeviceBatches(samples.stream(start_step, layout, built.dp_rank, weighted=True), engine.device))
-              if plan.pp > 1 else None)
+              if plan.dims.pp > 1 else None)
     from hybridtrain.observe.observer import Observer
 
     obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
@@ -104,7 +105,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         obs.begin_step(step + 1, log_now)
         lr = engine.get_lr()[0]  # this step's: an fp16 step skipped on overflow does not advance the schedule
         t0, wait0 = time.perf_counter(), timer.seconds
-        loss = (_step_pipeline(built, stream) if plan.pp > 1
+        loss = (_step_pipeline(built, stream) if plan.dims.pp > 1
                 else _step_sequential(built, samples, step, layout, timer, obs.clock))
         dt = time.perf_counter() - t0
         if step == start_step:

@@ -148,7 +148,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [
-    (["parallel.zero_stage=3"], "parallel", "resume with parallel.dp=1 parallel.tp=1"),
+    (["parallel.zero_stage=3"], "parallel", "resume with parallel.pp=1 parallel.dp=1 parallel.tp=1"),
     (["trainer.max_steps=6"], "trainer.max_steps", "at step 6 already"),
     (["trainer.global_batch_size=24"], "trainer.global_batch_size", "resume with trainer.global_batch_size=12"),
     (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),

@@ -39,15 +39,15 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
     plan, hf_config = resolve(cfg, Machine(gpus_per_node=gpus, fp16_supported=gpus > 0, cpu_cores=8))
 
     par = cfg.parallel
-    assert (plan.tp, plan.pp) == (par.tp, par.pp)
-    assert par.dp is None or plan.dp == par.dp
-    assert plan.world_size == plan.dp * plan.tp * plan.pp
-    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.dp == cfg.trainer.global_batch_size
+    assert (plan.dims.tp, plan.dims.pp) == (par.tp, par.pp)
+    assert par.dp is None or plan.dims.dp == par.dp
+    assert plan.world_size == plan.dims.dp * plan.dims.tp * plan.dims.pp
+    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.dims.dp == cfg.trainer.global_batch_size
     assert plan.tokens_per_step == cfg.trainer.global_batch_size * cfg.data.seq_len
-    assert plan.padded_vocab_size % (plan.tp * cfg.model.vocab_pad_multiple) == 0
-    assert plan.vocab_size <= plan.padded_vocab_size < plan.vocab_size + plan.tp * cfg.model.vocab_pad_multiple
+    assert plan.padded_vocab_size % (plan.dims.tp * cfg.model.vocab_pad_multiple) == 0
+    assert plan.vocab_size <= plan.padded_vocab_size < plan.vocab_size + plan.dims.tp * cfg.model.vocab_pad_multiple
     bounds = plan.stage_bounds
-    assert len(bounds) == plan.pp + 1 and bounds[0] == 0 and bounds[-1] == len(plan.layer_names)
+    assert len(bounds) == plan.dims.pp + 1 and bounds[0] == 0 and bounds[-1] == len(plan.layer_names)
     assert all(a < b for a, b in zip(bounds, bounds[1:])), f"empty stage in {bounds}"
     for key, value in cfg.model.config.items():  # every recipe override reaches the HF config
         assert getattr(hf_config, key) == value, key
@@ -56,7 +56,7 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
 def test_llama_7b_recipe_arithmetic():
     """The numbers the recipe's header states: 32 ranks, 8 blocks per stage, 1M tokens per step."""
     plan, _ = resolve(compose_config("+recipe=llama_7b"), Machine())
-    assert (plan.dp, plan.tp, plan.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
+    assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
     assert plan.precision == "bf16"  # trainer.precision: null on GPUs (launcher.gpus=true)
     assert plan.grad_accum == 256 and plan.tokens_per_step == 256 * 4096
     assert [sum(n.startswith("block.") for n in plan.stage_layers(s)) for s in range(4)] == [8, 8, 8, 8]

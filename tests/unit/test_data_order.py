@@ -11,7 +11,8 @@ import torch
 
 from helpers_unit import compose_config
 from data_helpers import save_samples
-from hybridtrain.data.sampler import ArrowColumn, BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
+from hybridtrain.data.sampler import ArrowColumn, DataPosition, PackedSamples, RowSamples, open_samples
+from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.plan import PlanError, resolve
 from hybridtrain.plan.data import check_data_counts
 from hybridtrain.plan.types import Machine

@@ -147,9 +147,10 @@ def test_vocab_pads_to_64_on_gpus_by_default(machine, gpus, multiple):
 def test_verify_twin_fits_the_local_gpus(world, dp, tp, pp, gpus, fit):
     from types import SimpleNamespace
 
+    from hybridtrain.parallel.dims import ParallelDims
     from hybridtrain.verify import fit_devices
 
-    assert fit_devices(SimpleNamespace(world_size=world, dp=dp, tp=tp, pp=pp), gpus) == fit
+    assert fit_devices(SimpleNamespace(world_size=world, dims=ParallelDims(dp=dp, tp=tp, pp=pp)), gpus) == fit
 
 
 def test_verify_twin_runs_here_with_the_local_launcher():

@@ -164,7 +164,7 @@ def test_tensor_parallel_group_across_nodes_is_refused(launcher):
     assert "launcher.gpus_per_node=3" in message and "use tp in [1, 3]" in message
     ok = cfg_of("+recipe=llama_tiny", f"launcher={launcher}", "launcher.nodes=2", "launcher.gpus_per_node=6",
                 "parallel.tp=6", *extra)
-    assert resolve(ok, CPU)[0].tp == 6  # a TP group per node: dp crosses
+    assert resolve(ok, CPU)[0].dims.tp == 6  # a TP group per node: dp crosses
 
 
 def test_a_dry_run_of_a_gpu_recipe_on_a_laptop_plans_gpus_of_unknown_memory():

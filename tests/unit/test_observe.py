@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from helpers_unit import compose_config
+from hybridtrain.parallel.dims import pipeline_bubble
 from hybridtrain.observe import timeline
 from hybridtrain.observe.checks import check_observe
 from hybridtrain.observe.loggers import check_logger, scalars
@@ -155,7 +156,7 @@ def gpipe_events(pp: int, m: int, f: float = 1.0, b: float = 2.0, rank_offset: i
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (4, 12), (3, 5)])
 def test_measured_bubble_of_an_ideal_schedule_is_the_theory(pp, m):
     mean, per_stage = timeline.measured_bubble(gpipe_events(pp, m))
-    assert mean == pytest.approx(timeline.theoretical_bubble(pp, m), rel=1e-12)
+    assert mean == pytest.approx(pipeline_bubble(pp, m), rel=1e-12)
     assert per_stage == pytest.approx([(pp - 1) / (m + pp - 1)] * pp)
 
 
@@ -164,7 +165,7 @@ def test_bubble_uses_one_rank_per_stage_and_counts_waiting_as_idle():
     noisy = [dict(e, rank=e["rank"] + 10, start=e["start"] + 0.5, end=e["end"] + 9.0) for e in ev]  # dp peers
     comm = [dict(ev[0], kind="recv_grad", start=0.0, end=100.0)]  # communication is not compute
     assert timeline.measured_bubble(ev + noisy + comm)[0] == pytest.approx(1 / 5)
-    assert timeline.theoretical_bubble(2, 1) == 0.5 and timeline.theoretical_bubble(4, 12) == pytest.approx(0.2)
+    assert pipeline_bubble(2, 1) == 0.5 and pipeline_bubble(4, 12) == pytest.approx(0.2)
 
 
 def test_chrome_trace_has_a_process_per_stage_and_an_event_per_span():

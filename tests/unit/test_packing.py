@@ -16,7 +16,8 @@ from helpers_unit import compose_config
 from hybridtrain.config import DataConfig
 from hybridtrain.config.choices import Packing
 from hybridtrain.data.packing import pack, row_positions
-from hybridtrain.data.sampler import BatchLayout, DocumentSamples, open_samples
+from hybridtrain.data.sampler import DocumentSamples, open_samples
+from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.errors import PlanError
 
 IGNORE = -100

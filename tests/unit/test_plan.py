@@ -386,7 +386,7 @@ def test_null_dp_fills_the_gpus():
     cfg = tiny()
     cfg.parallel.tp, cfg.parallel.pp = 2, 2
     plan, _ = resolve(cfg, GPUS8)
-    assert (plan.dp, plan.world_size) == (2, 8)
+    assert (plan.dims.dp, plan.world_size) == (2, 8)
     assert plan.grad_accum == 12 // (1 * 2)
 
 
@@ -394,21 +394,21 @@ def test_null_dp_fills_launcher_devices_without_gpus():
     cfg = tiny()
     cfg.launcher.gpus_per_node, cfg.parallel.tp = 4, 2
     plan, _ = resolve(cfg, CPU)
-    assert (plan.dp, plan.world_size) == (2, 4)
+    assert (plan.dims.dp, plan.world_size) == (2, 4)
 
 
 def test_null_dp_on_cpu_is_one():
     cfg = tiny()
     cfg.parallel.tp, cfg.parallel.pp = 3, 2
     plan, _ = resolve(cfg, CPU)
-    assert (plan.dp, plan.world_size, plan.grad_accum) == (1, 6, 12)
+    assert (plan.dims.dp, plan.world_size, plan.grad_accum) == (1, 6, 12)
 
 
 def test_explicit_dp_may_leave_devices_idle():
     cfg = tiny()
     cfg.parallel.dp = 2
     plan, _ = resolve(cfg, GPUS8)
-    assert (plan.dp, plan.world_size) == (2, 2)
+    assert (plan.dims.dp, plan.world_size) == (2, 2)
 
 
 def test_grad_accum_derived():
@@ -502,10 +502,13 @@ def test_pipeline_with_zero_0_or_1_accepted(stage):
     cfg = tiny()
     cfg.parallel.pp, cfg.parallel.zero_stage = 2, stage
     plan, _ = resolve(cfg, CPU)
-    assert (plan.pp, plan.zero_stage) == (2, stage)
+    assert (plan.dims.pp, plan.zero_stage) == (2, stage)
 
 
 def test_plan_round_trips_as_dict():
     plan, _ = resolve(tiny(), CPU)
     data = plan.to_dict()
-    assert type(plan)(**data) == plan
+    assert type(plan).from_dict(data) == plan
+    assert {k: data[k] for k in ("pp", "dp", "cp", "tp")} == plan.dims.degrees()  # plan.json's top-level degrees
+    old = {k: v for k, v in data.items() if k != "cp"}  # a plan.json written before the cp axis existed
+    assert type(plan).from_dict(old) == plan

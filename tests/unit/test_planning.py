@@ -46,8 +46,8 @@ def test_balanced_is_the_default_and_minimises_the_slowest_stage():
     cfg = cfg_of("+recipe=gpt_tiny", "parallel.pp=3")
     assert cfg.parallel.partition == "balanced"
     plan, hf = resolve(cfg, CPU)
-    facts = model_facts(get_family("gpt2"), hf, plan.seq_len, plan.tp)
-    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.tp)
+    facts = model_facts(get_family("gpt2"), hf, plan.seq_len, plan.dims.tp)
+    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.dims.tp)
     n = len(costs)
     valid = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), 2)
              if all(stage_problem(plan.layer_names[a:b]) is None for a, b in zip([0, *cuts], [*cuts, n]))]
@@ -228,7 +228,7 @@ def test_auto_plan_is_what_resolve_returns(monkeypatch):
     lines = []
     plan, _ = resolve(cfg, CPU, announce=lines.append)
     assert plan.world_size == 4 and not cfg.parallel.auto
-    assert f"chose dp={plan.dp} tp={plan.tp} pp={plan.pp} micro={plan.micro_batch_size}" in lines[0]
+    assert f"chose dp={plan.dims.dp} tp={plan.dims.tp} pp={plan.dims.pp} micro={plan.micro_batch_size}" in lines[0]
 
 
 def test_calibration_is_cached(tmp_path, monkeypatch):
@@ -257,8 +257,8 @@ def test_verify_twin_keeps_ratios_and_divisibility():
     twin = shrink(cfg, plan, hf, 3)["model"]
     assert twin["num_attention_heads"] // twin["num_key_value_heads"] == 64 // 8
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        assert twin[key] % plan.tp == 0, key
-    assert twin["num_hidden_layers"] >= plan.pp and twin["hidden_size"] <= 1024
+        assert twin[key] % plan.dims.tp == 0, key
+    assert twin["num_hidden_layers"] >= plan.dims.pp and twin["hidden_size"] <= 1024
     assert twin["intermediate_size"] / twin["hidden_size"] == pytest.approx(28672 / 8192, rel=0.1)
 
 
@@ -334,7 +334,7 @@ def test_auto_picks_a_plan_that_validates_and_fits(overrides, machine):
         return
     apply(cfg, choice.best)
     plan = build_plan(cfg, hf, machine, int(hf.vocab_size))
-    assert (plan.dp, plan.tp, plan.pp, plan.zero_stage) == (choice.best.dp, choice.best.tp, choice.best.pp,
+    assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.zero_stage) == (choice.best.dp, choice.best.tp, choice.best.pp,
                                                             choice.best.zero_stage)
     assert f"trainer.precision={plan.precision}" in overrides
     budget = rank_budget(cfg, plan, machine)

@@ -12,7 +12,8 @@ import torch
 import hybridtrain.data.embedded as embedded
 import hybridtrain.data.prepare as prepare
 from hybridtrain.config import DataConfig
-from hybridtrain.data.sampler import ArrowColumn, BatchLayout, PackedSamples
+from hybridtrain.data.sampler import ArrowColumn, PackedSamples
+from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 
 SEQ = 4

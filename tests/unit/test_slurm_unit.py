@@ -65,7 +65,7 @@ def test_which_groups_cross_nodes():
     text = placement.describe(plan, ["a", "b"])
     assert "rank    5  node b            dp 0  tp 1  pp 1" in text and "crossing nodes: pp" in text
     plan, _ = plan_of("parallel.dp=2", "parallel.tp=1", "parallel.pp=1", "launcher.nodes=2")
-    plan = dataclasses.replace(plan, dp=1, tp=2)  # the plan refuses it (test_plan.py); describe still says why
+    plan = dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, dp=1, tp=2))  # the plan refuses it (test_plan.py); describe still says why
     assert placement.crossing(plan) == ["tp"]  # one TP group over two nodes
     assert "tensor-parallel traffic leaves the node" in placement.describe(plan)
 

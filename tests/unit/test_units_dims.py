@@ -60,6 +60,47 @@ def test_coordinates_are_deepspeeds_topology(dp, tp, pp):
         assert {tuple(dims.group_of(axis, r)) for r in range(dims.world)} == groups, axis
 
 
+@pytest.mark.parametrize("pp,dp,cp,tp", [(1, 2, 2, 1), (2, 1, 2, 2), (2, 3, 2, 2), (1, 1, 4, 1)])
+def test_context_axis_lies_inside_deepspeeds_data_axis(pp, dp, cp, tp):
+    """With cp > 1 DeepSpeed still sees ``pipe x data x model``, ``data = dp x cp`` (``cp`` fastest inside it):
+    its data groups are hybridtrain's dp x cp groups, which ZeRO and the gradient reduction then cover."""
+    dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
+    topo = dims.topology()
+    assert dims.world == topo.world_size() and dims.data == dp * cp
+    for rank in range(dims.world):
+        c, ds = dims.coords(rank), topo.get_coord(rank)
+        assert (c.pp, c.dp * cp + c.cp, c.tp) == (ds.pipe, ds.data, ds.model)
+        assert dims.rank(c) == rank
+    assert {tuple(dims.data_group_of(r)) for r in range(dims.world)} == \
+        {tuple(g) for g in topo.get_axis_comm_lists("data")} or dims.data == 1
+    for axis in ("pp", "dp", "cp", "tp"):  # every group of every axis, once, each rank in exactly one
+        groups = dims.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(dims.world))
+        assert all(len(g) == getattr(dims, axis) for g in groups)
+        assert all(len({getattr(dims.coords(r), a) for r in g}) == 1 for g in groups for a in ("pp", "dp", "cp", "tp")
+                   if a != axis)
+
+
+@pytest.mark.parametrize("pp,dp,cp,tp,ep", [(1, 8, 1, 2, 4), (2, 4, 1, 2, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 4),
+                                            (2, 2, 2, 1, 4)])
+def test_expert_groups_are_deepspeeds(pp, dp, cp, tp, ep):
+    """The expert view folded inside the data axis gives DeepSpeed's own expert and expert-data groups."""
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+    experts, replicas = _get_expert_parallel_ranks(dims.world, tp, ep, pp)
+    assert dims.expert_groups() == (sorted(experts), sorted(replicas))
+    with pytest.raises(ValueError, match="ep=3 must divide dp x cp = 4"):
+        ParallelDims(dp=4, ep=3)
+
+
+def test_degrees_are_keyword_only_and_positive():
+    with pytest.raises(TypeError):
+        ParallelDims(2, 2, 2)  # no call can swap two axes
+    with pytest.raises(ValueError, match="tp=0"):
+        ParallelDims(tp=0)
+
+
 def test_rank_of_coordinates_and_unknown_axis():
     dims = ParallelDims(dp=2, tp=2, pp=2)
     assert dims.rank(Coords(pp=1, dp=0, tp=1)) == 5 and dims.model_ranks == 4
@@ -82,7 +123,7 @@ def test_data_parallel_degree():
 def _crossing_by_enumeration(dims: ParallelDims, nodes: int) -> list[str]:
     """Every group of every axis, and the nodes its ranks sit on (``world / nodes`` consecutive ranks a node)."""
     per_node = dims.world // nodes
-    return [axis for axis in ("tp", "dp", "pp")
+    return [axis for axis in ("tp", "cp", "dp", "pp")
             if any(len({r // per_node for r in dims.group_of(axis, rank)}) > 1 for rank in range(dims.world))]
 
 
@@ -93,9 +134,11 @@ def test_crossing_nodes_matches_every_group():
     for world in range(1, 33):
         for tp in (d for d in range(1, world + 1) if world % d == 0):
             for pp in (d for d in range(1, world // tp + 1) if world // tp % d == 0):
-                dims = ParallelDims(world // (tp * pp), tp, pp)
-                for nodes in (n for n in range(1, world + 1) if world % n == 0):
-                    assert dims.crossing(nodes) == _crossing_by_enumeration(dims, nodes), (dims, nodes)
-                    checked += 1
+                rest = world // (tp * pp)
+                for cp in (d for d in range(1, rest + 1) if rest % d == 0):
+                    dims = ParallelDims(dp=rest // cp, cp=cp, tp=tp, pp=pp)
+                    for nodes in (n for n in range(1, world + 1) if world % n == 0):
+                        assert dims.crossing(nodes) == _crossing_by_enumeration(dims, nodes), (dims, nodes)
+                        checked += 1
     assert checked > 1000
-    assert ParallelDims(2, 4, 1).crossing(2) == ["dp"] and ParallelDims(1, 8, 2).crossing(4) == ["tp", "pp"]
+    assert ParallelDims(dp=2, tp=4).crossing(2) == ["dp"] and ParallelDims(tp=8, pp=2).crossing(4) == ["tp", "pp"]

@@ -1,0 +1,159 @@
+"""Every process group hybridtrain uses, derived from the run's :class:`~hybridtrain.parallel.dims.ParallelDims`,
+behind DeepSpeed's ``mpu`` protocol.
+
+DeepSpeed's pipeline engine builds its groups itself (``PipelineModule`` makes a ``PipelineParallelGrid`` from
+the topology it is given, :meth:`ParallelDims.topology`), so the groups of DeepSpeed's three axes
+(``pipe``, ``data = dp x cp``, ``model``) and the pipe x model group are taken from that grid, made once; at
+pp = 1 this module makes the same grid of one stage. An axis DeepSpeed's grid does not know (``cp``) gets its
+groups here with ``new_group``, over :meth:`ParallelDims.groups`, only when its degree is > 1.
+
+:class:`ParallelGroups` is what the loop, the evaluator, the gradient clipper and ZeRO-3's partitioner
+take; at pp = 1 it is the ``mpu`` DeepSpeed gets. Nothing outside :mod:`hybridtrain.parallel` touches
+DeepSpeed's grid, topology or ``new_group``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.dims import Coords, ParallelDims
+
+
+class ParallelGroups:
+    """One rank's coordinates and process groups, passed explicitly to whoever runs a collective (no module
+    globals), presenting DeepSpeed's ``mpu`` protocol (the methods DeepSpeed's engine, ZeRO and
+    ``deepspeed.utils.groups`` call on an ``mpu``, the sequence-parallel ones included).
+
+    Built by :func:`sequential_groups` (pp = 1) or :func:`pipeline_groups` (pp > 1).
+    """
+
+    def __init__(self, dims: ParallelDims, grid: Any, tp: TPContext, rank: int):
+        self.dims = dims
+        """The run's degrees."""
+        self.coords: Coords = dims.coords(rank)
+        """This rank's coordinates."""
+        self.tp = tp
+        """This rank's :class:`~hybridtrain.parallel.context.TPContext` (bound to the grid's TP group)."""
+        self._grid = grid
+        self._cp_group = _axis_group(dims, "cp", rank)
+
+    # -- the groups hybridtrain reads ------------------------------------------------------------------
+
+    @property
+    def data_group(self) -> Any:
+        """The ranks holding the same weights as this one (``dp x cp``): loss averages, ZeRO, gradient reduction."""
+        return self._grid.get_data_parallel_group()
+
+    @property
+    def model_group(self) -> Any:
+        """The pipe x tensor ranks of this rank's replica (the gradient-norm group)."""
+        return self._grid.get_model_parallel_group()
+
+    # -- DeepSpeed's mpu protocol --------------------------------------------------------------------
+
+    def get_data_parallel_group(self) -> Any:
+        return self.data_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self._grid.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dims.data
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self._grid.get_data_parallel_group_ranks()
+
+    def get_model_parallel_group(self) -> Any:
+        return self.model_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self._grid.get_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.dims.model_ranks
+
+    def get_slice_parallel_group(self) -> Any:
+        return self._grid.get_slice_parallel_group()
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.coords.tp
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.dims.tp
+
+    get_tensor_model_parallel_group = get_slice_parallel_group
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self._grid.get_pipe_parallel_group()
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.coords.pp
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.dims.pp
+
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The context-parallel (``cp``) group; ``None`` at cp = 1, where DeepSpeed never asks for it."""
+        return self._cp_group
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.coords.cp
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.dims.cp
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        """ZeRO's partition and gradient group with context parallelism: the data axis, ``dp x cp``."""
+        return self.data_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.get_data_parallel_rank()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dims.data
+
+
+def _axis_group(dims: ParallelDims, axis: str, rank: int) -> Any:
+    """``rank``'s group along an axis DeepSpeed's grid does not build, made with ``new_group`` by every rank
+    for every group of the axis in the same order (a collective); ``None`` when the axis has degree 1."""
+    if getattr(dims, axis) == 1:
+        return None
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in dims.groups(axis):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def sequential_groups(dims: ParallelDims, tp: TPContext) -> ParallelGroups:
+    """The groups of a pp = 1 run: DeepSpeed's ``PipelineParallelGrid`` of one stage over
+    :meth:`ParallelDims.topology` (so both engines use the same rank layout); binds ``tp`` to its TP group
+    before any layer is built (the layers read it)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    grid = PipelineParallelGrid(topology=dims.topology())
+    tp.bind_grid(grid)
+    return ParallelGroups(dims, grid, tp, dist.get_rank())
+
+
+def bind_pipeline_tp(module: Any, tp: TPContext) -> None:
+    """Bind ``tp`` to the TP group of a DeepSpeed ``PipelineModule``'s grid (which it makes in its constructor,
+    before it builds its layers: :mod:`hybridtrain.engine.pipeline` calls this in between)."""
+    tp.bind_grid(module.mpu())
+
+
+def pipeline_groups(dims: ParallelDims, module: Any, tp: TPContext) -> ParallelGroups:
+    """The groups of a pp > 1 run, from the grid its ``PipelineModule`` made (``tp`` already bound to it)."""
+    import torch.distributed as dist
+
+    return ParallelGroups(dims, module.mpu(), tp, dist.get_rank())
