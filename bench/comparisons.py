@@ -75,7 +75,7 @@ def _stage_flops(run_dir: str) -> list[float]:
     hf, family = model_config(cfg), family_of(cfg.model)
     units, bounds = model_units(family, hf), plan["stage_bounds"]
     linear = block_shapes(family, hf).linear_flops
-    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], linear)
+    return [sum(unit_forward_flops(u, family, hf, plan["seq_len"], plan["padded_vocab_size"], linear.get(u.variant, 0.0))
                 for u in units[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
 

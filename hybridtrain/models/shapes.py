@@ -1,8 +1,8 @@
-"""The shapes the planner reads from one decoder block and the final norm, from transformers' own
-one-block meta model, remembered on disk by the model's config.
+"""The shapes the planner reads from the decoder blocks (one per block variant) and the final norm, from
+transformers' own meta model, remembered on disk by the model's config.
 
 The planner needs only numbers from the model: every parameter's shape (counts, which tensors a TP
-rank splits) and the block's linear FLOPs. Building even a one-block meta model imports the family's
+rank splits) and each block variant's linear FLOPs. Building even a meta model imports the family's
 HF modeling code: ``transformers.modeling_utils`` with its loss utilities (scipy), activations and
 masking, about 1.5 s of the controller's start-up on a 2-core CPU before any rank starts (measured
 with ``python -X importtime``; ``bench/startup_ab.py`` measures the whole start-up). So the numbers of
@@ -28,20 +28,21 @@ from typing import Dict, Tuple
 Shapes = Dict[str, Tuple[int, ...]]
 """HF parameter name relative to its module (``attn.c_attn.weight``) -> shape."""
 
-VERSION = 1
+VERSION = 2
 """Bumped when what an entry holds changes: older entries are then never read."""
 
 
 @dataclass(frozen=True)
 class BlockShapes:
-    """One decoder block's and the final norm's parameter shapes, and the block's linear FLOPs."""
+    """Each block variant's and the final norm's parameter shapes, and each variant's linear FLOPs."""
 
-    block: Shapes
-    """Parameters of decoder block 0 (blocks are alike), HF's order."""
+    blocks: Dict[str, Shapes]
+    """Block variant (:func:`hybridtrain.models.units.block_variants`) -> the parameters of its first block, HF's
+    order (every block of the variant has the same)."""
     final_norm: Shapes
     """Parameters of the final norm."""
-    linear_flops: float
-    """Forward matmul FLOPs per token of the block's linears (:func:`linear_flops`)."""
+    linear_flops: Dict[str, float]
+    """Block variant -> forward matmul FLOPs per token of the block's linears (:func:`linear_flops`)."""
 
 
 def cache_dir() -> Path:
@@ -51,30 +52,34 @@ def cache_dir() -> Path:
 
 
 def cache_key(family, hf_config) -> str:
-    """The entry of ``hf_config`` for ``family``: a hash of everything the built block depends on."""
+    """The entry of ``hf_config`` for ``family``: a hash of everything the built blocks depend on."""
     import transformers
+
+    from hybridtrain.models.units import block_variants
 
     what = {"config": hf_config.to_dict(), "attn": str(getattr(hf_config, "_attn_implementation", None)),
             "family": [family.model_type, family.blocks, family.final_norm, family.n_layers],
+            "variants": block_variants(family, hf_config),
             "transformers": transformers.__version__, "version": VERSION}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def block_shapes(family, hf_config) -> BlockShapes:
-    """The shapes of ``hf_config``'s block and final norm: from the cache, else from a one-block meta model
+    """The shapes of ``hf_config``'s block variants and final norm: from the cache, else from a meta model
     (a config transformers refuses raises its ``ValueError`` here, and nothing is cached)."""
     path = cache_dir() / f"{cache_key(family, hf_config)}.json"
     try:
         data = json.loads(path.read_text())
-        return BlockShapes({k: tuple(v) for k, v in data["block"].items()},
-                           {k: tuple(v) for k, v in data["final_norm"].items()}, float(data["linear_flops"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return BlockShapes({v: {k: tuple(x) for k, x in b.items()} for v, b in data["blocks"].items()},
+                           {k: tuple(x) for k, x in data["final_norm"].items()},
+                           {v: float(f) for v, f in data["linear_flops"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # not built before (or an unreadable entry): build it
     shapes = built_shapes(family, hf_config)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"block": shapes.block, "final_norm": shapes.final_norm,
+        tmp.write_text(json.dumps({"blocks": shapes.blocks, "final_norm": shapes.final_norm,
                                    "linear_flops": shapes.linear_flops}))
         tmp.replace(path)  # readers never see half an entry
     except OSError:
@@ -97,13 +102,28 @@ def linear_flops(block) -> float:
 
 
 def built_shapes(family, hf_config) -> BlockShapes:
-    """:class:`BlockShapes` read from a one-block meta model of ``hf_config`` (no memory is allocated)."""
-    from hybridtrain.models.build import one_layer_model
+    """:class:`BlockShapes` read from a meta model of ``hf_config`` (no memory is allocated): every block is
+    built and compared with its variant's first block, so blocks the variants call alike but transformers
+    builds differently are an error (the family then needs a ``block_variants`` rule), never a silent
+    estimate of the wrong block."""
+    from hybridtrain.errors import PlanError
+    from hybridtrain.models.build import meta_model
+    from hybridtrain.models.units import block_variants
 
-    model = one_layer_model(family, hf_config)
-    block = model.get_submodule(f"{family.blocks}.0")
+    model = meta_model(hf_config)
 
     def shapes(module) -> Shapes:
         return {n: tuple(p.shape) for n, p in module.named_parameters()}
 
-    return BlockShapes(shapes(block), shapes(model.get_submodule(family.final_norm)), linear_flops(block))
+    blocks: Dict[str, Shapes] = {}
+    flops: Dict[str, float] = {}
+    first: Dict[str, int] = {}
+    for i, variant in enumerate(block_variants(family, hf_config)):
+        block = model.get_submodule(f"{family.blocks}.{i}")
+        if variant not in blocks:
+            blocks[variant], flops[variant], first[variant] = shapes(block), linear_flops(block), i
+        elif shapes(block) != blocks[variant]:
+            raise PlanError("model.family", f"{family.model_type}: blocks {first[variant]} and {i} are both "
+                            f"variant {variant!r} but transformers builds them with different parameters; the "
+                            "family needs a block_variants rule (hybridtrain/models/families/base.py)")
+    return BlockShapes(blocks, shapes(model.get_submodule(family.final_norm)), flops)

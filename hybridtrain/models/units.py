@@ -38,6 +38,9 @@ class Unit:
     """Decoder-block index (``Kind.BLOCK`` only)."""
     tied: bool = False
     """The LM head reuses the embedding weight (``tie_word_embeddings``)."""
+    variant: str = ""
+    """The block's variant (``Kind.BLOCK`` only; :func:`block_variants`): blocks of one variant have the same
+    parameters and FLOPs, which the planner reads from the variant's first block."""
 
     @property
     def name(self) -> str:
@@ -56,10 +59,29 @@ def model_units(family: Any, hf_config: Any) -> list[Unit]:
     units = [Unit(Kind.EMBED, family.embed)]
     if family.position_embed:
         units.append(Unit(Kind.POS_EMBED, family.position_embed))
-    units += [Unit(Kind.BLOCK, f"{family.blocks}.{i}", index=i) for i in range(layers)]
+    units += [Unit(Kind.BLOCK, f"{family.blocks}.{i}", index=i, variant=v)
+              for i, v in enumerate(block_variants(family, hf_config))]
     units.append(Unit(Kind.FINAL_NORM, family.final_norm))
     units.append(Unit(Kind.HEAD, family.head, tied=bool(getattr(hf_config, "tie_word_embeddings", False))))
     return units
+
+
+def block_variants(family: Any, hf_config: Any) -> list[str]:
+    """Each decoder block's variant, in block order: the family's rule (``Family.block_variants``, e.g. an
+    MoE model's leading dense blocks) when it has one, else transformers' ``layer_types`` (models alternating
+    layer kinds, e.g. Gemma 2's sliding and full attention), else one variant, ``block``, for all.
+    :func:`hybridtrain.models.shapes.block_shapes` checks the variants against the built model: blocks of
+    one variant whose parameters differ are refused."""
+    layers = int(getattr(hf_config, family.n_layers))
+    rule = getattr(family, "block_variants", None)
+    if rule is not None:
+        variants = [str(v) for v in rule(hf_config)]
+    else:
+        types = getattr(hf_config, "layer_types", None)
+        variants = [str(t) for t in types] if types is not None and len(types) == layers else ["block"] * layers
+    if len(variants) != layers:
+        raise ValueError(f"{family.model_type}: {len(variants)} block variants for {layers} blocks")
+    return variants
 
 
 def names(units: Sequence[Unit]) -> list[str]:

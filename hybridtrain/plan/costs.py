@@ -97,7 +97,7 @@ def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[li
 
 def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1,
                 vocab_pad_multiple: int = 1) -> ModelFacts:
-    """Facts of every pipeline layer of ``hf_config`` (shapes of one block: blocks are alike;
+    """Facts of every pipeline layer of ``hf_config`` (each block from the shapes of its variant,
     :func:`hybridtrain.models.shapes.block_shapes`, no memory)."""
     from hybridtrain.models.shapes import block_shapes
 
@@ -105,17 +105,18 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
     shapes = block_shapes(family, hf_config)
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
-    sharded, replicated = _block_split(family, shapes.block)
+    split = {variant: _block_split(family, block) for variant, block in shapes.blocks.items()}
     norm = tuple(math.prod(shape) for shape in shapes.final_norm.values())
     units: list[UnitFacts] = []
     for unit in model_units(family, hf_config):
-        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, shapes.linear_flops)
+        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, shapes.linear_flops.get(unit.variant, 0.0))
         if unit.kind is Kind.EMBED:  # lookup; backward accumulates into a dense [V, H] gradient
             units.append(UnitFacts(unit, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
         elif unit.kind is Kind.POS_EMBED:
             n_pos = int(getattr(hf_config, family.max_positions))
             units.append(UnitFacts(unit, (), (n_pos * hidden,), 0.0, 2 * hidden))
         elif unit.kind is Kind.BLOCK:
+            sharded, replicated = split[unit.variant]
             units.append(UnitFacts(unit, tuple(sharded), tuple(replicated), TRAIN_FACTOR * fwd, 12 * hidden))
         elif unit.kind is Kind.FINAL_NORM:
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))

@@ -34,7 +34,7 @@ def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:
 def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, vocab_size: int,
                        linear: float = 0.0) -> float:
     """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`); ``linear``: the
-    linear FLOPs of one decoder block (:class:`hybridtrain.models.shapes.BlockShapes`), needed for blocks."""
+    linear FLOPs of the unit's block variant (:class:`hybridtrain.models.shapes.BlockShapes`), needed for blocks."""
     if unit.kind is Kind.BLOCK:
         return block_forward_flops(family, hf_config, seq_len, linear)
     if unit.kind is Kind.HEAD:
@@ -46,7 +46,8 @@ def model_flops_per_token(family: Family, hf_config, seq_len: int, vocab_size: i
     """Training (forward + backward) model FLOPs per token of the whole model, for MFU."""
     from hybridtrain.models.shapes import block_shapes
 
-    layers = int(getattr(hf_config, family.n_layers))
+    from hybridtrain.models.units import block_variants
+
     linear = block_shapes(family, hf_config).linear_flops
-    forward = layers * block_forward_flops(family, hf_config, seq_len, linear) + head_forward_flops(family, hf_config, vocab_size)
-    return TRAIN_FACTOR * forward
+    blocks = sum(block_forward_flops(family, hf_config, seq_len, linear[v]) for v in block_variants(family, hf_config))
+    return TRAIN_FACTOR * (blocks + head_forward_flops(family, hf_config, vocab_size))

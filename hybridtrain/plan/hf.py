@@ -141,6 +141,8 @@ def model_config(cfg: Config):
     try:
         hf = hf_config_of(cfg.model.model_type, dict(cfg.model.config), vocab, str(cfg.model.attn_implementation), eos)
         _check_builds(family, hf)
+    except PlanError:  # the built blocks disagree with the family's block variants: says so itself
+        raise
     except ValueError as err:  # transformers' own validation of the config or of the modules it builds
         raise _refused(cfg, err) from None
     return hf
@@ -158,7 +160,7 @@ def _check_flash_attention() -> None:
 
 
 def _check_builds(family, hf_config) -> None:
-    """Build one block of the model on the meta device: transformers validates shapes there
+    """Build the model on the meta device: transformers validates shapes there
     (GPT-2 refuses ``n_embd`` not divisible by ``n_head``), before anything is launched. A config
     built before is not built again (:mod:`hybridtrain.models.shapes` remembers its shapes)."""
     from hybridtrain.models.shapes import block_shapes

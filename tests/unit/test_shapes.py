@@ -12,6 +12,7 @@ import pytest
 from family_configs import TINY
 from hybridtrain.models.families import FAMILIES, get_family
 from hybridtrain.models.shapes import block_shapes, built_shapes, cache_dir, cache_key
+from hybridtrain.models.units import block_variants
 
 
 def _config(model_type: str):
@@ -29,7 +30,8 @@ def test_cached_shapes_equal_the_meta_model(model_type, tmp_path, monkeypatch):
     first = block_shapes(family, cfg)  # built, then written
     assert (cache_dir() / f"{cache_key(family, cfg)}.json").is_file()
     assert block_shapes(family, cfg) == first == built_shapes(family, cfg)  # read back: the same numbers
-    assert first.linear_flops > 0 and first.block and first.final_norm
+    assert all(f > 0 for f in first.linear_flops.values()) and first.blocks and first.final_norm
+    assert set(first.blocks) == set(first.linear_flops) == set(block_variants(family, cfg))
 
 
 def test_another_config_is_another_entry(tmp_path, monkeypatch):
@@ -38,7 +40,7 @@ def test_another_config_is_another_entry(tmp_path, monkeypatch):
     b = _config("llama")
     b.intermediate_size = a.intermediate_size * 2
     assert cache_key(family, a) != cache_key(family, b)
-    assert block_shapes(family, b).linear_flops > block_shapes(family, a).linear_flops
+    assert block_shapes(family, b).linear_flops["block"] > block_shapes(family, a).linear_flops["block"]
     b._attn_implementation = "eager"  # the kernel is part of the key too
     assert cache_key(family, a) != cache_key(family, b)
 
@@ -73,3 +75,57 @@ def test_a_cache_hit_imports_no_modeling_code(tmp_path):
                                  env=env, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     assert run() == "['transformers.models.llama.modeling_llama']"  # first time: built
     assert run() == "[]"  # then read from the cache
+
+
+def _moe_with_a_dense_first_block(variants=None):
+    """A Qwen3-MoE config whose block 0 is dense (``mlp_only_layers``), with Qwen3's paths; the planner's
+    facts only (no TP plan: every parameter counts as replicated)."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=3, hidden_size=32, intermediate_size=64,
+                               moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, vocab_size=100, mlp_only_layers=[0])
+    cfg._attn_implementation = "sdpa"
+    family = dataclasses.replace(get_family("qwen3"), model_type="qwen3_moe", hf_config_class=None, tp_rules={},
+                                 block_variants=variants)
+    return family, cfg
+
+
+def test_blocks_of_other_variants_get_their_own_shapes(tmp_path, monkeypatch):
+    """An MoE model with a leading dense block: each block's parameters and FLOPs are its own variant's."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.flops import model_flops_per_token
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path))
+    family, cfg = _moe_with_a_dense_first_block(
+        lambda c: ["dense" if i in c.mlp_only_layers else "moe" for i in range(c.num_hidden_layers)])
+    shapes = block_shapes(family, cfg)
+    assert set(shapes.blocks) == {"dense", "moe"} and block_shapes(family, cfg) == shapes  # cached as built
+    facts = model_facts(family, cfg, seq_len=16)
+    blocks = [u for u in facts.units if u.kind.value == "block"]
+    model = AutoModelForCausalLM.from_config(cfg)  # the real model, each block counted as transformers builds it
+    for u in blocks:
+        real = sum(p.numel() for p in model.get_submodule(u.unit.hf_path).parameters())
+        assert u.params(1) == real, u.name
+    assert blocks[0].params(1) != blocks[1].params(1) == blocks[2].params(1)
+    assert blocks[0].unit.variant == "dense" and blocks[1].unit.variant == "moe"
+    assert model_flops_per_token(family, cfg, 16, 100) == pytest.approx(sum(u.flops for u in facts.units))
+    assert math.isclose(sum(u.flops for u in blocks), blocks[0].flops + 2 * blocks[1].flops)
+
+
+def test_blocks_the_variants_call_alike_but_differ_are_refused(tmp_path, monkeypatch):
+    """Without a rule that tells the dense block from the MoE ones, the planner refuses instead of
+    estimating every block as block 0."""
+    from hybridtrain.errors import PlanError
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path))
+    family, cfg = _moe_with_a_dense_first_block()
+    with pytest.raises(PlanError, match="blocks 0 and 1 are both variant 'block'.*block_variants rule"):
+        block_shapes(family, cfg)
+    assert not list(cache_dir().glob("*.json"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 STYLES = ("column", "row", "norm", "grad_sum")
 """Tensor-parallel styles of a block submodule:
@@ -99,6 +99,10 @@ class Family:
     ``embed_out.weight``)."""
     attn_implementations: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
     """Attention kernels transformers supports for this family (Gemma 2: eager only); the first is the default."""
+    block_variants: Optional[Callable[[Any], Sequence[str]]] = None
+    """HF config -> each decoder block's variant (:func:`hybridtrain.models.units.block_variants`), for models
+    whose blocks differ beyond transformers' ``layer_types`` (an MoE model's leading dense blocks); ``None``:
+    ``layer_types``, else all blocks alike."""
     n_layers: str = "num_hidden_layers"
     hidden: str = "hidden_size"
     heads: str = "num_attention_heads"
