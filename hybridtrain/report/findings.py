@@ -68,17 +68,19 @@ def stage_times(records: list[dict]) -> dict[str, list[float]] | None:
 
 
 def _partition_suggestion(plan: dict[str, Any], slow: int, fast: int) -> str:
-    try:
-        from hybridtrain.plan.partition import METHODS
-    except ImportError:  # pragma: no cover - the package is importable wherever a report is written
-        METHODS = ("blocks", "uniform", "parameters")
-    current = plan.get("partition_method") or plan.get("partition")
-    others = [m for m in METHODS if m != current]
-    preferred = "balanced" if "balanced" in others else (others[0] if others else None)
+    """The change to try when stage ``slow`` is the bottleneck, from ``plan.json``'s ``partition_method``
+    (``manual``: ``parallel.stage_layers``) and the current layers per stage (``stage_bounds``)."""
+    current = plan.get("partition_method")
+    bounds = plan.get("stage_bounds") or []
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    by_hand = "parallel.stage_layers" + (f" (now {counts})" if counts else "")
     move = f"move pipeline layers from stage {slow} towards stage {fast}"
-    how = f"try parallel.partition={preferred}" if preferred else "change parallel.partition"
-    if "stage_layers" in plan or "balanced" in METHODS:
-        how += " or set the boundaries by hand with parallel.stage_layers"
+    if current == "manual":
+        how = f"change {by_hand} or try parallel.partition=balanced"
+    elif current == "balanced":  # the cost model misjudges these layers: the boundaries by hand come first
+        how = f"set the boundaries by hand with {by_hand} or try parallel.partition=blocks"
+    else:
+        how = f"try parallel.partition=balanced or set the boundaries by hand with {by_hand}"
     return f"{move}: {how}, then compare the stage times of the two runs."
 
 
