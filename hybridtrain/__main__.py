@@ -154,7 +154,7 @@ def main() -> None:
 
 def _leave(code) -> None:
     """Exit with ``code`` (as ``sys.exit`` takes it) without the interpreter's teardown: with torch
-    loaded that takes ~1 s after the job already ended; output is flushed and log files closed first.
+    loaded that takes a while after the job already ended; output is flushed and log files closed first.
     An exception other than ``SystemExit`` never gets here: it keeps Python's traceback and exit."""
     import logging
 

@@ -5,8 +5,8 @@ with a fresh ``mmap`` and returns it with ``munmap`` when freed, and trims the h
 above 128 KiB. A training step allocates and frees the same large tensors every micro-batch
 (activations, logits of ``[tokens, vocab]``, gradients), so each one costs the kernel a page
 fault and a zeroed page per 4 KiB, every time: on the bench's 135M model (``bench/models.py``,
-``smollm2_135m``) 3.8 million page faults and 12-17 s of system time in 4 steps of a plain
-transformers loop, about a fifth of its step time (``docs/benchmarks.md``). Raising both
+``smollm2_135m``) millions of page faults and a large share of the step in system time
+(``docs/benchmarks.md``, "Page faults"). Raising both
 thresholds makes freed blocks stay in the process and be handed out again, page faults gone.
 
 PyTorch's CPU allocator is ``malloc`` itself (aligned to 64 bytes either way) and has no caching

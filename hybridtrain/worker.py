@@ -51,8 +51,8 @@ def run(run_dir: Path) -> int:
     on_cpu = get_accelerator().device_name() == "cpu"
     kept = False
     if on_cpu:
-        # DeepSpeed JIT-compiles a shared-memory op (25 s on a fresh machine) that only serves
-        # inference all-reduce; training never calls it.
+        # DeepSpeed JIT-compiles a shared-memory op (slow on a fresh machine, docs/benchmarks.md) that
+        # only serves inference all-reduce; training never calls it.
         import importlib
 
         # (``import deepspeed.comm.torch as m`` would bind the torch package re-exported there)
@@ -238,7 +238,7 @@ def main() -> None:
     code = run_or_report(Path(sys.argv[1]))
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter and gloo teardown (5-7 s on a loaded CPU): everything is written and flushed.
+    # Skip interpreter and gloo teardown (seconds on a loaded CPU): everything is written and flushed.
     os._exit(code)
 
 

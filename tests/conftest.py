@@ -27,9 +27,8 @@ if os.environ.get("HYBRIDTRAIN_TEST_GPU") != "1":
 
 # CI runs two workers on two cores, and every job (and every in-process test) sizes its OpenMP threads for
 # the whole machine. OpenMP's default wait policy spins at each barrier, so when both workers compute the
-# threads burn the cores waiting for each other: two 8-step tiny jobs run side by side took 37-65 s of
-# CPU each with it and 6-7 s passive (each ~7 s alone either way). Before libgomp is loaded; the ranks
-# inherit it; a value already set is kept.
+# threads burn the cores waiting for each other, several times the CPU time of passive waiting
+# (docs/benchmarks.md). Before libgomp is loaded; the ranks inherit it; a value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

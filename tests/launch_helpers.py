@@ -14,7 +14,8 @@ from hybridtrain.rundir import RunDir
 
 NO_REPORT = "trainer.report=false"
 """Added to a test's job unless it sets ``trainer.report`` itself: writing ``report.md`` and its plots at
-the end of a run costs 0.5-0.7 s of CPU a job, about a minute over CI; the report's tests ask for it."""
+the end of a run costs CPU time in every job, which adds up over CI (``docs/benchmarks.md``); the
+report's tests ask for it."""
 
 
 def run_cli(run_dir: Path, *overrides: str, timeout: float = 400, env: dict | None = None,

@@ -172,8 +172,8 @@ class OptimConfig:
     fused: bool = True
     """torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``, the HF Trainer's default
     ``adamw_torch_fused``): one pass over each tensor. ``false``: torch's default implementation, on a
-    CPU a loop of elementwise kernels per parameter, about 10x the time (3.5-4.6 s of CPU against
-    0.3-0.4 s a step for 135M parameters); the two agree to float32 rounding."""
+    CPU a loop of elementwise kernels per parameter, several passes over memory where the fused kernel
+    makes one (``docs/benchmarks.md``); the two agree to float32 rounding."""
 
 
 @dataclass
@@ -266,7 +266,7 @@ class LauncherConfig:
     keep_host_memory: bool = True
     """CPU ranks keep the host memory their tensors free and reuse it (glibc ``mallopt``: blocks under
     1 GiB come from the heap, which is not trimmed), instead of returning each large block to the OS and
-    faulting it in again the next micro-batch: about a fifth faster on a 135M model, same numbers; the
+    faulting it in again the next micro-batch: faster (``docs/benchmarks.md``), same numbers; the
     rank's resident memory stays near its peak (``hybridtrain/host_memory.py``). GPU ranks, and C libraries
     other than glibc (no ``mallopt``): no effect."""
     dry_run: bool = False

@@ -187,8 +187,8 @@ def numpy_view(array) -> np.ndarray:
     """A read-only numpy view of a numeric pyarrow array without nulls, without copying.
 
     Why by hand: pyarrow's ``Array.to_numpy`` goes through its pandas conversion layer, which imports
-    pandas: about 0.7 s of CPU in every rank (a forked rank also copies the pages that import
-    touches), so an 8-rank job on a 2-core machine spent ~6 s of CPU on it. The values buffer of a
+    pandas in every rank (a forked rank also copies the pages that import touches), CPU time a job
+    of many ranks on few cores pays many times over (``docs/benchmarks.md``). The values buffer of a
     numeric array is its numpy array (``buffers()[1]``, from ``offset``)."""
     import pyarrow as pa
 

@@ -254,7 +254,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     if _single_replica_without_zero(plan):
         # DeepSpeed would still flatten every gradient into one buffer, "all-reduce" it over a
         # data-parallel group of one and copy it back at each step: two passes over the gradients
-        # for nothing (2-5% of a step of a 135M model on a CPU, py-spy).
+        # for nothing (docs/benchmarks.md: its share of a step, from py-spy).
         if plan.dims.pp > 1:
             engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's own flag
         else:

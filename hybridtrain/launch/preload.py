@@ -11,9 +11,9 @@ Through its socket the process tells the controller each child's pid (one line p
 order) and then, as each exits, ``PID CODE`` (``CODE`` as :attr:`subprocess.Popen.returncode` gives
 it: ``-N`` for signal N).
 
-Why by hand: every rank otherwise spends 7-10 s of CPU importing the same modules (transformers'
-modeling imports alone take ~7 s: ``torch._dynamo``, ``torch.distributed.tensor``, scipy), so an
-8-rank job on a 2-core machine waited ~40 s before its first step. ``multiprocessing``'s forkserver
+Why by hand: every rank otherwise spends seconds of CPU importing the same modules (transformers'
+modeling imports most: ``torch._dynamo``, ``torch.distributed.tensor``, scipy), so a job of many ranks
+on few cores waited long before its first step (``docs/benchmarks.md``). ``multiprocessing``'s forkserver
 would do the forking, but its children are its own ``Process`` objects, not processes with their own
 environment, session and exit code that :class:`~hybridtrain.launch.ranks.Ranks` supervises like the
 GPU path's ``Popen`` ranks; DeepSpeed's and torch's launchers start each rank as a new interpreter.
@@ -57,12 +57,12 @@ def warm(run_dir: Path) -> None:
     files = RunDir(run_dir)
     config_module = type(model_config(files.config())).__module__  # transformers.models.X.configuration_X
     optional = [config_module.replace(".configuration_", ".modeling_"),  # the family's modules
-                # deepspeed.initialize's expert-parallel check imports these two (~0.3 s of CPU per rank)
+                # deepspeed.initialize's expert-parallel check imports these two in every rank
                 "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer"]
     plan = files.plan()
     if plan.zero_stage > 0 or plan.precision != "fp32":
         # DeepSpeed's ZeRO and BF16 optimizers import Muon's, which calls torch.compile at import
-        # (torch._inductor: ~0.8 s of CPU); an fp32 run without ZeRO never does, so it is not warmed then
+        # (torch._inductor, a costly import); an fp32 run without ZeRO never does, so it is not warmed then
         optional.append("deepspeed.runtime.zero.muon.muon_optimizer")
     for name in optional:
         try:
@@ -140,7 +140,7 @@ def serve(run_dir: Path, envs: list[dict[str, str]], report: int) -> NoReturn:
     os.close(report)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # tearing down torch, DeepSpeed and transformers takes ~2 s and leaves nothing to write
+    os._exit(0)  # tearing down torch, DeepSpeed and transformers takes seconds and leaves nothing to write
 
 
 class Preloader:
@@ -190,7 +190,7 @@ class Preloader:
 def fork_preloader() -> Preloader | None:
     """Import torch and transformers' configuration classes here (the controller imports them to plan
     anyway), then fork the preload process from this one, so neither it nor the ranks import them again
-    (~2.5 s of CPU a job). None on a machine with CUDA: GPU ranks are never forked.
+    (``docs/benchmarks.md``). None on a machine with CUDA: GPU ranks are never forked.
 
     Safe to fork as :func:`serve` is: so far this process has only imported modules and composed the
     config (no tensor made, no thread pool of torch's started; numpy's OpenBLAS thread, which ``import

@@ -2,8 +2,9 @@
 
 This is what DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, which the deepspeed runner
 starts on each node) does, written here because that launcher is a Python process of its own that
-imports torch and deepspeed (1.2 s of CPU, about 15% of the time from the command to the first
-step) to set a few variables, start the ranks and wait, while the controller is already running:
+imports torch and deepspeed (a sizeable share of the time from the command to the first step,
+``docs/benchmarks.md``) to set a few variables, start the ranks and wait, while the controller is
+already running:
 
 - every rank gets the launcher's variables (:func:`rank_env`; ``tests/unit/test_launch_output.py``
   compares them with what the launcher sets);

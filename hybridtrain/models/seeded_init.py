@@ -3,9 +3,8 @@
 HF's ``_init_weights`` decides how each parameter starts (``normal_(0, std)`` for matrices, ones and
 zeros for norms and biases). Run as is, every random parameter is one ``normal_`` over the whole
 tensor: a single stream of torch's CPU generator (mt19937), which has no way to skip ahead, so a
-tensor-parallel rank would draw the whole tensor to keep 1/tp of it (tp-times redundant work: about
-80 s per rank for a 70B model at pp = 8, most of it the generator itself, which discarding cannot
-avoid).
+tensor-parallel rank would draw the whole tensor to keep 1/tp of it (tp-times redundant work, most of
+it the generator itself, which discarding cannot avoid; ``docs/benchmarks.md`` has the cost).
 
 So the random fills of a unit's parameters are made in tiles: the tensor, seen as ``[rows, columns]``
 (``[d0, d1 x d2 ...]``; a vector is one column), is cut along each axis into at most
@@ -34,8 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TILES_PER_AXIS = 16
-"""Most pieces an axis is cut into: 256 tiles of a large matrix (a few ms of overhead against the
-0.2 s a 4096 x 4096 ``normal_`` takes), and shards of tp up to 16 that fall on tile edges."""
+"""Most pieces an axis is cut into: 256 tiles of a large matrix (an overhead small against the
+``normal_`` of the matrix itself), and shards of tp up to 16 that fall on tile edges."""
 MIN_TILE = 64
 """Fewest entries of a tile along an axis (small tensors stay one tile)."""
 

@@ -4,8 +4,8 @@ transformers' own meta model, remembered on disk by the model's config.
 The planner needs only numbers from the model: every parameter's shape (counts, which tensors a TP
 rank splits) and each block variant's linear FLOPs. Building even a meta model imports the family's
 HF modeling code: ``transformers.modeling_utils`` with its loss utilities (scipy), activations and
-masking, about 1.5 s of the controller's start-up on a 2-core CPU before any rank starts (measured
-with ``python -X importtime``; ``bench/startup_ab.py`` measures the whole start-up). So the numbers of
+masking, a noticeable part of the controller's start-up before any rank starts (``docs/benchmarks.md``;
+``bench/startup_ab.py`` measures the whole start-up). So the numbers of
 a config that was built once are kept in ``$HYBRIDTRAIN_CACHE/shapes/<key>.json`` (or
 ``~/.cache/hybridtrain``), keyed by the config's full JSON, its attention kernel, the family's paths and
 the transformers version; the same model trained again, resumed or swept over other keys is not

@@ -55,7 +55,6 @@ class Unit:
 def model_units(family: Any, hf_config: Any) -> list[Unit]:
     """The units of ``hf_config``'s model in pipeline order:
     embed, [pos_embed], block.0 .. block.{L-1}, final_norm, head."""
-    layers = int(getattr(hf_config, family.n_layers))
     units = [Unit(Kind.EMBED, family.embed)]
     if family.position_embed:
         units.append(Unit(Kind.POS_EMBED, family.position_embed))

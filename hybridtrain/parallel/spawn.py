@@ -116,8 +116,8 @@ def _child(target: Target, rank: int, world: int, port: int, out: str, deepspeed
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world, timeout=timedelta(seconds=120))
         if deepspeed_comm:
-            # deepspeed.comm's TorchBackend JIT-builds a CPU shared-memory all-reduce (~25 s)
-            # that gloo does not need.
+            # deepspeed.comm's TorchBackend JIT-builds a CPU shared-memory all-reduce (slow,
+            # docs/benchmarks.md) that gloo does not need.
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
             import deepspeed
 

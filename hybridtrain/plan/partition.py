@@ -160,3 +160,25 @@ def stage_problem(names: Sequence[str]) -> Optional[str]:
     return (f"a stage of only {', '.join(names)} has parameters of one kind (matrices or norms) and would "
             "hang DeepSpeed's gradient-norm collectives; every stage needs a decoder block, or the final "
             "norm together with the head")
+
+
+MANUAL = "manual"
+"""``plan.json``'s ``partition_method`` when ``parallel.stage_layers`` set the boundaries."""
+
+
+def partition_advice(method: str, bounds: Sequence[int], measured: bool) -> str:
+    """What to try when one stage is slower than the others, for a plan partitioned by ``method``
+    (``plan.json``'s ``partition_method``) with stage boundaries ``bounds``: the one wording the plan report
+    (``measured=False``: the planner's own cost estimate) and the run report (``True``: measured stage times)
+    share."""
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    by_hand = "parallel.stage_layers" + (f" (now {counts})" if counts else "")
+    if method == MANUAL:
+        return f"change {by_hand} or try parallel.partition=balanced"
+    if method == "balanced":
+        if not measured:  # balanced already minimises the estimate: no contiguous split of it is more even
+            return ("no contiguous split of these layers is more even by the estimate; fewer stages or more tp "
+                    "shrink the largest layer")
+        # the cost model misjudges these layers: the boundaries by hand come first
+        return f"set the boundaries by hand with {by_hand} or try parallel.partition=blocks"
+    return f"try parallel.partition=balanced or set the boundaries by hand with {by_hand}"

@@ -19,6 +19,7 @@ from hybridtrain.plan.costs import (
 )
 from hybridtrain.plan.lora import lora_memory
 from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
+from hybridtrain.plan.partition import partition_advice
 from hybridtrain.plan.types import Plan
 
 IMBALANCE_WARN = 0.10
@@ -86,9 +87,7 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                         ranks_per_node=cfg.launcher.gpus_per_node or 0)
     if imbalance > IMBALANCE_WARN:
         slow = max(stages, key=lambda st: st.time_cost).stage
-        how = ("no contiguous split of these layers is more even; fewer stages or more tp shrink the "
-               "largest layer" if cfg.parallel.partition == "balanced" and cfg.parallel.stage_layers is None
-               else "try parallel.partition=balanced or other parallel.stage_layers")
+        how = partition_advice(plan.partition_method, plan.stage_bounds, measured=False)
         report.warnings.append(f"stage imbalance {imbalance:.0%}: stage {slow} is the slowest; {how}")
     for st in stages:
         if device_memory and st.memory.total > device_memory:

@@ -49,6 +49,9 @@ class Plan:
     """Pipeline layers in order (``embed``, ``pos_embed``, ``block.0``..., ``final_norm``, ``head``)."""
     stage_bounds: list[int] = field(default_factory=list)
     """Stage ``s`` holds ``layer_names[stage_bounds[s]:stage_bounds[s+1]]``."""
+    partition_method: str = ""
+    """How ``stage_bounds`` were chosen: the ``parallel.partition`` method, or ``manual`` when
+    ``parallel.stage_layers`` gave them; empty in a ``plan.json`` written before it was recorded."""
 
     def stage_layers(self, stage: int) -> list[str]:
         """Pipeline layer names of ``stage``."""

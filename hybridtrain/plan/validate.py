@@ -19,7 +19,7 @@ from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
-from hybridtrain.plan.partition import manual, partition, stage_problem
+from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
 
@@ -254,4 +254,5 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         global_batch_size=tr.global_batch_size, zero_stage=zero, precision=tr.precision,
         seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,
         vocab_size=model_vocab, padded_vocab_size=padded,
-        num_layers=num_layers, layer_names=names, stage_bounds=bounds)
+        num_layers=num_layers, layer_names=names, stage_bounds=bounds,
+        partition_method=MANUAL if par.stage_layers is not None else str(par.partition))

@@ -18,13 +18,18 @@ __all__ = ["write_report"]
 
 
 def _partition(files: RunDir) -> str | None:
-    """``parallel.partition`` as the run's ``config.yaml`` has it, read leniently (a report of any
-    run directory, whatever schema wrote it)."""
+    """The partition method as the run's ``config.yaml`` has it (``manual`` with ``parallel.stage_layers``),
+    read leniently (a report of any run directory, whatever schema wrote it)."""
     if not files.config_file.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.select(OmegaConf.load(str(files.config_file)), "parallel.partition")
+    from hybridtrain.plan.partition import MANUAL
+
+    cfg = OmegaConf.load(str(files.config_file))
+    if OmegaConf.select(cfg, "parallel.stage_layers") is not None:
+        return MANUAL
+    return OmegaConf.select(cfg, "parallel.partition")
 
 
 def _mib(v: float | None) -> str:
@@ -37,7 +42,8 @@ def write_report(run_dir: str | Path) -> Path:
     files = RunDir(run_dir)
     records = files.metrics()
     plan = files.plan_record() or {}
-    plan["partition"] = _partition(files)
+    if not plan.get("partition_method"):  # a plan.json written before the method was recorded
+        plan["partition_method"] = _partition(files)
     observe = files.observe() or {}
     timeline = files.timeline()
     train = train_records(records)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
+from hybridtrain.parallel.dims import pipeline_bubble
+
 STAGE_IMBALANCE = 0.15
 """A stage whose forward + backward time exceeds the stages' mean by this fraction is reported."""
 BUBBLE = 0.25
@@ -68,18 +70,12 @@ def stage_times(records: list[dict]) -> dict[str, list[float]] | None:
 
 
 def _partition_suggestion(plan: dict[str, Any], slow: int, fast: int) -> str:
-    try:
-        from hybridtrain.plan.partition import METHODS
-    except ImportError:  # pragma: no cover - the package is importable wherever a report is written
-        METHODS = ("blocks", "uniform", "parameters")
-    current = plan.get("partition_method") or plan.get("partition")
-    others = [m for m in METHODS if m != current]
-    preferred = "balanced" if "balanced" in others else (others[0] if others else None)
-    move = f"move pipeline layers from stage {slow} towards stage {fast}"
-    how = f"try parallel.partition={preferred}" if preferred else "change parallel.partition"
-    if "stage_layers" in plan or "balanced" in METHODS:
-        how += " or set the boundaries by hand with parallel.stage_layers"
-    return f"{move}: {how}, then compare the stage times of the two runs."
+    """The change to try when stage ``slow`` is the bottleneck, from ``plan.json``'s ``partition_method``
+    and stage boundaries (:func:`~hybridtrain.plan.partition.partition_advice`)."""
+    from hybridtrain.plan.partition import partition_advice
+
+    how = partition_advice(plan.get("partition_method") or "", plan.get("stage_bounds") or [], measured=True)
+    return f"move pipeline layers from stage {slow} towards stage {fast}: {how}, then compare the stage times of the two runs."
 
 
 def findings(records: list[dict], plan: dict[str, Any], timeline: dict[str, Any] | None = None,
@@ -125,7 +121,7 @@ def findings(records: list[dict], plan: dict[str, Any], timeline: dict[str, Any]
                 "or more micro-batches so each transfer overlaps more work."))
 
     if pp > 1:
-        theory = (pp - 1) / (m + pp - 1)
+        theory = pipeline_bubble(pp, m)
         measured = timeline.get("bubble_measured") if timeline else None
         bubble = measured if measured is not None else theory
         if bubble > BUBBLE:
@@ -134,7 +130,7 @@ def findings(records: list[dict], plan: dict[str, Any], timeline: dict[str, Any]
             target = 4 * pp
             if m < target:
                 advice = (f"more micro-batches: m = trainer.global_batch_size / (parallel.micro_batch_size x dp); "
-                          f"m={target} gives a theoretical bubble of {(pp - 1) / (target + pp - 1):.0%}. Lower "
+                          f"m={target} gives a theoretical bubble of {pipeline_bubble(pp, target):.0%}. Lower "
                           "parallel.micro_batch_size or raise trainer.global_batch_size.")
             else:  # enough micro-batches: the idle time comes from unequal stages or slow transfers
                 advice = ("m is already large, so the idle time comes from unequal stages or slow send/receive "

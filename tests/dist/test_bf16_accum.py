@@ -17,7 +17,7 @@ TOLERANCE = 0.012
 forward and backward (a 2^-8 mantissa) gives about 0.8% here."""
 
 
-@pytest.mark.slow  # 14 s; CI keeps bf16 ZeRO-1 training (below)
+@pytest.mark.slow  # CI keeps bf16 ZeRO-1 training (below)
 def test_bf16_gradient_of_many_micro_batches_stays_close_to_fp32():
     """128 micro-batches into one step (llama_7b accumulates 256): accumulated in fp32 the bf16
     gradient is within bf16 tolerance of the fp32 one; summed in bf16 (DeepSpeed's default, the
@@ -54,7 +54,7 @@ def test_bf16_zero1_trains_a_tp_rank_with_no_gradient_to_count(tmp_path):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 3e-2 * abs(w["grad_norm"]), (g, w)
 
 
-@pytest.mark.slow  # 20 s; CI keeps bf16 ZeRO-1 training and fp32 exact resume and resharding (test_checkpoint.py)
+@pytest.mark.slow  # CI keeps bf16 ZeRO-1 training and fp32 exact resume and resharding (test_checkpoint.py)
 def test_bf16_pipeline_checkpoint_resumes_exactly_and_reshards(tmp_path):
     """bf16 ZeRO-1 at pp=2 (DeepSpeed's BF16 optimizer): the checkpoint holds the fp32 master weights
     (not the bf16 copies the model computes with), resumes bit-exactly under the same plan and

@@ -14,7 +14,7 @@ def test_gpus_asked_on_a_machine_without_cuda_exits_2_before_launching(tmp_path)
     assert not (tmp_path / "config.yaml").exists()  # nothing prepared, nothing started
 
 
-@pytest.mark.slow  # two runs and a re-shard (74 s in CI under two workers); CI re-shards on resume in test_checkpoint.py
+@pytest.mark.slow  # two runs and a re-shard; CI re-shards on resume in test_checkpoint.py
 def test_checkpoint_with_the_gpu_vocabulary_padding_resumes_on_cpu(tmp_path):
     """A GPU run pads the vocabulary to 64 x tp rows, a CPU run to tp: resuming one's checkpoint on
     the other goes through the HF names (re-shard) and continues the losses."""

@@ -19,7 +19,7 @@ def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return train, val
 
 
-@pytest.mark.slow  # 12 s; CI keeps a chat file end to end (below) and the text field's checks in tests/unit
+@pytest.mark.slow  # CI keeps a chat file end to end (below) and the text field's checks in tests/unit
 def test_jsonl_corpus_with_a_content_field_trains(tmp_path):
     corpus = text_corpus(tmp_path / "corpus" / "part-0.jsonl", n=80)
     text_corpus(tmp_path / "corpus" / "part-1.jsonl", n=40, start=80)

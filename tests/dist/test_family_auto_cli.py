@@ -12,7 +12,7 @@ HELIUM = ["+recipe=llama_tiny", "model.model_type=helium", "model.family=auto", 
           "trainer.max_steps=3"]  # Helium's default head_dim (128) does not fit llama_tiny's 96 / 12 heads
 
 
-@pytest.mark.slow  # 28 s; CI keeps the derivation checks (tests/unit/test_family_auto.py) and the refusal below
+@pytest.mark.slow  # CI keeps the derivation checks (tests/unit/test_family_auto.py) and the refusal below
 def test_auto_family_trains_like_transformers(tmp_path):
     from hybridtrain.reference import reference_run
 
@@ -23,7 +23,7 @@ def test_auto_family_trains_like_transformers(tmp_path):
     assert [m["loss"] for m in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
 
 
-@pytest.mark.slow  # 12 s; CI keeps the refusal in process (tests/unit/test_family_auto.py)
+@pytest.mark.slow  # CI keeps the refusal in process (tests/unit/test_family_auto.py)
 def test_auto_family_with_a_scaled_head_is_refused_with_the_difference(tmp_path):
     proc = run_cli(tmp_path, "+recipe=llama_tiny", "model.model_type=cohere", "model.family=auto", "model.config={}",
                    check=False, timeout=300)

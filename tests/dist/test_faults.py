@@ -65,7 +65,7 @@ def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses
     assert [m["loss"] for m in before[:4] + after] == pytest.approx(ref[:4] + ref[4:], rel=1e-4, abs=0)
 
 
-@pytest.mark.slow  # 22 s; CI keeps the watchdog firing with its stack and exit code, and staying quiet (below)
+@pytest.mark.slow  # CI keeps the watchdog firing with its stack and exit code, and staying quiet (below)
 def test_hang_watchdog_dumps_every_rank_and_ends_the_job(tmp_path):
     """2 ranks (pp=2); rank 1 sleeps forever in step 3. ``trainer.hang_timeout_s=10``: both ranks
     print their stacks (rank 1's shows the injected stall) and the job exits non-zero."""

@@ -111,7 +111,7 @@ PARITY_CASES = [pytest.param(r, l, id="dp{}_tp{}_pp{}-{}".format(*l, r),
 
 OWN_INTERPRETERS = ("gpt_tiny", (1, 1, 2))
 """The case whose ranks start as their own interpreters (``HYBRIDTRAIN_PRELOAD=0``: what GPU ranks do;
-two of them, since each imports torch, DeepSpeed and transformers itself: ~7 s of CPU a rank);
+two of them, since each imports torch, DeepSpeed and transformers itself, seconds of CPU a rank);
 every other run here forks its CPU ranks from one process that imported their libraries once."""
 
 

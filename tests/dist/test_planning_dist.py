@@ -59,7 +59,7 @@ def test_model_state_estimate_within_10_percent_of_real_allocations(verified, tm
     assert checked == ["plan", "single", "dp2"]
 
 
-@pytest.mark.slow  # 8 s; CI keeps the fp32 estimate against real allocations (above)
+@pytest.mark.slow  # CI keeps the fp32 estimate against real allocations (above)
 def test_bf16_model_state_estimate_follows_the_bf16_optimizer(tmp_path):
     """bf16 with ZeRO-1 runs DeepSpeed's BF16 optimizer (fp32 gradient accumulation): bf16 gradients
     plus a full fp32 gradient buffer, master weights and moments partitioned over dp."""

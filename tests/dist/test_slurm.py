@@ -150,7 +150,7 @@ def test_rejected_submission_shows_slurms_message(slurm_cluster, tmp_path):
     assert "launcher.partition" in proc.stderr
 
 
-@pytest.mark.slow  # 60 s; CI keeps real sbatch/srun jobs (a failing rank, a rejected submission) and the local SIGTERM checkpoint
+@pytest.mark.slow  # CI keeps real sbatch/srun jobs (a failing rank, a rejected submission) and the local SIGTERM checkpoint
 def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_cluster, reference, tmp_path):
     """A two-node SLURM job, stopped by SLURM's signal, requeued and resumed: together it trains exactly
     like the plan run locally, and rank 0 prints where each rank runs."""
@@ -178,7 +178,7 @@ def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_clu
     assert RunDir(tmp_path).job_script.is_file() and RunDir(tmp_path).config_file.is_file()
 
 
-@pytest.mark.slow  # 30 s; the multinode launcher's rules and runner command stay in CI (test_slurm_unit.py)
+@pytest.mark.slow  # the multinode launcher's rules and runner command stay in CI (test_slurm_unit.py)
 def test_two_node_no_ssh_launch_matches_the_local_run(reference, tmp_path):
     from hybridtrain.ports import free_port
 

@@ -34,7 +34,7 @@ def _copy_project(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow  # 22 s (a venv and a wheel build); CI installs the checkout as the README does
+@pytest.mark.slow  # a venv and a wheel build; CI installs the checkout as the README does
 def test_wheel_install_trains_from_another_directory(tmp_path):
     source = _copy_project(tmp_path / "source")
     env_dir = tmp_path / "venv"

@@ -138,7 +138,7 @@ def test_numpy_view_is_the_arrow_values_without_a_copy():
 
 
 def test_reading_a_saved_column_imports_no_pandas(tmp_path):
-    """pyarrow's ``to_numpy`` imports pandas (~0.7 s of CPU per rank): the ranks' reads must not."""
+    """pyarrow's ``to_numpy`` imports pandas (CPU time in every rank): the ranks' reads must not."""
     import subprocess
     import sys
 

@@ -14,6 +14,7 @@ from hybridtrain.observe.checks import check_observe
 from hybridtrain.observe.loggers import check_logger, scalars
 from hybridtrain.observe.peak import gpu_peak_tflops, probe_cpu_tflops, probe_key, resolve_peak
 from hybridtrain.errors import PlanError
+from hybridtrain.plan import Machine, resolve
 from hybridtrain.report import write_report
 from hybridtrain.report.findings import findings
 from hybridtrain.rundir import RunDir
@@ -200,26 +201,45 @@ def _record(step, **kw):
     return rec
 
 
-PLAN = {"dp": 1, "tp": 1, "pp": 2, "world_size": 2, "grad_accum": 16, "micro_batch_size": 1,
-        "global_batch_size": 16, "tokens_per_step": 512, "precision": "fp32", "partition": "blocks"}
+def plan_json(folder, *overrides):
+    """``plan.json`` as the controller writes it for gpt_tiny on two stages with 16 micro-batches per step."""
+    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2", "trainer.global_batch_size=16", *overrides)
+    plan, _ = resolve(cfg, Machine())
+    RunDir(folder).write_plan(plan)
+    return RunDir(folder).plan_record()
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """The default (``balanced``) plan's ``plan.json``."""
+    return plan_json(tmp_path_factory.mktemp("plan"))
 
 
 def titles(found):
     return [f.title for f in found]
 
 
-def test_findings_balanced_run_has_none():
-    assert titles(findings([_record(s) for s in range(1, 6)], PLAN)) == ["Nothing stands out"]
+def test_findings_balanced_run_has_none(tiny_plan):
+    assert titles(findings([_record(s) for s in range(1, 6)], tiny_plan)) == ["Nothing stands out"]
 
 
-def test_findings_name_the_slow_stage_and_the_partition_key():
+@pytest.mark.parametrize("overrides, method, advice", [
+    ((), "balanced", "set the boundaries by hand with parallel.stage_layers (now [6, 2]) or try parallel.partition=blocks"),
+    (("parallel.partition=blocks",), "blocks",
+     "try parallel.partition=balanced or set the boundaries by hand with parallel.stage_layers (now [4, 4])"),
+    (("parallel.stage_layers=[4,4]",), "manual", "change parallel.stage_layers (now [4, 4]) or try parallel.partition=balanced"),
+], ids=["balanced", "blocks", "manual"])
+def test_findings_name_the_slow_stage_and_the_partition_key(tmp_path, overrides, method, advice):
+    plan = plan_json(tmp_path, *overrides)
+    assert plan["partition_method"] == method
     recs = [_record(s, stage_forward_s=[0.1, 0.4], stage_backward_s=[0.2, 0.8]) for s in range(1, 6)]
-    slow = [f for f in findings(recs, PLAN) if f.title == "Stage 1 is the slowest"]
-    assert slow and "parallel.partition=" in slow[0].suggestion and "stage 0" in slow[0].suggestion
+    slow = [f for f in findings(recs, plan) if f.title == "Stage 1 is the slowest"]
+    assert slow and slow[0].suggestion == f"move pipeline layers from stage 1 towards stage 0: {advice}, then " \
+        "compare the stage times of the two runs."
 
 
-def test_findings_bubble_data_wait_comm_and_bad_peak():
-    naive = dict(PLAN, grad_accum=1)
+def test_findings_bubble_data_wait_comm_and_bad_peak(tiny_plan):
+    naive = dict(tiny_plan, grad_accum=1)
     recs = [_record(s, data_wait_max_s=0.2, stage_comm_s=[0.5, 0.1], mfu=1.7) for s in range(1, 6)]
     found = findings(recs, naive)
     assert {"Large pipeline bubble", "High data wait", "Much time in pipeline send/receive",
@@ -229,22 +249,33 @@ def test_findings_bubble_data_wait_comm_and_bad_peak():
     measured = findings(recs, naive, {"bubble_measured": 0.6})
     assert "measured 60% (theory 50%)" in next(f for f in measured if f.title == "Large pipeline bubble").detail
     gpu = [_record(s, rank_gpu_peak_bytes=[70 * 2**30, 60 * 2**30]) for s in range(1, 6)]
-    assert "GPU memory nearly full" in titles(findings(gpu, PLAN, gpu_total_bytes=75 * 2**30))
-    assert "GPU memory nearly full" not in titles(findings(gpu, PLAN, gpu_total_bytes=140 * 2**30))
-    diverged = findings([_record(s, loss=float("nan")) for s in range(1, 6)], PLAN)
+    assert "GPU memory nearly full" in titles(findings(gpu, tiny_plan, gpu_total_bytes=75 * 2**30))
+    assert "GPU memory nearly full" not in titles(findings(gpu, tiny_plan, gpu_total_bytes=140 * 2**30))
+    diverged = findings([_record(s, loss=float("nan")) for s in range(1, 6)], tiny_plan)
     assert "Loss is not finite" in titles(diverged)
 
 
-def test_report_from_a_run_directory(tmp_path):
+def test_report_from_a_run_directory(tmp_path, tiny_plan):
     recs = [_record(s) for s in range(1, 5)] + [{"step": 4, "val_loss": 4.5, "val_ppl": 90.0}]
     RunDir(tmp_path).metrics_file.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    RunDir(tmp_path).plan_file.write_text(json.dumps(PLAN))
+    RunDir(tmp_path).plan_file.write_text(json.dumps(tiny_plan))
     report = write_report(tmp_path)
     text = report.read_text()
     for png in ("loss", "throughput", "mfu", "memory", "stages"):
         assert f"(report/{png}.png)" in text and (RunDir(tmp_path).report_dir / f"{png}.png").stat().st_size > 3000
     assert "| validation loss (last) | 4.5000 |" in text and "## Findings" in text
     assert "| MFU (median) | 30.00% |" in text
+
+
+def test_report_of_an_older_plan_json_reads_the_method_from_config_yaml(tmp_path):
+    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks")
+    files = RunDir(tmp_path)
+    files.write_config(cfg)
+    files.plan_file.write_text(json.dumps({k: v for k, v in plan_json(tmp_path, "parallel.partition=blocks").items()
+                                           if k != "partition_method"}))
+    recs = [_record(s, stage_forward_s=[0.1, 0.4], stage_backward_s=[0.2, 0.8]) for s in range(1, 6)]
+    files.metrics_file.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert "try parallel.partition=balanced or set the boundaries" in write_report(tmp_path).read_text()
 
 
 

@@ -3,7 +3,7 @@ file names users and docs rely on, and every reader against what the writers of 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -60,6 +60,13 @@ def test_the_controllers_files_read_back_as_written(tmp_path):
     cfg.trainer.max_steps = 7  # written again (the SLURM job's first step does): replaced whole
     files.write_config(cfg)
     assert files.config().trainer.max_steps == 7
+
+
+def test_a_plan_json_written_before_the_partition_method_was_recorded_reads(tmp_path):
+    plan, _ = resolve(compose_config("+recipe=gpt_tiny", "parallel.pp=2"), Machine())
+    older = {k: v for k, v in plan.to_dict().items() if k != "partition_method"}
+    RunDir(tmp_path).plan_file.write_text(json.dumps(older))
+    assert RunDir(tmp_path).plan() == replace(plan, partition_method="")
 
 
 def test_metrics_and_losses(tmp_path):
