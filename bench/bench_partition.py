@@ -117,7 +117,7 @@ def main() -> None:
     torch.manual_seed(0)
     layers, loss_fn = build_layers(cfg, plan, hf_config)
     facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, 1)
-    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, 1)
+    costs = layer_time_costs(facts, plan.micro_batch_size, plan.dims)
     ids = torch.randint(0, 8000, (plan.micro_batch_size, plan.seq_len))
     labels = torch.randint(0, 8000, (plan.micro_batch_size, plan.seq_len))
     inputs = {m: stage_inputs(layers, plans[m][0].stage_bounds, ids) for m in METHODS}

@@ -98,7 +98,7 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     w = 4 if plan.precision == "fp32" else 2
     m = plan.grad_accum
     tokens = c.micro_batch_size * s
-    costs = layer_time_costs(facts, tokens, dims.tp)
+    costs = layer_time_costs(facts, c.micro_batch_size, dims)
     if c.activation_checkpointing:  # one more forward of every block (1/3 of its training FLOPs)
         costs = [x + (u.flops * tokens / dims.tp / 3 if u.kind is Kind.BLOCK else 0.0)
                  for x, u in zip(costs, facts.units)]

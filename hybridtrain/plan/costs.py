@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, padded_vocab
 from hybridtrain.models.units import Kind, Unit, model_units
+from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
 
 ELEMENTWISE_COST = 8.0
@@ -139,6 +140,8 @@ def stage_flops(facts: ModelFacts, bounds: list[int], stage: int) -> float:
     return sum(u.flops for u in facts.units[bounds[stage]:bounds[stage + 1]])
 
 
-def layer_time_costs(facts: ModelFacts, tokens: int, tp: int) -> list[float]:
-    """Per-layer FLOP-equivalents of forward + backward of one micro-batch of ``tokens`` tokens."""
-    return [u.time_cost(tokens, tp) for u in facts.units]
+def layer_time_costs(facts: ModelFacts, micro_batch: int, dims: ParallelDims) -> list[float]:
+    """Per-layer FLOP-equivalents of forward + backward of one micro-batch of ``micro_batch`` rows on one rank
+    of the layout ``dims`` (its tensor-parallel shard of the tokens its context-parallel slice holds)."""
+    tokens = micro_batch * facts.seq_len // dims.cp
+    return [u.time_cost(tokens, dims.tp) for u in facts.units]

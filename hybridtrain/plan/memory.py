@@ -182,7 +182,7 @@ def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches
     facts = facts or model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, dims.tp,
                                  cfg.model.vocab_pad_multiple)
     assert facts.padded_vocab == padded_vocab
-    costs = layer_time_costs(facts, par.micro_batch_size * cfg.data.seq_len, dims.tp)
+    costs = layer_time_costs(facts, par.micro_batch_size, dims)
     per_node = max(1, dims.world // max(1, cfg.launcher.nodes))
     limit = memory_budget(cfg.plan, cfg.launcher, machine, per_node)
     if not limit:

@@ -69,7 +69,7 @@ class PlanReport:
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
     """Estimate stages and memory of ``plan``; collect the warnings."""
     facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple)
-    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.dims.tp)
+    costs = layer_time_costs(facts, plan.micro_batch_size, plan.dims)
     stages = []
     lora = lora_memory(cfg, hf_config, plan)  # LoRA: only the adapters train
     for s in range(plan.dims.pp):

@@ -47,7 +47,7 @@ def test_balanced_is_the_default_and_minimises_the_slowest_stage():
     assert cfg.parallel.partition == "balanced"
     plan, hf = resolve(cfg, CPU)
     facts = model_facts(get_family("gpt2"), hf, plan.seq_len, plan.dims.tp)
-    costs = layer_time_costs(facts, plan.micro_batch_size * plan.seq_len, plan.dims.tp)
+    costs = layer_time_costs(facts, plan.micro_batch_size, plan.dims)
     n = len(costs)
     valid = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), 2)
              if all(stage_problem(plan.layer_names[a:b]) is None for a, b in zip([0, *cuts], [*cuts, n]))]
