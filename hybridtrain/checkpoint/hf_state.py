@@ -1,7 +1,7 @@
 """Gather this rank's shards back into HF-named, unpadded, unsharded tensors.
 
 Each pipeline layer knows the HF name of every parameter it holds and how that parameter was
-split (:class:`Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
+split (:class:`~hybridtrain.parallel.slicing.Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
 ``safe_get_full_fp32_param``), then tensor parallelism (an all-gather over the TP group,
 fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The result is what
 ``save_pretrained`` would have written for this stage. Tensors stay on the engine's device
@@ -9,8 +9,7 @@ through both collectives (NCCL gathers only device tensors) and reach the host a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -18,22 +17,7 @@ import torch.nn as nn
 from hybridtrain.models.families import Family, fused_sizes
 from hybridtrain.models.lora import LORA_A, LORA_B
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.slicing import block_sizes
-
-
-@dataclass(frozen=True)
-class Split:
-    """How a local tensor relates to its HF tensor."""
-
-    dim: Optional[int] = None
-    """Dimension split over TP in the local ``[out, in]`` layout; ``None``: replicated."""
-    fused: Union[int, tuple[int, ...]] = 1
-    """Sub-blocks fused along ``dim`` and split one by one: ``n`` equal ones (GPT-2 ``c_attn``: 3) or
-    their sizes in the full tensor (Phi-3 ``qkv_proj``: q, k, v widths)."""
-    transpose: bool = False
-    """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
-    vocab: Optional[int] = None
-    """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
+from hybridtrain.parallel.slicing import Split, block_sizes
 
 
 def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> Iterator[tuple[str, nn.Parameter, Split]]:
