@@ -26,23 +26,13 @@ def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> It
     for local, param in block.named_parameters():
         owner, _, leaf = local.rpartition(".")
         linear, _, matrix = owner.rpartition(".")
-        if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], never transposed (peft's layout)
+        if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], cut like the layer's weight
             rule = family.tp_plan[linear]
-            if rule.style == "column":  # A replicated, B split like the weight's (fused) rows
-                split = Split() if matrix == LORA_A else Split(dim=0, fused=fused_sizes(rule, family, hf_config))
-            else:  # A split like the weight's input columns, B replicated
-                split = Split(dim=1) if matrix == LORA_A else Split()
-            yield f"{prefix}.{local}", param, split
+            a, b = rule.tp_style.lora_splits(fused_sizes(rule, family, hf_config))
+            yield f"{prefix}.{local}", param, a if matrix == LORA_A else b
             continue
         rule = family.tp_plan.get(owner)
-        if rule is None or rule.style == "grad_sum":
-            split = Split()
-        elif rule.style == "column":
-            split = Split(dim=0, fused=fused_sizes(rule, family, hf_config), transpose=rule.conv1d and leaf == "weight")
-        elif rule.style == "row":
-            split = Split(dim=1, transpose=rule.conv1d) if leaf == "weight" else Split()
-        else:  # norm: split like the column-parallel rows it normalises
-            split = Split(dim=0)
+        split = Split() if rule is None else rule.tp_style.split(leaf, rule.conv1d, fused_sizes(rule, family, hf_config))
         yield f"{prefix}.{local}", param, split
 
 

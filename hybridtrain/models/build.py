@@ -19,13 +19,12 @@ import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, TPRule, fused_sizes
-from hybridtrain.models.families.base import STYLES
 from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, peft_name, resolve_targets
 from hybridtrain.models.seeded_init import Keep, TiledFills
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, sum_grad_over_tp
-from hybridtrain.parallel.slicing import shard_ranges, shard_tensor
+from hybridtrain.parallel.layers import copy_to_tp
+from hybridtrain.parallel.slicing import Fused, local_part
 
 
 def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
@@ -197,7 +196,7 @@ class ModelBuilder:
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
-        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.style != "grad_sum")
+        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.sharded("weight"))
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         read = None
@@ -228,18 +227,10 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
         except AttributeError:
             raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
                              f"which is not a module of {type(block).__name__}") from None
-        if rule.style == "grad_sum":  # replicated; its gradient covers this rank's heads only
-            for param in module.parameters():
-                sum_grad_over_tp(param, tp)
-        elif rule.style == "norm":  # the weight is split like the column-parallel rows it normalises
-            width = int(module.weight.shape[0])
-            shard = (read(f"{name}.weight", 0, 1) if read is not None
-                     else shard_tensor(module.weight.detach(), 0, 1, tp.rank, tp.size))
-            block.set_submodule(name, rule.replace(module, shard, width, tp))
-        else:
-            out_features = (module.weight.shape[1] if rule.conv1d else module.weight.shape[0])
-            fused = fused_sizes(rule, family, hf_config, int(out_features))
-            block.set_submodule(name, _shard_linear(module, rule, fused, tp, _reader(read, name, rule, fused)))
+        fused = _fused(module, rule, family, hf_config)
+        new = rule.tp_style.shard(module, rule, fused, tp, _reader(read, name))
+        if new is not module:
+            block.set_submodule(name, new)
     if tp.size == 1:
         return
     for name in family.input_copy:
@@ -257,69 +248,30 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
 
 def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext) -> Keep:
     """The parts of ``block``'s parameters this TP rank keeps, as ``parameter -> (HF dim, ranges)``: what
-    :func:`shard_block` slices (the same dimensions as :func:`_reader`: a column-parallel weight and
-    bias along the outputs, fused sub-blocks one by one; a row-parallel weight along the inputs; a
-    ``norm`` weight along its width); replicated parameters are not named (kept whole)."""
+    :func:`shard_block` slices (each style's :meth:`~hybridtrain.parallel.tensor.TPStyle.keep`); replicated
+    parameters are not named (kept whole)."""
     if tp.size == 1:
         return {}
     keep = {}
     for name, rule in family.tp_plan.items():
         module = block.get_submodule(name)
-        if rule.style == "norm":
-            keep[f"{name}.weight"] = (0, shard_ranges(int(module.weight.shape[0]), 1, tp.rank, tp.size))
-        elif rule.style in ("column", "row"):
-            out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
-            outputs = int(module.weight.shape[out_dim])
-            if rule.style == "column":
-                fused = fused_sizes(rule, family, hf_config, outputs)
-                keep[f"{name}.weight"] = (out_dim, shard_ranges(outputs, fused, tp.rank, tp.size))
-                if getattr(module, "bias", None) is not None:
-                    keep[f"{name}.bias"] = (0, shard_ranges(outputs, fused, tp.rank, tp.size))
-            else:
-                inputs = int(module.weight.shape[1 - out_dim])
-                keep[f"{name}.weight"] = (1 - out_dim, shard_ranges(inputs, 1, tp.rank, tp.size))
+        parts = rule.tp_style.keep(module, rule.conv1d, _fused(module, rule, family, hf_config), tp.rank, tp.size)
+        keep.update({f"{name}.{leaf}": part for leaf, part in parts.items()})
     return keep
 
 
-def _reader(read, name: str, rule: TPRule, fused):
-    """``(weight, bias)`` shards in local ``[out, in]`` layout from ``read``, or ``None`` without one."""
+def _fused(module: nn.Module, rule: TPRule, family: Family, hf_config) -> Fused:
+    """The fused sub-blocks of ``module``'s outputs (:func:`fused_sizes`, checked against its width)."""
+    if isinstance(rule.fused, int):
+        return rule.fused
+    return fused_sizes(rule, family, hf_config, int(module.weight.shape[1 if rule.conv1d else 0]))
+
+
+def _reader(read, name: str):
+    """``read`` (block-relative paths) for the parameters of module ``name`` (leaf names), or ``None``."""
     if read is None:
         return None
-
-    def shards(has_bias: bool):
-        out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
-        if rule.style == "column":
-            w = read(f"{name}.weight", out_dim, fused)
-            b = read(f"{name}.bias", 0, fused) if has_bias else None
-        else:
-            w = read(f"{name}.weight", 1 - out_dim, 1)
-            b = read(f"{name}.bias", None, 1) if has_bias else None  # replicated
-        return (w.t().contiguous() if rule.conv1d else w), b
-
-    return shards
-
-
-def _shard_linear(linear: nn.Module, rule: TPRule, fused, tp: TPContext, shards=None) -> nn.Module:
-    has_bias = getattr(linear, "bias", None) is not None
-    if shards is not None:
-        w, b = shards(has_bias)
-        full = tuple(linear.weight.t().shape if rule.conv1d else linear.weight.shape)  # [out, in]
-        want = (full[0] // tp.size, full[1]) if rule.style == "column" else (full[0], full[1] // tp.size)
-        if tuple(w.shape) != want:
-            raise ValueError(f"checkpoint shard of shape {tuple(w.shape)} does not fit the configured model's "
-                             f"{want}; the model config does not match the checkpoint")
-        return ColumnParallelLinear(w, b) if rule.style == "column" else RowParallelLinear(w, b, tp)
-    weight = linear.weight.detach()
-    weight = weight.t() if rule.conv1d else weight  # -> [out, in]
-    bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
-    if rule.style == "column":  # output dim, each fused sub-block (q | k | v) split on its own
-        w = shard_tensor(weight, 0, fused, tp.rank, tp.size)
-        b = shard_tensor(bias, 0, fused, tp.rank, tp.size) if bias is not None else None
-        return ColumnParallelLinear(w, b)
-    if rule.style == "row":
-        w = shard_tensor(weight, 1, 1, tp.rank, tp.size)  # [out, in/tp]
-        return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
-    raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use one of {list(STYLES)}")
+    return lambda leaf, dim, fused: read(f"{name}.{leaf}", dim, fused)
 
 
 def linear_in_out(module: nn.Module, conv1d: bool) -> tuple[int, int]:
@@ -347,13 +299,13 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
     The full ``A`` and ``B`` come from ``adapter`` (peft names) or are fresh: ``A`` seeded by
     :func:`unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
     """
-    from hybridtrain.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, initial_a
+    from hybridtrain.parallel.lora import initial_a
 
     for rel in lora.in_block(prefix):
         layer, rule, path = block.get_submodule(rel), family.tp_plan[rel], f"{prefix}.{rel}"
-        column = rule.style == "column"
-        n_out = layer.weight.shape[0] * (tp.size if column else 1)  # local layout [out, in]
-        n_in = layer.weight.shape[1] * (1 if column else tp.size)
+        style, full = rule.tp_style, list(layer.weight.shape)  # local layout [out, in]
+        full[style.split("weight").dim] *= tp.size
+        n_out, n_in = full
         if adapter is not None:
             a, b = (adapter.get(peft_name(f"{path}.{m}.weight")) for m in (LORA_A, LORA_B))
             if tuple(a.shape) != (lora.r, n_in) or tuple(b.shape) != (n_out, lora.r):
@@ -361,12 +313,10 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
                                  f"{tuple(b.shape)}; this model needs {(lora.r, n_in)} and {(n_out, lora.r)}")
         else:
             a, b = initial_a(unit_seed(seed, f"{path}.{LORA_A}"), lora.r, n_in), torch.zeros(n_out, lora.r)
-        if column:  # B's rows like the weight's: each fused sub-block (q | k | v) split on its own
-            b = shard_tensor(b, 0, fused_sizes(rule, family, hf_config, n_out), tp.rank, tp.size)
-            new = LoraColumnParallelLinear(layer, a.contiguous(), b, lora.scaling, lora.dropout, tp)
-        else:  # A's columns like the weight's input columns
-            a = shard_tensor(a, 1, 1, tp.rank, tp.size)
-            new = LoraRowParallelLinear(layer, a, b.contiguous(), lora.scaling, lora.dropout, tp)
+        # cut like the weight: a column layer's B rows fused-aware (q | k | v), a row layer's A columns
+        splits = style.lora_splits(fused_sizes(rule, family, hf_config, n_out))
+        a, b = (local_part(t, s, tp.rank, tp.size) for t, s in zip((a, b), splits))
+        new = style.lora_layer(layer, a, b, lora.scaling, lora.dropout, tp)
         block.set_submodule(rel, new)
 
 

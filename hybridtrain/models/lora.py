@@ -72,7 +72,7 @@ def hf_name_of(name: str) -> str:
 def lora_modules(family: Any, num_layers: int) -> list[str]:
     """HF paths of every module that can carry an adapter: the column- and row-parallel linear layers of
     every decoder block, in block order."""
-    rels = [rel for rel, rule in family.tp_plan.items() if rule.style in ("column", "row")]
+    rels = [rel for rel, rule in family.tp_plan.items() if rule.tp_style.lora]
     return [f"{family.blocks}.{i}.{rel}" for i in range(num_layers) for rel in rels]
 
 

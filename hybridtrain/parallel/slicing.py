@@ -56,3 +56,9 @@ class Split:
     """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
     vocab: Optional[int] = None
     """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
+
+
+def local_part(tensor, split: Split, rank: int, size: int):
+    """Rank ``rank``'s part of the full local-layout ``tensor`` as ``split`` cuts it: its shard along
+    ``split.dim``, or a copy of the whole tensor where it is replicated."""
+    return shard_tensor(tensor, split.dim, split.fused, rank, size) if split.dim is not None else tensor.clone()

@@ -31,7 +31,7 @@ def in_out(family: Family, hf_config, hf_model) -> dict[str, tuple[int, int]]:
     out = {}
     for i in range(int(getattr(hf_config, family.n_layers))):
         for rel, rule in family.tp_plan.items():
-            if rule.style in ("column", "row"):
+            if rule.tp_style.lora:
                 path = f"{family.blocks}.{i}.{rel}"
                 out[path] = linear_in_out(hf_model.get_submodule(path), rule.conv1d)
     return out
@@ -119,10 +119,7 @@ def block_lora_sizes(spec: LoraSpec, family: Family, sizes: dict[str, tuple[int,
     out = []
     for rel in spec.in_block(block):
         n_in, n_out = sizes[f"{block}.{rel}"]
-        if family.tp_plan[rel].style == "column":
-            out += [spec.r * n_in, n_out // tp * spec.r]
-        else:
-            out += [spec.r * n_in // tp, n_out * spec.r]
+        out += family.tp_plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
     return out
 
 
