@@ -1,104 +1,30 @@
-"""Build the local pieces of an HF causal LM: meta model, seeded init, TP sharding.
+"""Build the local pieces of an HF causal LM: one HF unit at a time, seeded or loaded, TP-sharded.
 
-The whole HF model is created on the meta device (no memory). Each pipeline layer then
-materialises only the HF unit it owns (one decoder block, the embedding, ...) on the CPU,
-initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
-(so every plan, and a plain single-process HF model, gets identical weights), and keeps only
-this rank's tensor shard. The random fills are made tile by tile (:mod:`hybridtrain.models.seeded_init`),
-so a rank computes only the tiles of its own shard; the rest of the full unit is allocated but never
-written (untouched pages cost no memory) and is dropped when the unit is sliced.
+The whole HF model exists on the meta device (no memory, :func:`hybridtrain.models.hf_model.meta_model`).
+Each pipeline layer then materialises only the HF unit it owns (one decoder block, the embedding, ...)
+on the CPU, initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
+(:func:`hybridtrain.models.seeded_init.init_unit`, so every plan, and a plain single-process HF model,
+gets identical weights), and keeps only this rank's tensor shard (each module as its tensor-parallel
+style cuts it, :mod:`hybridtrain.parallel.tensor`). The random fills are made tile by tile, so a rank
+computes only the tiles of its own shard; the rest of the full unit is allocated but never written
+(untouched pages cost no memory) and is dropped when the unit is sliced.
 """
 from __future__ import annotations
 
 import copy
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, TPRule, fused_sizes
-from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, peft_name, resolve_targets
-from hybridtrain.models.seeded_init import Keep, TiledFills
-from hybridtrain.models.units import Kind, model_units
+from hybridtrain.models.hf_model import meta_model
+from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, lora_spec, peft_name
+from hybridtrain.models.seeded_init import Keep, init_unit, unit_seed
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import copy_to_tp
 from hybridtrain.parallel.slicing import Fused, local_part
-
-
-def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
-                 attn_implementation: str, eos_token_id: int | None = None):
-    """The HF ``PretrainedConfig`` for ``model_type`` with ``overrides`` applied.
-
-    ``vocab_size`` and the BOS/EOS ids (the tokenizer's) are used unless the overrides set them; the
-    family's default pad id is dropped (it names a token of the family's own tokenizer, e.g. Phi-3's
-    32000, not of this one) unless ``pad_token_id`` is overridden.
-    """
-    from transformers import AutoConfig
-
-    special = {"pad_token_id": None}
-    if eos_token_id is not None:
-        special.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
-    kwargs = {"vocab_size": vocab_size, **special, **overrides}
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    cfg._attn_implementation = attn_implementation
-    cfg.use_cache = False
-    return cfg
-
-
-def meta_model(hf_config) -> nn.Module:
-    """The full HF causal LM on the meta device (parameters have shapes, no storage)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
-
-
-def one_layer_model(family: Family, hf_config) -> nn.Module:
-    """A one-layer meta model of ``hf_config``: decoder blocks are alike, so the planner reads shapes
-    from one (no memory is allocated)."""
-    one = copy.deepcopy(hf_config)
-    setattr(one, family.n_layers, 1)
-    return meta_model(one)
-
-
-def unit_seed(seed: int, name: str) -> int:
-    """Seed of HF unit ``name`` (e.g. ``transformer.h.3``): independent of plan and rank."""
-    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
-
-
-def init_unit(hf_model: nn.Module, name: str, seed: int, keep: Keep | None = None) -> nn.Module:
-    """Initialise HF unit ``name`` of ``hf_model`` in place with HF's ``_init_weights``.
-
-    Runs under a forked RNG seeded by :func:`unit_seed`, so the values do not depend on what
-    else this process initialised before; the random fills of its parameters are made tile by tile
-    (:class:`~hybridtrain.models.seeded_init.TiledFills`), and with ``keep`` (``parameter -> (dim,
-    ranges)``) only the tiles of those parts, which come out exactly as in a whole fill. Used both by
-    workers and by the single-process reference model of the tests.
-    """
-    unit = hf_model.get_submodule(name)
-    base = unit_seed(seed, name)
-    with torch.random.fork_rng(devices=[]), TiledFills(dict(unit.named_parameters()), base, keep):
-        torch.manual_seed(base)
-        unit.apply(hf_model._init_weights)  # children first, as HF's own post-order init
-    return unit
-
-
-def reference_model(hf_config, family: Family, seed: int) -> nn.Module:
-    """A plain, unsharded HF model with exactly the weights hybridtrain's workers start from."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
-    for name in unit_names(family, hf_config):
-        init_unit(model, name, seed)
-    return model
-
-
-def unit_names(family: Family, hf_config) -> list[str]:
-    """The HF units hybridtrain initialises separately, in pipeline order (a tied head has no
-    weight of its own)."""
-    return [u.hf_path for u in model_units(family, hf_config) if not (u.kind is Kind.HEAD and u.tied)]
 
 
 @dataclass
@@ -159,7 +85,7 @@ class ModelBuilder:
     def materialize(self, name: str, skip: tuple[str, ...] = (), keep: Keep | None = None) -> nn.Module:
         """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained
         weights when the builder has ``weights``. ``keep``: the parts of its parameters this rank
-        keeps (the others are not initialised, :func:`init_unit`)."""
+        keeps (the others are not initialised, :func:`~hybridtrain.models.seeded_init.init_unit`)."""
         unit = self.hf_model.get_submodule(name)
         unit.to_empty(device="cpu")
         init_unit(self.hf_model, name, self.seed, keep)  # also gives buffers their values
@@ -274,22 +200,6 @@ def _reader(read, name: str):
     return lambda leaf, dim, fused: read(f"{name}.{leaf}", dim, fused)
 
 
-def linear_in_out(module: nn.Module, conv1d: bool) -> tuple[int, int]:
-    """``(in, out)`` features of an HF linear layer (``Conv1D`` stores its weight ``[in, out]``)."""
-    rows, cols = module.weight.shape
-    return (int(rows), int(cols)) if conv1d else (int(cols), int(rows))
-
-
-def lora_spec(lora_cfg, family: Family, hf_config, hf_model: nn.Module) -> LoraSpec:
-    """The :class:`LoraSpec` of ``finetune.lora`` for this model: ``target_modules`` resolved as peft
-    resolves them on the same HF model (``hf_model``, meta is enough); raises
-    :class:`~hybridtrain.models.lora.AdapterError`."""
-    layers = int(getattr(hf_config, family.n_layers))
-    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
-    return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
-                    rslora=bool(lora_cfg.rslora), targets=targets)
-
-
 def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPContext, lora: LoraSpec, seed: int,
              adapter=None) -> None:
     """Wrap the sharded linear layers of block ``prefix`` that ``lora`` targets with LoRA adapters
@@ -297,7 +207,7 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
     layer's ``B`` rows fused-aware, a row-parallel layer's ``A`` columns.
 
     The full ``A`` and ``B`` come from ``adapter`` (peft names) or are fresh: ``A`` seeded by
-    :func:`unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
+    :func:`~hybridtrain.models.seeded_init.unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
     """
     from hybridtrain.parallel.lora import initial_a
 

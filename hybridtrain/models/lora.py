@@ -125,6 +125,16 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
     return frozenset(chosen)
 
 
+def lora_spec(lora_cfg: Any, family: Any, hf_config: Any, hf_model: Any) -> LoraSpec:
+    """The :class:`LoraSpec` of ``finetune.lora`` for this model: ``target_modules`` resolved as peft
+    resolves them on the same HF model (``hf_model``, meta is enough); raises
+    :class:`AdapterError`."""
+    layers = int(getattr(hf_config, family.n_layers))
+    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
+    return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
+                    rslora=bool(lora_cfg.rslora), targets=targets)
+
+
 def adapter_config(spec: LoraSpec, conv1d: bool, base_model: Optional[str]) -> dict:
     """peft's ``adapter_config.json`` for ``spec`` (``LoraConfig`` field names).
 

@@ -98,7 +98,7 @@ def linear_flops(block) -> float:
 
 def built_shapes(family, hf_config) -> BlockShapes:
     """:class:`BlockShapes` read from a one-block meta model of ``hf_config`` (no memory is allocated)."""
-    from hybridtrain.models.build import one_layer_model
+    from hybridtrain.models.hf_model import one_layer_model
 
     model = one_layer_model(family, hf_config)
     block = model.get_submodule(f"{family.blocks}.0")
