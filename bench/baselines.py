@@ -8,7 +8,7 @@
   gains from what hybridtrain's own code costs.
 
 Both take the same config as the hybridtrain side (``hybridtrain.cli.compose`` of the same
-overrides): same model and initial weights (:func:`hybridtrain.models.build.reference_model`), same
+overrides): same model and initial weights (:func:`hybridtrain.models.hf_model.reference_model`), same
 global batch, micro-batch size, accumulation, threads and precision (fp32).
 
     python -m bench.baselines trainer|plain|plain_keep THREADS OVERRIDES_JSON    # prints "RECORDS [...]"
@@ -45,7 +45,7 @@ def trainer_run(cfg) -> list[dict]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hybridtrain.data.prepare import train_samples
-    from hybridtrain.models.build import reference_model
+    from hybridtrain.models.hf_model import reference_model
     from hybridtrain.models.families import family_of
     from hybridtrain.plan import Machine, resolve
 

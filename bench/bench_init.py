@@ -29,7 +29,8 @@ def build_times(shape: str, tp: int, rank: int, rounds: int) -> dict[str, list[f
     """Seconds per round to build block 0 and the embedding shard of TP rank ``rank``."""
     import torch
 
-    from hybridtrain.models.build import ModelBuilder, hf_config_of, meta_model
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.hf_model import hf_config_of, meta_model
     from hybridtrain.models.families import get_family, padded_vocab
     from hybridtrain.parallel.context import TPContext
 

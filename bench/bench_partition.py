@@ -37,7 +37,8 @@ def build_layers(cfg, plan, hf_config):
     import torch
 
     from hybridtrain.engine.pipeline import layer_specs
-    from hybridtrain.models.build import ModelBuilder, meta_model
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.hf_model import meta_model
     from hybridtrain.models.families import family_of
     from hybridtrain.models.stages import tied_head
     from hybridtrain.parallel.context import TPContext

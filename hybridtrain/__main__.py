@@ -96,7 +96,7 @@ def run(cfg: DictConfig) -> int:
     params = model_facts(family_of(typed.model), hf_config, plan.seq_len).total_params()  # one meta block, not the model
     print(summary(plan, hf_config, params), flush=True)
     if typed.finetune.method == "lora":
-        from hybridtrain.models.build import meta_model
+        from hybridtrain.models.hf_model import meta_model
         from hybridtrain.plan.lora import describe
 
         print(f"[hybridtrain] {describe(typed, hf_config, meta_model(hf_config))}", flush=True)

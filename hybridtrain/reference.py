@@ -1,6 +1,6 @@
 """The numerical oracle: plain transformers + ``torch.optim.AdamW`` in one process.
 
-Same initial weights (:func:`~hybridtrain.models.build.reference_model`, or the ``model.pretrained``
+Same initial weights (:func:`~hybridtrain.models.hf_model.reference_model`, or the ``model.pretrained``
 folder loaded by ``from_pretrained``), same global batches
 (:mod:`hybridtrain.data.sampler`), same learning-rate schedule, weight-decay
 groups and clipping as a hybridtrain run, but no DeepSpeed, no sharding, no pipeline: what the
@@ -30,7 +30,7 @@ def reference_run(cfg: Config, steps: int | None = None, adapters: dict | None =
 
     from hybridtrain.data.prepare import train_samples
     from hybridtrain.engine import lr_lambda, param_groups
-    from hybridtrain.models.build import reference_model
+    from hybridtrain.models.hf_model import reference_model
     from hybridtrain.models.families import family_of
     from hybridtrain.plan import Machine, resolve
 
@@ -102,7 +102,7 @@ def peft_model(model, cfg: Config, family):
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from peft.tuners.lora import LoraLayer
 
-    from hybridtrain.models.build import unit_seed
+    from hybridtrain.models.seeded_init import unit_seed
     from hybridtrain.models.lora import ADAPTER_WEIGHTS, LORA_A, PEFT_PREFIX
     from hybridtrain.parallel.lora import initial_a
 

@@ -1,7 +1,7 @@
 """Gather this rank's shards back into HF-named, unpadded, unsharded tensors.
 
 Each pipeline layer knows the HF name of every parameter it holds and how that parameter was
-split (:class:`Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
+split (:class:`~hybridtrain.parallel.slicing.Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
 ``safe_get_full_fp32_param``), then tensor parallelism (an all-gather over the TP group,
 fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The result is what
 ``save_pretrained`` would have written for this stage. Tensors stay on the engine's device
@@ -9,8 +9,7 @@ through both collectives (NCCL gathers only device tensors) and reach the host a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -18,22 +17,7 @@ import torch.nn as nn
 from hybridtrain.models.families import Family, fused_sizes
 from hybridtrain.models.lora import LORA_A, LORA_B
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.slicing import block_sizes
-
-
-@dataclass(frozen=True)
-class Split:
-    """How a local tensor relates to its HF tensor."""
-
-    dim: Optional[int] = None
-    """Dimension split over TP in the local ``[out, in]`` layout; ``None``: replicated."""
-    fused: Union[int, tuple[int, ...]] = 1
-    """Sub-blocks fused along ``dim`` and split one by one: ``n`` equal ones (GPT-2 ``c_attn``: 3) or
-    their sizes in the full tensor (Phi-3 ``qkv_proj``: q, k, v widths)."""
-    transpose: bool = False
-    """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
-    vocab: Optional[int] = None
-    """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
+from hybridtrain.parallel.slicing import Split, block_sizes
 
 
 def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> Iterator[tuple[str, nn.Parameter, Split]]:
@@ -42,23 +26,13 @@ def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> It
     for local, param in block.named_parameters():
         owner, _, leaf = local.rpartition(".")
         linear, _, matrix = owner.rpartition(".")
-        if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], never transposed (peft's layout)
+        if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], cut like the layer's weight
             rule = family.tp_plan[linear]
-            if rule.style == "column":  # A replicated, B split like the weight's (fused) rows
-                split = Split() if matrix == LORA_A else Split(dim=0, fused=fused_sizes(rule, family, hf_config))
-            else:  # A split like the weight's input columns, B replicated
-                split = Split(dim=1) if matrix == LORA_A else Split()
-            yield f"{prefix}.{local}", param, split
+            a, b = rule.tp_style.lora_splits(fused_sizes(rule, family, hf_config))
+            yield f"{prefix}.{local}", param, a if matrix == LORA_A else b
             continue
         rule = family.tp_plan.get(owner)
-        if rule is None or rule.style == "grad_sum":
-            split = Split()
-        elif rule.style == "column":
-            split = Split(dim=0, fused=fused_sizes(rule, family, hf_config), transpose=rule.conv1d and leaf == "weight")
-        elif rule.style == "row":
-            split = Split(dim=1, transpose=rule.conv1d) if leaf == "weight" else Split()
-        else:  # norm: split like the column-parallel rows it normalises
-            split = Split(dim=0)
+        split = Split() if rule is None else rule.tp_style.split(leaf, rule.conv1d, fused_sizes(rule, family, hf_config))
         yield f"{prefix}.{local}", param, split
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-from hybridtrain.checkpoint.hf_state import Split
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.slicing import shard_tensor
+from hybridtrain.parallel.slicing import Split, shard_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

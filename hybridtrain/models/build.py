@@ -1,105 +1,30 @@
-"""Build the local pieces of an HF causal LM: meta model, seeded init, TP sharding.
+"""Build the local pieces of an HF causal LM: one HF unit at a time, seeded or loaded, TP-sharded.
 
-The whole HF model is created on the meta device (no memory). Each pipeline layer then
-materialises only the HF unit it owns (one decoder block, the embedding, ...) on the CPU,
-initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
-(so every plan, and a plain single-process HF model, gets identical weights), and keeps only
-this rank's tensor shard. The random fills are made tile by tile (:mod:`hybridtrain.models.seeded_init`),
-so a rank computes only the tiles of its own shard; the rest of the full unit is allocated but never
-written (untouched pages cost no memory) and is dropped when the unit is sliced.
+The whole HF model exists on the meta device (no memory, :func:`hybridtrain.models.hf_model.meta_model`).
+Each pipeline layer then materialises only the HF unit it owns (one decoder block, the embedding, ...)
+on the CPU, initialises it with HF's own ``_init_weights`` under an RNG seeded by ``(seed, unit name)``
+(:func:`hybridtrain.models.seeded_init.init_unit`, so every plan, and a plain single-process HF model,
+gets identical weights), and keeps only this rank's tensor shard (each module as its tensor-parallel
+style cuts it, :mod:`hybridtrain.parallel.tensor`). The random fills are made tile by tile, so a rank
+computes only the tiles of its own shard; the rest of the full unit is allocated but never written
+(untouched pages cost no memory) and is dropped when the unit is sliced.
 """
 from __future__ import annotations
 
 import copy
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from hybridtrain.models.families import Family, TPRule, fused_sizes
-from hybridtrain.models.families.base import STYLES
-from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, peft_name, resolve_targets
-from hybridtrain.models.seeded_init import Keep, TiledFills
-from hybridtrain.models.units import Kind, model_units
+from hybridtrain.models.hf_model import meta_model
+from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, lora_spec, peft_name
+from hybridtrain.models.seeded_init import Keep, init_unit, unit_seed
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, sum_grad_over_tp
-from hybridtrain.parallel.slicing import shard_ranges, shard_tensor
-
-
-def hf_config_of(model_type: str, overrides: Dict[str, Any], vocab_size: int,
-                 attn_implementation: str, eos_token_id: int | None = None):
-    """The HF ``PretrainedConfig`` for ``model_type`` with ``overrides`` applied.
-
-    ``vocab_size`` and the BOS/EOS ids (the tokenizer's) are used unless the overrides set them; the
-    family's default pad id is dropped (it names a token of the family's own tokenizer, e.g. Phi-3's
-    32000, not of this one) unless ``pad_token_id`` is overridden.
-    """
-    from transformers import AutoConfig
-
-    special = {"pad_token_id": None}
-    if eos_token_id is not None:
-        special.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
-    kwargs = {"vocab_size": vocab_size, **special, **overrides}
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    cfg._attn_implementation = attn_implementation
-    cfg.use_cache = False
-    return cfg
-
-
-def meta_model(hf_config) -> nn.Module:
-    """The full HF causal LM on the meta device (parameters have shapes, no storage)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
-
-
-def one_layer_model(family: Family, hf_config) -> nn.Module:
-    """A one-layer meta model of ``hf_config``: decoder blocks are alike, so the planner reads shapes
-    from one (no memory is allocated)."""
-    one = copy.deepcopy(hf_config)
-    setattr(one, family.n_layers, 1)
-    return meta_model(one)
-
-
-def unit_seed(seed: int, name: str) -> int:
-    """Seed of HF unit ``name`` (e.g. ``transformer.h.3``): independent of plan and rank."""
-    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
-
-
-def init_unit(hf_model: nn.Module, name: str, seed: int, keep: Keep | None = None) -> nn.Module:
-    """Initialise HF unit ``name`` of ``hf_model`` in place with HF's ``_init_weights``.
-
-    Runs under a forked RNG seeded by :func:`unit_seed`, so the values do not depend on what
-    else this process initialised before; the random fills of its parameters are made tile by tile
-    (:class:`~hybridtrain.models.seeded_init.TiledFills`), and with ``keep`` (``parameter -> (dim,
-    ranges)``) only the tiles of those parts, which come out exactly as in a whole fill. Used both by
-    workers and by the single-process reference model of the tests.
-    """
-    unit = hf_model.get_submodule(name)
-    base = unit_seed(seed, name)
-    with torch.random.fork_rng(devices=[]), TiledFills(dict(unit.named_parameters()), base, keep):
-        torch.manual_seed(base)
-        unit.apply(hf_model._init_weights)  # children first, as HF's own post-order init
-    return unit
-
-
-def reference_model(hf_config, family: Family, seed: int) -> nn.Module:
-    """A plain, unsharded HF model with exactly the weights hybridtrain's workers start from."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
-    for name in unit_names(family, hf_config):
-        init_unit(model, name, seed)
-    return model
-
-
-def unit_names(family: Family, hf_config) -> list[str]:
-    """The HF units hybridtrain initialises separately, in pipeline order (a tied head has no
-    weight of its own)."""
-    return [u.hf_path for u in model_units(family, hf_config) if not (u.kind is Kind.HEAD and u.tied)]
+from hybridtrain.parallel.layers import copy_to_tp
+from hybridtrain.parallel.slicing import Fused, local_part
 
 
 @dataclass
@@ -160,7 +85,7 @@ class ModelBuilder:
     def materialize(self, name: str, skip: tuple[str, ...] = (), keep: Keep | None = None) -> nn.Module:
         """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained
         weights when the builder has ``weights``. ``keep``: the parts of its parameters this rank
-        keeps (the others are not initialised, :func:`init_unit`)."""
+        keeps (the others are not initialised, :func:`~hybridtrain.models.seeded_init.init_unit`)."""
         unit = self.hf_model.get_submodule(name)
         unit.to_empty(device="cpu")
         init_unit(self.hf_model, name, self.seed, keep)  # also gives buffers their values
@@ -197,7 +122,7 @@ class ModelBuilder:
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
-        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.style != "grad_sum")
+        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.sharded("weight"))
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         read = None
@@ -228,18 +153,10 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
         except AttributeError:
             raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
                              f"which is not a module of {type(block).__name__}") from None
-        if rule.style == "grad_sum":  # replicated; its gradient covers this rank's heads only
-            for param in module.parameters():
-                sum_grad_over_tp(param, tp)
-        elif rule.style == "norm":  # the weight is split like the column-parallel rows it normalises
-            width = int(module.weight.shape[0])
-            shard = (read(f"{name}.weight", 0, 1) if read is not None
-                     else shard_tensor(module.weight.detach(), 0, 1, tp.rank, tp.size))
-            block.set_submodule(name, rule.replace(module, shard, width, tp))
-        else:
-            out_features = (module.weight.shape[1] if rule.conv1d else module.weight.shape[0])
-            fused = fused_sizes(rule, family, hf_config, int(out_features))
-            block.set_submodule(name, _shard_linear(module, rule, fused, tp, _reader(read, name, rule, fused)))
+        fused = _fused(module, rule, family, hf_config)
+        new = rule.tp_style.shard(module, rule, fused, tp, _reader(read, name))
+        if new is not module:
+            block.set_submodule(name, new)
     if tp.size == 1:
         return
     for name in family.input_copy:
@@ -257,85 +174,30 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
 
 def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext) -> Keep:
     """The parts of ``block``'s parameters this TP rank keeps, as ``parameter -> (HF dim, ranges)``: what
-    :func:`shard_block` slices (the same dimensions as :func:`_reader`: a column-parallel weight and
-    bias along the outputs, fused sub-blocks one by one; a row-parallel weight along the inputs; a
-    ``norm`` weight along its width); replicated parameters are not named (kept whole)."""
+    :func:`shard_block` slices (each style's :meth:`~hybridtrain.parallel.tensor.TPStyle.keep`); replicated
+    parameters are not named (kept whole)."""
     if tp.size == 1:
         return {}
     keep = {}
     for name, rule in family.tp_plan.items():
         module = block.get_submodule(name)
-        if rule.style == "norm":
-            keep[f"{name}.weight"] = (0, shard_ranges(int(module.weight.shape[0]), 1, tp.rank, tp.size))
-        elif rule.style in ("column", "row"):
-            out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
-            outputs = int(module.weight.shape[out_dim])
-            if rule.style == "column":
-                fused = fused_sizes(rule, family, hf_config, outputs)
-                keep[f"{name}.weight"] = (out_dim, shard_ranges(outputs, fused, tp.rank, tp.size))
-                if getattr(module, "bias", None) is not None:
-                    keep[f"{name}.bias"] = (0, shard_ranges(outputs, fused, tp.rank, tp.size))
-            else:
-                inputs = int(module.weight.shape[1 - out_dim])
-                keep[f"{name}.weight"] = (1 - out_dim, shard_ranges(inputs, 1, tp.rank, tp.size))
+        parts = rule.tp_style.keep(module, rule.conv1d, _fused(module, rule, family, hf_config), tp.rank, tp.size)
+        keep.update({f"{name}.{leaf}": part for leaf, part in parts.items()})
     return keep
 
 
-def _reader(read, name: str, rule: TPRule, fused):
-    """``(weight, bias)`` shards in local ``[out, in]`` layout from ``read``, or ``None`` without one."""
+def _fused(module: nn.Module, rule: TPRule, family: Family, hf_config) -> Fused:
+    """The fused sub-blocks of ``module``'s outputs (:func:`fused_sizes`, checked against its width)."""
+    if isinstance(rule.fused, int):
+        return rule.fused
+    return fused_sizes(rule, family, hf_config, int(module.weight.shape[1 if rule.conv1d else 0]))
+
+
+def _reader(read, name: str):
+    """``read`` (block-relative paths) for the parameters of module ``name`` (leaf names), or ``None``."""
     if read is None:
         return None
-
-    def shards(has_bias: bool):
-        out_dim = 1 if rule.conv1d else 0  # HF dimension of the output features
-        if rule.style == "column":
-            w = read(f"{name}.weight", out_dim, fused)
-            b = read(f"{name}.bias", 0, fused) if has_bias else None
-        else:
-            w = read(f"{name}.weight", 1 - out_dim, 1)
-            b = read(f"{name}.bias", None, 1) if has_bias else None  # replicated
-        return (w.t().contiguous() if rule.conv1d else w), b
-
-    return shards
-
-
-def _shard_linear(linear: nn.Module, rule: TPRule, fused, tp: TPContext, shards=None) -> nn.Module:
-    has_bias = getattr(linear, "bias", None) is not None
-    if shards is not None:
-        w, b = shards(has_bias)
-        full = tuple(linear.weight.t().shape if rule.conv1d else linear.weight.shape)  # [out, in]
-        want = (full[0] // tp.size, full[1]) if rule.style == "column" else (full[0], full[1] // tp.size)
-        if tuple(w.shape) != want:
-            raise ValueError(f"checkpoint shard of shape {tuple(w.shape)} does not fit the configured model's "
-                             f"{want}; the model config does not match the checkpoint")
-        return ColumnParallelLinear(w, b) if rule.style == "column" else RowParallelLinear(w, b, tp)
-    weight = linear.weight.detach()
-    weight = weight.t() if rule.conv1d else weight  # -> [out, in]
-    bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
-    if rule.style == "column":  # output dim, each fused sub-block (q | k | v) split on its own
-        w = shard_tensor(weight, 0, fused, tp.rank, tp.size)
-        b = shard_tensor(bias, 0, fused, tp.rank, tp.size) if bias is not None else None
-        return ColumnParallelLinear(w, b)
-    if rule.style == "row":
-        w = shard_tensor(weight, 1, 1, tp.rank, tp.size)  # [out, in/tp]
-        return RowParallelLinear(w, bias.clone() if bias is not None else None, tp)
-    raise ValueError(f"unknown tensor-parallel style {rule.style!r}; use one of {list(STYLES)}")
-
-
-def linear_in_out(module: nn.Module, conv1d: bool) -> tuple[int, int]:
-    """``(in, out)`` features of an HF linear layer (``Conv1D`` stores its weight ``[in, out]``)."""
-    rows, cols = module.weight.shape
-    return (int(rows), int(cols)) if conv1d else (int(cols), int(rows))
-
-
-def lora_spec(lora_cfg, family: Family, hf_config, hf_model: nn.Module) -> LoraSpec:
-    """The :class:`LoraSpec` of ``finetune.lora`` for this model: ``target_modules`` resolved as peft
-    resolves them on the same HF model (``hf_model``, meta is enough); raises
-    :class:`~hybridtrain.models.lora.AdapterError`."""
-    layers = int(getattr(hf_config, family.n_layers))
-    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
-    return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
-                    rslora=bool(lora_cfg.rslora), targets=targets)
+    return lambda leaf, dim, fused: read(f"{name}.{leaf}", dim, fused)
 
 
 def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPContext, lora: LoraSpec, seed: int,
@@ -345,15 +207,15 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
     layer's ``B`` rows fused-aware, a row-parallel layer's ``A`` columns.
 
     The full ``A`` and ``B`` come from ``adapter`` (peft names) or are fresh: ``A`` seeded by
-    :func:`unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
+    :func:`~hybridtrain.models.seeded_init.unit_seed` of ``"{module path}.lora_A"`` (the same under every layout), ``B`` zero.
     """
-    from hybridtrain.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, initial_a
+    from hybridtrain.parallel.lora import initial_a
 
     for rel in lora.in_block(prefix):
         layer, rule, path = block.get_submodule(rel), family.tp_plan[rel], f"{prefix}.{rel}"
-        column = rule.style == "column"
-        n_out = layer.weight.shape[0] * (tp.size if column else 1)  # local layout [out, in]
-        n_in = layer.weight.shape[1] * (1 if column else tp.size)
+        style, full = rule.tp_style, list(layer.weight.shape)  # local layout [out, in]
+        full[style.split("weight").dim] *= tp.size
+        n_out, n_in = full
         if adapter is not None:
             a, b = (adapter.get(peft_name(f"{path}.{m}.weight")) for m in (LORA_A, LORA_B))
             if tuple(a.shape) != (lora.r, n_in) or tuple(b.shape) != (n_out, lora.r):
@@ -361,12 +223,10 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
                                  f"{tuple(b.shape)}; this model needs {(lora.r, n_in)} and {(n_out, lora.r)}")
         else:
             a, b = initial_a(unit_seed(seed, f"{path}.{LORA_A}"), lora.r, n_in), torch.zeros(n_out, lora.r)
-        if column:  # B's rows like the weight's: each fused sub-block (q | k | v) split on its own
-            b = shard_tensor(b, 0, fused_sizes(rule, family, hf_config, n_out), tp.rank, tp.size)
-            new = LoraColumnParallelLinear(layer, a.contiguous(), b, lora.scaling, lora.dropout, tp)
-        else:  # A's columns like the weight's input columns
-            a = shard_tensor(a, 1, 1, tp.rank, tp.size)
-            new = LoraRowParallelLinear(layer, a, b.contiguous(), lora.scaling, lora.dropout, tp)
+        # cut like the weight: a column layer's B rows fused-aware (q | k | v), a row layer's A columns
+        splits = style.lora_splits(fused_sizes(rule, family, hf_config, n_out))
+        a, b = (local_part(t, s, tp.rank, tp.size) for t, s in zip((a, b), splits))
+        new = style.lora_layer(layer, a, b, lora.scaling, lora.dropout, tp)
         block.set_submodule(rel, new)
 
 

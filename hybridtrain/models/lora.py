@@ -72,7 +72,7 @@ def hf_name_of(name: str) -> str:
 def lora_modules(family: Any, num_layers: int) -> list[str]:
     """HF paths of every module that can carry an adapter: the column- and row-parallel linear layers of
     every decoder block, in block order."""
-    rels = [rel for rel, rule in family.tp_plan.items() if rule.style in ("column", "row")]
+    rels = [rel for rel, rule in family.tp_plan.items() if rule.tp_style.lora]
     return [f"{family.blocks}.{i}.{rel}" for i in range(num_layers) for rel in rels]
 
 
@@ -123,6 +123,16 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
                                f"here adapts those only; never the embedding, the LM head or a norm); {have}")
         chosen.update(hits)
     return frozenset(chosen)
+
+
+def lora_spec(lora_cfg: Any, family: Any, hf_config: Any, hf_model: Any) -> LoraSpec:
+    """The :class:`LoraSpec` of ``finetune.lora`` for this model: ``target_modules`` resolved as peft
+    resolves them on the same HF model (``hf_model``, meta is enough); raises
+    :class:`AdapterError`."""
+    layers = int(getattr(hf_config, family.n_layers))
+    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
+    return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
+                    rslora=bool(lora_cfg.rslora), targets=targets)
 
 
 def adapter_config(spec: LoraSpec, conv1d: bool, base_model: Optional[str]) -> dict:

@@ -15,9 +15,12 @@ position. A tile's values therefore depend on nothing else: a rank that needs ro
 column-parallel shard, a vocabulary shard) or columns ``[a, b)`` (a row-parallel shard) fills only the
 tiles that overlap them, and its shard is bit for bit the shard of the whole tensor filled tile by
 tile (``tests/unit/test_seeded_init.py``). The single-process reference
-(:func:`hybridtrain.models.build.reference_model`) fills every tile, so (1, 1, 1) is still plain
+(:func:`hybridtrain.models.hf_model.reference_model`) fills every tile, so (1, 1, 1) is still plain
 transformers with the same weights. The distribution is HF's; only the random stream is laid out
 differently from one ``normal_`` over the tensor.
+
+:func:`init_unit` runs HF's ``_init_weights`` on one unit under these fills, seeded by
+:func:`unit_seed` ``(seed, unit name)``.
 
 The fills are intercepted below the Python API (a ``TorchDispatchMode`` on ``aten.normal_`` and
 ``aten.uniform_``), so whatever path ``_init_weights`` takes (``transformers.initialization``,
@@ -30,6 +33,7 @@ import zlib
 from typing import Mapping, Sequence
 
 import torch
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TILES_PER_AXIS = 16
@@ -110,3 +114,25 @@ class TiledFills(TorchDispatchMode):
                            lambda i, j: tile_seed(self.unit_seed, name, fill, i, j), self.keep.get(name))
                 return target
         return func(*args, **kwargs)
+
+
+def unit_seed(seed: int, name: str) -> int:
+    """Seed of HF unit ``name`` (e.g. ``transformer.h.3``): independent of plan and rank."""
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def init_unit(hf_model: nn.Module, name: str, seed: int, keep: Keep | None = None) -> nn.Module:
+    """Initialise HF unit ``name`` of ``hf_model`` in place with HF's ``_init_weights``.
+
+    Runs under a forked RNG seeded by :func:`unit_seed`, so the values do not depend on what
+    else this process initialised before; the random fills of its parameters are made tile by tile
+    (:class:`TiledFills`), and with ``keep`` (``parameter -> (dim,
+    ranges)``) only the tiles of those parts, which come out exactly as in a whole fill. Used both by
+    workers and by the single-process reference model of the tests.
+    """
+    unit = hf_model.get_submodule(name)
+    base = unit_seed(seed, name)
+    with torch.random.fork_rng(devices=[]), TiledFills(dict(unit.named_parameters()), base, keep):
+        torch.manual_seed(base)
+        unit.apply(hf_model._init_weights)  # children first, as HF's own post-order init
+    return unit

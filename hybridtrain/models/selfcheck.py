@@ -108,7 +108,8 @@ def _logits(folder: Path, family: Any, ids, tp, attn: str) -> Any:
     from transformers import AutoConfig
 
     from hybridtrain.models.stages import sequential_model
-    from hybridtrain.models.build import ModelBuilder, meta_model
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.hf_model import meta_model
     from hybridtrain.models.families import padded_vocab
     from hybridtrain.models.weights import SafetensorsWeights
     from hybridtrain.parallel.layers import VocabParallelLoss

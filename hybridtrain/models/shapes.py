@@ -107,7 +107,7 @@ def built_shapes(family, hf_config) -> BlockShapes:
     builds differently are an error (the family then needs a ``block_variants`` rule), never a silent
     estimate of the wrong block."""
     from hybridtrain.errors import PlanError
-    from hybridtrain.models.build import meta_model
+    from hybridtrain.models.hf_model import meta_model
     from hybridtrain.models.units import block_variants
 
     model = meta_model(hf_config)

@@ -16,10 +16,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridtrain.checkpoint.hf_state import Split, block_params
+from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+from hybridtrain.parallel.slicing import Split
 
 # Every layer below has ``hf_params()``: ``(HF name, parameter, Split)`` for what it holds, so a
 # checkpoint or an export can be written under HF names whatever the plan.

@@ -4,11 +4,13 @@ math, used when sharding a built model, reading a checkpoint slice by slice, and
 A dimension may hold fused sub-blocks: ``fused`` equal ones (GPT-2's ``c_attn`` = q | k | v: 3) or
 blocks of the given sizes (Phi-3's ``qkv_proj`` = q | k | v with fewer KV heads). It is split block by
 block: rank ``r`` of ``size`` keeps chunk ``r`` of each, so every rank gets matching q, k and v heads.
-:func:`hybridtrain.checkpoint.hf_state.unshard` is the inverse.
+:func:`hybridtrain.checkpoint.hf_state.unshard` is the inverse. :class:`Split` records, for one local
+tensor, which dimension is split this way and how HF stores it (checkpoints, re-sharding).
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 Fused = Union[int, Sequence[int]]
 """``n`` equal sub-blocks, or the sub-block sizes."""
@@ -39,3 +41,24 @@ def shard_tensor(tensor, dim: int, fused: Fused, rank: int, size: int):
 
     ranges = shard_ranges(tensor.shape[dim], fused, rank, size)
     return torch.cat([tensor.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim=dim).contiguous()
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a local tensor relates to its HF tensor."""
+
+    dim: Optional[int] = None
+    """Dimension split over TP in the local ``[out, in]`` layout; ``None``: replicated."""
+    fused: Union[int, tuple[int, ...]] = 1
+    """Sub-blocks fused along ``dim`` and split one by one: ``n`` equal ones (GPT-2 ``c_attn``: 3) or
+    their sizes in the full tensor (Phi-3 ``qkv_proj``: q, k, v widths)."""
+    transpose: bool = False
+    """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
+    vocab: Optional[int] = None
+    """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
+
+
+def local_part(tensor, split: Split, rank: int, size: int):
+    """Rank ``rank``'s part of the full local-layout ``tensor`` as ``split`` cuts it: its shard along
+    ``split.dim``, or a copy of the whole tensor where it is replicated."""
+    return shard_tensor(tensor, split.dim, split.fused, rank, size) if split.dim is not None else tensor.clone()

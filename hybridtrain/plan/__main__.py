@@ -39,7 +39,7 @@ def run(cfg: DictConfig) -> int:
     budget = rank_budget(typed, plan, machine)
     print(format_report(build_report(typed, plan, hf_config, budget)), flush=True)
     if typed.finetune.method == "lora":  # the memory above counts gradients and optimizer state of the adapters only
-        from hybridtrain.models.build import meta_model
+        from hybridtrain.models.hf_model import meta_model
         from hybridtrain.plan.lora import describe
 
         print(f"[hybridtrain] {describe(typed, hf_config, meta_model(hf_config))}", flush=True)

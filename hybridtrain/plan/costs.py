@@ -91,7 +91,7 @@ def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[li
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         rule = family.tp_plan.get(module)
-        split = rule is not None and (rule.style in ("column", "norm") or (rule.style == "row" and leaf == "weight"))
+        split = rule is not None and rule.tp_style.sharded(leaf)
         (sharded if split else replicated).append(math.prod(shape))
     return sharded, replicated
 

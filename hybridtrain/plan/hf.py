@@ -26,7 +26,7 @@ def check_hf_overrides(model_type: str, overrides: dict) -> None:
 def layer_params(cfg: Config, hf_config) -> list[int]:
     """Parameter count of each pipeline unit (from the meta model; no memory is allocated); a tied
     head counts the embedding's weight it reuses."""
-    from hybridtrain.models.build import meta_model  # torch: only when counting
+    from hybridtrain.models.hf_model import meta_model  # torch: only when counting
 
     family = family_of(cfg.model)
     model = meta_model(hf_config)
@@ -120,7 +120,7 @@ def model_config(cfg: Config):
     supports it). A config transformers itself refuses is a :class:`PlanError` naming the
     ``model.config`` key. Launcher and workers both call this."""
     from hybridtrain.data.tokenizer import load_tokenizer
-    from hybridtrain.models.build import hf_config_of
+    from hybridtrain.models.hf_model import hf_config_of
 
     if cfg.model.model_type is None:
         raise PlanError("model.model_type", "null: the family comes from model.pretrained's config.json, but no "

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.models.families import Family, family_of
-from hybridtrain.models.lora import Adapter, AdapterError, LoraSpec, check_adapter, read_adapter
+from hybridtrain.models.lora import Adapter, AdapterError, LoraSpec, check_adapter, lora_spec, read_adapter
 from hybridtrain.models.units import Kind, kind_of
 from hybridtrain.plan.types import Plan
 
@@ -26,12 +26,12 @@ def _need(ok: bool, key: str, message: str) -> None:
 
 def in_out(family: Family, hf_config, hf_model) -> dict[str, tuple[int, int]]:
     """``(in, out)`` features of every module that can carry an adapter (HF path -> sizes)."""
-    from hybridtrain.models.build import linear_in_out
+    from hybridtrain.models.hf_model import linear_in_out
 
     out = {}
     for i in range(int(getattr(hf_config, family.n_layers))):
         for rel, rule in family.tp_plan.items():
-            if rule.style in ("column", "row"):
+            if rule.tp_style.lora:
                 path = f"{family.blocks}.{i}.{rel}"
                 out[path] = linear_in_out(hf_model.get_submodule(path), rule.conv1d)
     return out
@@ -41,7 +41,7 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     """Check ``cfg.finetune`` against the model and the plan; return the run's adapters (``None`` for
     full fine-tuning). With ``finetune.lora.init_from`` the adapter's ``r``, ``alpha``, ``rslora`` and
     targets are written into ``cfg.finetune.lora`` (so ``config.yaml`` records what trains)."""
-    from hybridtrain.models.build import lora_spec, meta_model
+    from hybridtrain.models.hf_model import meta_model
 
     ft = cfg.finetune
     if ft.method != "lora":
@@ -119,10 +119,7 @@ def block_lora_sizes(spec: LoraSpec, family: Family, sizes: dict[str, tuple[int,
     out = []
     for rel in spec.in_block(block):
         n_in, n_out = sizes[f"{block}.{rel}"]
-        if family.tp_plan[rel].style == "column":
-            out += [spec.r * n_in, n_out // tp * spec.r]
-        else:
-            out += [spec.r * n_in // tp, n_out * spec.r]
+        out += family.tp_plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
     return out
 
 
@@ -132,7 +129,7 @@ def lora_memory(cfg: Config, hf_config, plan: Plan) -> Optional[Callable[[str], 
     :func:`check_lora` (``config.yaml`` of a run)."""
     if cfg.finetune.method != "lora":
         return None
-    from hybridtrain.models.build import lora_spec, meta_model
+    from hybridtrain.models.hf_model import meta_model
 
     family = family_of(cfg.model)
     hf_model = meta_model(hf_config)
@@ -152,8 +149,6 @@ def describe(cfg: Config, hf_config, hf_model) -> Optional[str]:
     the trainable parameters against the model's, as peft's ``print_trainable_parameters`` counts them."""
     if cfg.finetune.method != "lora":
         return None
-    from hybridtrain.models.build import lora_spec
-
     family = family_of(cfg.model)
     spec = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)
     trainable = trainable_params(spec, in_out(family, hf_config, hf_model))

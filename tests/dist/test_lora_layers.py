@@ -211,7 +211,8 @@ def case_block(tp, model_type: str) -> Checks:
     """A whole decoder block with LoRA on every linear layer (``all-linear``): peft on the HF block
     against ``shard_block`` + ``add_lora`` (GPT-2: fused Conv1D ``c_attn``; Phi-3: unequal fused
     ``qkv_proj`` and fused ``gate_up_proj``)."""
-    from hybridtrain.models.build import add_lora, hf_config_of, reference_model, shard_block
+    from hybridtrain.models.build import add_lora, shard_block
+    from hybridtrain.models.hf_model import hf_config_of, reference_model
     from hybridtrain.models.families import fused_sizes, get_family
     from hybridtrain.models.lora import LoraSpec, peft_name
 

@@ -262,7 +262,8 @@ def _column_index(out: int, fused, tp) -> torch.Tensor:
 
 
 def case_block(tp, model_type: str) -> Checks:
-    from hybridtrain.models.build import hf_config_of, reference_model, shard_block
+    from hybridtrain.models.build import shard_block
+    from hybridtrain.models.hf_model import hf_config_of, reference_model
     from hybridtrain.models.families import fused_sizes, get_family
 
     family = get_family(model_type)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridtrain.models.build import hf_config_of, meta_model, shard_block
+from hybridtrain.models.build import shard_block
 from hybridtrain.models.families import FAMILIES, GPT2, LLAMA, get_family, mlp_width_of, padded_vocab
+from hybridtrain.models.hf_model import hf_config_of, meta_model
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
 

@@ -34,7 +34,8 @@ def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, 
     import torch
     from transformers import AutoConfig
 
-    from hybridtrain.models.build import ModelBuilder, meta_model, shard_block
+    from hybridtrain.models.build import ModelBuilder, shard_block
+    from hybridtrain.models.hf_model import meta_model
     from hybridtrain.models.families import get_family
     from hybridtrain.models.weights import SafetensorsWeights
     from hybridtrain.parallel.context import TPContext
@@ -60,7 +61,8 @@ def test_vocab_rows_read_from_the_checkpoint_equal_the_padded_slices(family, tp_
     import torch
     from transformers import AutoConfig
 
-    from hybridtrain.models.build import ModelBuilder, meta_model
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.hf_model import meta_model
     from hybridtrain.models.families import get_family, padded_vocab
     from hybridtrain.models.weights import SafetensorsWeights
     from hybridtrain.parallel.context import TPContext

@@ -2,7 +2,7 @@
 from transformers import GPT2Config, LlamaConfig
 
 from hybridtrain.models.families import GPT2, LLAMA
-from hybridtrain.models.build import one_layer_model
+from hybridtrain.models.hf_model import one_layer_model
 from hybridtrain.models.shapes import linear_flops
 from hybridtrain.models.units import model_units
 from hybridtrain.plan.flops import model_flops_per_token, unit_forward_flops

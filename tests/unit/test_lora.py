@@ -69,7 +69,7 @@ def test_finetune_group_composes_with_the_issue_keys():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_targets_and_trainable_count_equal_peft(family):
-    from hybridtrain.models.build import lora_spec
+    from hybridtrain.models.lora import lora_spec
     from hybridtrain.plan.lora import in_out, trainable_params
 
     fam = get_family(family)

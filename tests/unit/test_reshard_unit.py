@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hybridtrain.checkpoint.hf_state import Split
 from hybridtrain.checkpoint.reshard import from_hf, read_local
 from hybridtrain.models.weights import SafetensorsWeights
 from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.slicing import Split
 
 VOCAB, PADDED = 10, 12  # 10 real rows, padded to a multiple of tp (2, 3, 4, 6 all divide 12)
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from family_configs import TINY, hf_config
-from hybridtrain.models.build import ModelBuilder, meta_model, reference_model, shard_block, unit_names
+from hybridtrain.models.build import ModelBuilder, shard_block
 from hybridtrain.models.families import get_family, padded_vocab
+from hybridtrain.models.hf_model import meta_model, reference_model, unit_names
 from hybridtrain.models.seeded_init import TiledFills, cuts, fill_tiles, tile_seed
 from hybridtrain.parallel.context import TPContext
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from hybridtrain.models.build import hf_config_of, meta_model
 from hybridtrain.models.families import get_family
+from hybridtrain.models.hf_model import hf_config_of, meta_model
 from hybridtrain.models.units import Kind, block_index, count_blocks, kind_of, model_units, names, split_around_blocks
 from hybridtrain.parallel.dims import Coords, ParallelDims, data_parallel_degree
 from hybridtrain.errors import PlanError

@@ -6,7 +6,8 @@ its own; :mod:`hybridtrain.models.families` registers them in one place. The ten
 is derived from transformers' own ``base_model_tp_plan`` where the config class ships one
 (:func:`tp_plan_from_hf`), and a family states only what differs.
 
-Everything here is data and imports neither torch nor deepspeed.
+Everything here is data and imports neither torch nor deepspeed; what each style does is in
+:mod:`hybridtrain.parallel.tensor`.
 """
 from __future__ import annotations
 
@@ -14,18 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-STYLES = ("column", "row", "norm", "grad_sum")
-"""Tensor-parallel styles of a block submodule:
-
-* ``column``: a linear whose output features (and bias) are split; its input gets Megatron's "f".
-* ``row``: a linear whose input features are split; its partial output is all-reduced ("g"), the bias
-  is replicated and added after.
-* ``norm``: an RMS norm over the full output width of a column-parallel linear (OLMo 2's q/k norm): its
-  weight is split like that linear's rows and its statistics are summed over the TP group, forward
-  and backward (the family supplies the sharded module, :attr:`TPRule.replace`).
-* ``grad_sum``: a replicated module fed by this rank's heads only (Qwen3's per-head q/k norm): the
-  forward is right as is, the weight gradient is partial and is summed over the TP group.
-"""
+from hybridtrain.parallel.tensor import TPStyle, style_of
 
 Fused = Union[int, tuple[str, ...]]
 """Sub-blocks fused along a column-parallel linear's output: ``n`` equal blocks, or the block sizes by
@@ -42,7 +32,8 @@ class TPRule:
     """How one HF submodule inside a decoder block is split over the TP group."""
 
     style: str
-    """One of :data:`STYLES`."""
+    """The name of a tensor-parallel style (:data:`hybridtrain.parallel.tensor.STYLES`: ``column``, ``row``,
+    ``norm``, ``grad_sum``); :attr:`tp_style` is the object that implements it."""
     conv1d: bool = False
     """HF ``Conv1D`` stores its weight as ``[in, out]`` (GPT-2); it is transposed to ``[out, in]``."""
     fused: Fused = 1
@@ -50,6 +41,11 @@ class TPRule:
     ``("q", "kv", "kv")``); each is split on its own so every rank gets matching q, k and v heads."""
     replace: Optional[Callable[..., Any]] = field(default=None, compare=False)
     """``style="norm"``: ``replace(module, weight_shard, full_width, tp) -> nn.Module``, the sharded norm."""
+
+    @property
+    def tp_style(self) -> TPStyle:
+        """The :class:`~hybridtrain.parallel.tensor.TPStyle` named by :attr:`style` (``ValueError`` if none is)."""
+        return style_of(self.style)
 
 
 @dataclass(frozen=True)

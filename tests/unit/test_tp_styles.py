@@ -1,0 +1,56 @@
+"""The tensor-parallel styles (``parallel/tensor.py``) agree with themselves: what a rank keeps at
+initialisation, the checkpoint split and the LoRA counts are one definition each."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.nn as nn
+
+from hybridtrain.models.families import TPRule
+from hybridtrain.parallel.slicing import Split
+from hybridtrain.parallel.tensor import STYLES, hf_dim, style_of
+
+
+def test_a_rule_names_its_style_object():
+    assert TPRule("row").tp_style is STYLES["row"] is style_of("row")
+    assert sorted(STYLES) == ["column", "grad_sum", "norm", "row"]
+    with pytest.raises(ValueError, match="unknown tensor-parallel style 'rowwise'; use one of"):
+        style_of("rowwise")
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_keep_follows_the_checkpoint_split(conv1d):
+    linear = nn.Linear(8, 12)  # weight [12, 8] (read as HF [in, out] when conv1d)
+    for name in ("column", "row"):
+        style = STYLES[name]
+        keep = style.keep(linear, conv1d, 1, rank=1, size=2)
+        for leaf, param in linear.named_parameters():
+            split = style.split(leaf, conv1d)
+            if split.dim is None:
+                assert leaf not in keep
+            else:
+                dim = hf_dim(split)
+                assert keep[leaf] == (dim, [(param.shape[dim] // 2, param.shape[dim])])
+    assert STYLES["grad_sum"].keep(linear, conv1d, 1, 0, 2) == {}
+
+
+def test_sharded_leaves():
+    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False]
+    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False]
+
+
+def test_lora_counts_match_the_lora_splits():
+    r, n_in, n_out, tp = 4, 16, 24, 2
+    for name in ("column", "row"):
+        style = STYLES[name]
+        local = []
+        for shape, split in zip(((r, n_in), (n_out, r)), style.lora_splits()):
+            shape = list(shape)
+            if split.dim is not None:
+                shape[split.dim] //= tp
+            local.append(math.prod(shape))
+        assert list(style.lora_numel(r, n_in, n_out, tp)) == local
+    assert STYLES["column"].lora_splits(3) == (Split(), Split(dim=0, fused=3))
+    with pytest.raises(ValueError, match="carries no LoRA adapter"):
+        STYLES["norm"].lora_splits()
