@@ -25,7 +25,7 @@ def summary(plan, hf_config, params: int) -> str:
     lines = [
         f"model     {hf_config.model_type}: {params / 1e6:.2f}M parameters, {plan.num_layers} layers, "
         f"vocab {plan.vocab_size} (padded to {plan.padded_vocab_size})",
-        f"plan      dp={plan.dims.dp} x tp={plan.dims.tp} x pp={plan.dims.pp} = {plan.world_size} rank(s), "
+        f"plan      {plan.dims.product()} = {plan.world_size} rank(s), "
         f"ZeRO-{plan.zero_stage}, {plan.precision}",
         f"batch     global {plan.global_batch_size} = micro {plan.micro_batch_size} x accumulation "
         f"{plan.grad_accum} x dp {plan.dims.dp}; {plan.tokens_per_step} tokens/step "

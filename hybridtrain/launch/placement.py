@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hybridtrain.parallel.dims import Coords
 from hybridtrain.plan.types import Plan
 
 
@@ -20,16 +21,13 @@ class Place:
 
     rank: int
     node: int
-    dp: int
-    tp: int
-    pp: int
+    coords: Coords
 
 
 def places(plan: Plan) -> list[Place]:
     """Every rank's :class:`Place` under block placement (``world / nodes`` consecutive ranks per node)."""
     per_node = plan.world_size // plan.nodes
-    return [Place(rank=r, node=r // per_node, dp=c.dp, tp=c.tp, pp=c.pp)
-            for r, c in enumerate(plan.dims.all_coords())]
+    return [Place(rank=r, node=r // per_node, coords=c) for r, c in enumerate(plan.dims.all_coords())]
 
 
 def crossing(plan: Plan) -> list[str]:
@@ -42,8 +40,9 @@ def describe(plan: Plan, node_names: Optional[Sequence[str]] = None) -> str:
     """The rank map printed at start-up: one line per rank, then which groups cross nodes."""
     names = list(node_names or [f"node{i}" for i in range(plan.nodes)])
     lines = [f"[hybridtrain] rank map ({plan.nodes} node(s) x {plan.world_size // plan.nodes} rank(s)):"]
-    lines += [f"[hybridtrain]   rank {p.rank:>4}  node {names[p.node]:<12} dp {p.dp}  tp {p.tp}  pp {p.pp}"
-              for p in places(plan)]
+    shown = plan.dims.shown_axes()
+    lines += [f"[hybridtrain]   rank {p.rank:>4}  node {names[p.node]:<12} "
+              + "  ".join(f"{axis} {getattr(p.coords, axis)}" for axis in shown) for p in places(plan)]
     cross = crossing(plan)
     lines.append("[hybridtrain]   groups crossing nodes: " + (", ".join(cross) if cross else "none")
                  + ("  (tensor-parallel traffic leaves the node: use tp <= ranks per node)" if "tp" in cross else ""))

@@ -92,7 +92,7 @@ def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool,
         exports += f" HYBRIDTRAIN_MASTER_PORT={launcher.master_port}"
     on_stop = ('    echo "[hybridtrain] requeueing job $SLURM_JOB_ID; it resumes from that checkpoint"\n'
                '    scontrol requeue "$SLURM_JOB_ID"\n' if launcher.requeue else "")
-    summary = (f"dp={plan.dims.dp} x tp={plan.dims.tp} x pp={plan.dims.pp} = {plan.world_size} ranks on {plan.nodes} node(s) x "
+    summary = (f"{plan.dims.product()} = {plan.world_size} ranks on {plan.nodes} node(s) x "
                f"{per_node} {'GPU(s)' if gpus else 'CPU process(es)'}")
     files = RunDir(run_dir)
     return _Template(TEMPLATE.read_text()).substitute(

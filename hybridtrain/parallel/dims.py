@@ -29,6 +29,12 @@ from hybridtrain.errors import PlanError
 AXES = ("pp", "dp", "cp", "tp")
 """The rank axes from outermost to innermost (``tp`` fastest). ``cp`` (context parallelism) is 1 for now."""
 
+SHOWN = ("dp", "cp", "tp", "pp")
+"""The order rank maps print coordinates in (:meth:`ParallelDims.shown_axes`)."""
+
+ALWAYS_SHOWN = ("dp", "tp", "pp")
+"""The axes every rank map prints, split or not; another axis is printed only where it splits the ranks."""
+
 DATA_AXES = ("dp", "cp")
 """The axes DeepSpeed's ``data`` axis spans: ranks on them hold the same weights (ZeRO partitions and the
 gradient all-reduce cover them)."""
@@ -66,6 +72,14 @@ class ParallelDims:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r}: a degree is an integer >= 1")
         if self.data % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp x cp = {self.data}")
+
+    def shown_axes(self) -> list[str]:
+        """The axes a rank map (start-up, ``python -m hybridtrain.plan``) prints, in :data:`SHOWN` order."""
+        return [axis for axis in SHOWN if axis in ALWAYS_SHOWN or getattr(self, axis) > 1]
+
+    def product(self) -> str:
+        """The layout as the start-up lines print it: ``dp=2 x tp=2 x pp=2`` (the :meth:`shown_axes`)."""
+        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in self.shown_axes())
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` of every rank axis, in :data:`AXES` order."""

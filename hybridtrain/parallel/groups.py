@@ -16,7 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from hybridtrain.parallel.context import TPContext
-from hybridtrain.parallel.dims import Coords, ParallelDims
+from hybridtrain.parallel.dims import AXES, Coords, ParallelDims
+
+GRID_AXES = ("pp", "dp", "tp")
+"""The axes whose groups DeepSpeed's ``PipelineParallelGrid`` makes (``pipe``, ``data`` with ``cp`` folded in,
+``model``); every other axis of :data:`~hybridtrain.parallel.dims.AXES` gets its groups here."""
 
 
 class ParallelGroups:
@@ -35,7 +39,9 @@ class ParallelGroups:
         self.tp = tp
         """This rank's :class:`~hybridtrain.parallel.context.TPContext` (bound to the grid's TP group)."""
         self._grid = grid
-        self._cp_group = _axis_group(dims, "cp", rank)
+        self.axis_groups: dict[str, Any] = {axis: _axis_group(dims, axis, rank) for axis in AXES
+                                            if axis not in GRID_AXES}
+        """This rank's group of each axis DeepSpeed's grid does not know (``None`` at degree 1)."""
 
     # -- the groups hybridtrain reads ------------------------------------------------------------------
 
@@ -100,7 +106,7 @@ class ParallelGroups:
 
     def get_sequence_parallel_group(self) -> Any:
         """The context-parallel (``cp``) group; ``None`` at cp = 1, where DeepSpeed never asks for it."""
-        return self._cp_group
+        return self.axis_groups["cp"]
 
     def get_sequence_parallel_rank(self) -> int:
         return self.coords.cp

@@ -20,6 +20,7 @@ from hybridtrain.plan.costs import (
 from hybridtrain.plan.lora import lora_memory
 from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
 from hybridtrain.plan.partition import partition_advice
+from hybridtrain.parallel.dims import AXES
 from hybridtrain.plan.types import Plan
 
 IMBALANCE_WARN = 0.10
@@ -59,11 +60,10 @@ class PlanReport:
     """Devices per node (``launcher.gpus_per_node``); 0: the ranks spread evenly over the nodes."""
 
     def rank_map(self) -> list[dict[str, int]]:
-        """Every rank's coordinates; DeepSpeed's topology orders tp fastest, then dp, then pp."""
+        """Every rank's node and coordinates on every axis (:data:`~hybridtrain.parallel.dims.AXES`, ``tp`` fastest)."""
         p = self.plan
         per_node = self.ranks_per_node or max(1, p.world_size // p.nodes)
-        return [{"rank": r, "node": r // per_node, "pp": c.pp, "dp": c.dp, "tp": c.tp}
-                for r, c in enumerate(p.dims.all_coords())]
+        return [{"rank": r, "node": r // per_node, **c.__dict__} for r, c in enumerate(p.dims.all_coords())]
 
 
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
@@ -124,21 +124,24 @@ def _gib(n: float) -> str:
 def format_report(report: PlanReport) -> str:
     """The plan command's text."""
     p, f = report.plan, report.facts
+    shown = p.dims.shown_axes()
     lines = [f"model     {f.family.model_type}: {f.total_params() / 1e6:,.1f}M parameters, {p.num_layers} blocks, "
              f"hidden {f.hidden}, vocab {p.vocab_size} (padded to {p.padded_vocab_size})",
-             f"plan      dp={p.dims.dp} x tp={p.dims.tp} x pp={p.dims.pp} = {p.world_size} rank(s) on {p.nodes} node(s), "
+             f"plan      {p.dims.product()} = {p.world_size} rank(s) on {p.nodes} node(s), "
              f"ZeRO-{p.zero_stage}, {p.precision}",
              f"batch     global {p.global_batch_size} = micro {p.micro_batch_size} x accumulation {p.grad_accum} "
              f"x dp {p.dims.dp}; tokens per step {p.tokens_per_step:,} ({p.global_batch_size} x {p.seq_len})",
              f"pipeline  bubble (pp-1)/(m+pp-1) = ({p.dims.pp}-1)/({p.grad_accum}+{p.dims.pp}-1) = {report.bubble:.1%}"
              + (f"; stage imbalance {report.imbalance:.1%} (slowest stage over the mean)" if p.dims.pp > 1 else ""),
              "", "rank map (DeepSpeed topology: tp fastest, then dp, then pp)",
-             f"  {'rank':>5} {'node':>5} {'dp':>4} {'tp':>4} {'pp':>4}"]
+             f"  {'rank':>5} {'node':>5} " + " ".join(f"{axis:>4}" for axis in shown)]
     ranks = report.rank_map()
     for r in ranks[:MAX_RANK_ROWS]:
-        lines.append(f"  {r['rank']:>5} {r['node']:>5} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4}")
+        lines.append(f"  {r['rank']:>5} {r['node']:>5} " + " ".join(f"{r[axis]:>4}" for axis in shown))
     if len(ranks) > MAX_RANK_ROWS:
-        lines.append(f"  ... {len(ranks) - MAX_RANK_ROWS} more: rank = pp x {p.dims.dp * p.dims.tp} + dp x {p.dims.tp} + tp, "
+        strides = " + ".join(f"{axis} x {p.dims.stride(axis)}" if p.dims.stride(axis) > 1 else axis
+                             for axis in AXES if axis in shown)
+        lines.append(f"  ... {len(ranks) - MAX_RANK_ROWS} more: rank = {strides}, "
                      f"node = rank // {report.ranks_per_node or p.world_size // p.nodes}")
     total_flops = sum(st.flops_per_token for st in report.stages) or 1.0
     lines += ["", "stages (params per TP rank; model FLOPs per token, forward + backward, all TP ranks)",

@@ -54,7 +54,7 @@ def test_rank_map_matches_deepspeed_topology(dp, tp, pp):
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     for p in placement.places(plan):
         c = topo.get_coord(p.rank)
-        assert (p.pp, p.dp, p.tp) == (c.pipe, c.data, c.model)
+        assert (p.coords.pp, p.coords.dp, p.coords.tp) == (c.pipe, c.data, c.model)
         assert p.node == p.rank // (plan.world_size // 2)
 
 
