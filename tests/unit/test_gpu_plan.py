@@ -35,7 +35,7 @@ def cfg_of(*overrides: str) -> Config:
 def test_every_gpu_type_has_a_spec_and_a_peak():
     """The views of the one GPU table (hybridtrain/gpus.py): the enum of launcher.gpu_type, the plan's specs
     and the peak rows agree, and a row's facts are plausible."""
-    assert GPU_TYPES == tuple(str(g) for g in GpuType)  # table order: as docs/configuration.md and the config errors list them
+    assert GPU_TYPES == tuple(str(g) for g in GpuType)  # in table order
     assert sum(len(gpu.memory_gib) for gpu in GPUS) == len(GPU_SPECS)  # no gpu_type in two rows
     assert len(GPU_PEAK_TFLOPS) == len(GPUS)  # no name in two rows
     for name, spec in GPU_SPECS.items():
