@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from hybridtrain.gpus import GPU_TYPES
+
 
 class Choice(str, Enum):
     """One value of a fixed choice; ``str()`` and ``format()`` give the value (``bf16``), not
@@ -138,10 +140,6 @@ class FinetuneMethod(Choice):
     lora = "lora"
 
 
-GPU_TYPES = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h100-nvl", "h200", "h200-nvl", "gh200", "b200",
-             "gb200", "l40s", "l40", "l4", "a10", "v100-16gb", "v100-32gb")
-"""The GPUs ``launcher.gpu_type`` names; their memory, peak and links are in :mod:`hybridtrain.plan.devices`."""
-
 GpuType = Choice("GpuType", [(name, name) for name in GPU_TYPES], module=__name__, qualname="GpuType")
 GpuType.__doc__ = ("``launcher.gpu_type``: the GPU model of a cluster's nodes (memory, bf16 support, peak "
-                   "FLOP/s and links from :data:`hybridtrain.plan.devices.GPU_SPECS`).")
+                   "FLOP/s and links from the GPU table, :data:`hybridtrain.gpus.GPUS`).")

@@ -1,9 +1,9 @@
-"""Peak FLOP/s of one device, for MFU: a table of known GPUs, or a measured and cached CPU probe.
+"""Peak FLOP/s of one device, for MFU: the table of known GPUs, or a measured and cached CPU probe.
 
-The GPU numbers are NVIDIA's dense (no sparsity) figures from the data sheets: bf16 (also serving
-fp16: equal on every GPU listed) and TF32 on the tensor cores, plain fp32 on the CUDA cores. An
-fp32 run is measured against the TF32 rate when ``trainer.tf32`` lets its matmuls use TF32 (the
-default on GPUs), else against plain fp32. On a CPU there is no data sheet worth trusting (clock,
+The GPU numbers (:data:`hybridtrain.gpus.GPUS`, which cites the data sheets) are NVIDIA's dense (no
+sparsity) figures: bf16 (also serving fp16: equal on every GPU listed) and TF32 on the tensor cores,
+plain fp32 on the CUDA cores. An fp32 run is measured against the TF32 rate when ``trainer.tf32`` lets
+its matmuls use TF32 (the default on GPUs), else against plain fp32. On a CPU there is no data sheet worth trusting (clock,
 SIMD width and threads vary), so :func:`probe_cpu_tflops` times large matmuls with the rank's
 thread count and caches the result on disk; a probe slowed down by other processes is scaled up
 by the share of the cores it got and repeated next time, and :meth:`Peak.mfu` never reports more
@@ -18,36 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # name fragment (matched against torch.cuda.get_device_name(), longest first): dense TFLOP/s.
-    # Sources: NVIDIA data sheets, which print tensor-core rates "with sparsity"; the dense rate is
-    # half of that. H100/H200 SXM and NVL: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor
-    # Core GPU" data sheets (SXM: TF32 989, BF16 1,979 sparse; FP32 67. NVL: TF32 835, BF16 1,671
-    # sparse; FP32 60. H100 PCIe: TF32 756, BF16 1,513 sparse; FP32 51). HGX B200: TF32 18 PF,
-    # BF16 36 PF sparse for 8 GPUs. GB200 NVL72: TF32 180 PF, BF16 360 PF sparse for 72 GPUs (its
-    # plain FP32 is not printed: B200's figure). A100: TF32 156, BF16 312 dense; FP32 19.5. L40S:
-    # TF32 183, BF16 362 dense; FP32 91.6. L40: TF32 90.5, BF16 181 dense; FP32 90.5. L4: TF32 60,
-    # BF16 121 dense; FP32 30.3. A10: TF32 62.5, BF16 125 dense; FP32 31.2. V100 has no bf16
-    # and no TF32: its fp16 tensor-core rate (125) and plain FP32 (15.7).
-    "GB200": {"bf16": 2500.0, "tf32": 1250.0, "fp32": 80.0},
-    "B200": {"bf16": 2250.0, "tf32": 1125.0, "fp32": 80.0},
-    "H200 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
-    "H100 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "H100 PCIe": {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
-    "H800": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "GH200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6},
-    "L40": {"bf16": 181.0, "tf32": 90.5, "fp32": 90.5},
-    "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "A10": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "V100": {"bf16": 125.0, "tf32": 15.7, "fp32": 15.7},  # no bf16, no TF32: fp16 tensor cores, plain fp32
-}
-"""Dense peak TFLOP/s per GPU model and rate (``bf16`` also serves ``fp16``; ``tf32``: fp32 runs
-with ``trainer.tf32``)."""
+from hybridtrain.gpus import gpu_named, rate_key
 
 
 @dataclass
@@ -74,21 +45,12 @@ class Peak:
         return tflops / self.tflops
 
 
-def rate_key(precision: str, tf32: bool = False) -> str:
-    """The table column a run's matmuls reach: ``bf16`` (bf16, fp16), ``tf32`` (fp32 with
-    ``trainer.tf32``) or ``fp32``."""
-    if precision != "fp32":
-        return "bf16"
-    return "tf32" if tf32 else "fp32"
-
-
 def gpu_peak_tflops(device_name: str, precision: str, tf32: bool = False) -> tuple[str, float] | None:
-    """``(table key, TFLOP/s)`` of the first table entry whose name occurs in ``device_name``
-    (longest names first, so ``H100 PCIe`` wins over ``H100``); ``None`` for an unknown GPU."""
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
-            return key, GPU_PEAK_TFLOPS[key][rate_key(precision, tf32)]
-    return None
+    """``(table key, TFLOP/s)`` of the GPU table's row (:data:`hybridtrain.gpus.GPUS`) whose name occurs
+    in ``device_name`` (longest names first, so ``H100 PCIe`` wins over ``H100``); ``None`` for an
+    unknown GPU."""
+    gpu = gpu_named(device_name)
+    return (gpu.name, gpu.tflops[rate_key(precision, tf32)]) if gpu is not None else None
 
 
 def cpu_model() -> str:

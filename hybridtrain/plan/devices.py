@@ -3,7 +3,8 @@
 ``launcher=local`` plans for this machine (:func:`hybridtrain.plan.machine.machine_facts`). The ranks of
 ``launcher=slurm`` and ``multinode`` run on other machines, so their plan never reads the machine the
 command runs on (a login node without GPUs, a laptop): the device facts come from the launcher's keys,
-``launcher.gpus`` and ``launcher.gpu_type``, and the table of known GPUs below (:func:`planned_machine`).
+``launcher.gpus`` and ``launcher.gpu_type``, and the table of known GPUs, :mod:`hybridtrain.gpus`
+(:func:`planned_machine`).
 
 From the devices follow the defaults the plan resolves: the precision (:func:`precision_for`), the
 vocabulary padding (:func:`hybridtrain.plan.validate.vocab_pad_multiple`) and the memory budget
@@ -11,60 +12,11 @@ vocabulary padding (:func:`hybridtrain.plan.validate.vocab_pad_multiple`) and th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hybridtrain.observe.peak import GPU_PEAK_TFLOPS, rate_key
+from hybridtrain.gpus import GPU_PEAK_TFLOPS, GPU_SPECS, GpuSpec, rate_key
 from hybridtrain.plan.types import Machine
 
 GiB = 2**30
-NVLINK3 = (1.5e-5, 2.3e11)
-"""(latency s, all-reduce bus bandwidth B/s) among the GPUs of an A100 SXM node (NVLink 3, NVSwitch)."""
-NVLINK4 = (1.5e-5, 4.5e11)
-"""The same for H100/H200 SXM nodes (NVLink 4)."""
-NVLINK5 = (1.5e-5, 8.0e11)
-"""The same for B200/GB200 (NVLink 5)."""
-NVLINK2 = (2.0e-5, 1.3e11)
-"""The same for V100 SXM2 nodes (NVLink 2)."""
-PCIE4 = (2.0e-5, 2.0e10)
-"""The same for PCIe Gen4 cards without NVLink (L40S, L40, L4, A10)."""
-PCIE5 = (2.0e-5, 4.0e10)
-"""The same for PCIe Gen5 cards (H100 PCIe, H100/H200 NVL with bridges only between pairs)."""
 
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """What the plan needs to know about a GPU model."""
-
-    memory_gib: float
-    """Device memory as ``nvidia-smi`` reports it (GiB, rounded down)."""
-    peak: str
-    """Its row of :data:`hybridtrain.observe.peak.GPU_PEAK_TFLOPS` (dense peak FLOP/s)."""
-    link: tuple[float, float]
-    """(latency s, bus bandwidth B/s) of an all-reduce among the GPUs of one node."""
-    bf16: bool = True
-    """bf16 tensor cores (Ampere and newer); V100 has none (DeepSpeed refuses bf16 there)."""
-
-
-GPU_SPECS: dict[str, GpuSpec] = {
-    "a100-40gb": GpuSpec(40.0, "A100", NVLINK3),
-    "a100-80gb": GpuSpec(80.0, "A100", NVLINK3),
-    "h100-80gb": GpuSpec(79.6, "H100", NVLINK4),
-    "h100-pcie": GpuSpec(79.6, "H100 PCIe", PCIE5),
-    "h100-nvl": GpuSpec(93.5, "H100 NVL", PCIE5),
-    "h200": GpuSpec(140.0, "H200", NVLINK4),
-    "h200-nvl": GpuSpec(140.0, "H200 NVL", PCIE5),
-    "gh200": GpuSpec(95.5, "GH200", NVLINK4),
-    "b200": GpuSpec(179.0, "B200", NVLINK5),
-    "gb200": GpuSpec(184.0, "GB200", NVLINK5),
-    "l40s": GpuSpec(44.9, "L40S", PCIE4),
-    "l40": GpuSpec(44.9, "L40", PCIE4),
-    "l4": GpuSpec(22.4, "L4", PCIE4),
-    "a10": GpuSpec(22.4, "A10", PCIE4),
-    "v100-16gb": GpuSpec(15.7, "V100", NVLINK2, bf16=False),
-    "v100-32gb": GpuSpec(31.7, "V100", NVLINK2, bf16=False),
-}
-"""``launcher.gpu_type`` -> its :class:`GpuSpec` (memory from the data sheets, less what the driver
-reserves; every key is a value of :class:`hybridtrain.config.choices.GpuType`)."""
 
 CLUSTER_LAUNCHERS = ("slurm", "multinode")
 """Launchers whose ranks run on other machines than the command (their plan reads no local device)."""

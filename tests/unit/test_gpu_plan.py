@@ -13,8 +13,9 @@ from hybridtrain.config import Config
 from hybridtrain.config.choices import GpuType
 from hybridtrain.plan import Machine, PlanError, rank_budget, resolve
 from hybridtrain.plan.calibrate import INTER_NODE_LINK, Rates, planned_rates
-from hybridtrain.plan.devices import GPU_SPECS, GiB, memory_budget, planned_machine
-from hybridtrain.observe.peak import GPU_PEAK_TFLOPS
+from hybridtrain.gpus import GPU_PEAK_TFLOPS, GPU_SPECS, GPU_TYPES, GPUS, gpu_named
+from hybridtrain.observe.peak import gpu_peak_tflops
+from hybridtrain.plan.devices import GiB, gpu_peak_flops, memory_budget, planned_machine
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4, device_memory_bytes=64 * GiB)
 """A login node or laptop: no GPU, no fp16 kernels, 64 GiB of RAM."""
@@ -32,10 +33,37 @@ def cfg_of(*overrides: str) -> Config:
 
 
 def test_every_gpu_type_has_a_spec_and_a_peak():
-    assert sorted(GPU_SPECS) == sorted(str(g) for g in GpuType)
+    """The views of the one GPU table (hybridtrain/gpus.py): the enum of launcher.gpu_type, the plan's specs
+    and the peak rows agree, and a row's facts are plausible."""
+    assert GPU_TYPES == tuple(str(g) for g in GpuType)  # in table order
+    assert sum(len(gpu.memory_gib) for gpu in GPUS) == len(GPU_SPECS)  # no gpu_type in two rows
+    assert len(GPU_PEAK_TFLOPS) == len(GPUS)  # no name in two rows
     for name, spec in GPU_SPECS.items():
         assert spec.peak in GPU_PEAK_TFLOPS, name
         assert 10 < spec.memory_gib < 200 and spec.link[1] > 1e10, name
+    for gpu in GPUS:
+        assert gpu.tflops["bf16"] >= gpu.tflops["tf32"] >= gpu.tflops["fp32"] > 0, gpu.name
+        assert (gpu.link is not None) == bool(gpu.memory_gib), gpu.name  # a gpu_type needs its node's link
+
+
+def test_a_gpu_type_plans_with_the_peak_its_device_name_finds():
+    """What the planner assumes for a gpu_type is what MFU later divides by on that GPU."""
+    for spec in GPU_SPECS.values():
+        for precision, tf32 in [("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False)]:
+            assert gpu_peak_flops(spec, precision, tf32) == gpu_peak_tflops(f"NVIDIA {spec.peak}", precision,
+                                                                            tf32)[1] * 1e12
+    assert gpu_peak_flops(GPU_SPECS["h100-pcie"], "bf16", False) == 756.5e12
+    assert not GPU_SPECS["v100-32gb"].bf16 and GPU_SPECS["v100-32gb"].memory_gib == 31.7
+
+
+def test_the_longest_device_name_fragment_wins():
+    for gpu in GPUS:
+        assert gpu_named(f"NVIDIA {gpu.name}") is gpu  # every row is reachable
+    assert gpu_named("NVIDIA GH200 480GB").name == "GH200"  # not H200
+    assert gpu_named("NVIDIA H100 PCIe").name == "H100 PCIe"  # not H100
+    assert gpu_named("NVIDIA L40S").name == "L40S" and gpu_named("NVIDIA A10G").name == "A10"
+    assert gpu_named("NVIDIA A800-SXM4-80GB").name == "A800"  # peak rows without a gpu_type
+    assert gpu_named("Tesla T4") is None
 
 
 @pytest.mark.parametrize("overrides,machine,want", [
