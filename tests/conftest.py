@@ -10,7 +10,7 @@
 The CPU tiers hide GPUs from their processes (``CUDA_VISIBLE_DEVICES=""``), so the suite behaves the
 same on a GPU host; ``HYBRIDTRAIN_TEST_GPU=1`` leaves them visible (for ``tests/gpu``).
 
-Helper modules (``launch_helpers``, ``helpers_unit``, ...) live next to this file; pytest puts this
+Helpers live in the package ``tests/helpers/`` (``from helpers.launch import run_cli``); pytest puts this
 folder on ``sys.path`` because it holds this ``conftest.py``.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
-                 "test_packing_dist.py", "test_lora_dist.py", "test_faults.py", "test_data_e2e.py")
+                 "test_packing_layouts.py", "test_lora_peft.py", "test_faults.py", "test_data_e2e.py")
 """The dist modules that take longest (``--durations``), started first. CI runs the suite on two
 workers (``-n 2 --dist loadfile``: a module stays on one worker, so its module fixtures, the SLURM
 cluster among them, are made once); a long module started last would leave one worker idle at the end,

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, losses, metrics, run_cli
+from helpers.launch import compose_config, losses, metrics, run_cli
 
 
 def _batch(recipe: str, step: int):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers_unit import ROOT, compose_config
+from helpers.config import ROOT, compose_config
 from hybridtrain.cli import Background
 from hybridtrain.plan import machine_facts, resolve
 from hybridtrain.rundir import RunDir

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from data_helpers import chat_records, text_corpus, write_jsonl
+from helpers.data import chat_records, text_corpus, write_jsonl
 from hybridtrain.rundir import RunDir
-from launch_helpers import metrics, run_cli
+from helpers.launch import metrics, run_cli
 
 
 def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -85,7 +85,7 @@ def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs):
     change with the micro-batch size; the step loss is the mean over every loss token of the global
     batch instead: micro-batches of 3 (dp=2, pp=2) give the losses of micro-batches of 1, and both
     equal plain transformers with ``num_items_in_batch`` (its gradient-accumulation fix)."""
-    from launch_helpers import compose_config
+    from helpers.launch import compose_config
 
     from hybridtrain.reference import reference_run
 

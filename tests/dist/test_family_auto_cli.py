@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.launch import compose_config, metrics, run_cli
 
 HELIUM = ["+recipe=llama_tiny", "model.model_type=helium", "model.family=auto", "+model.config.head_dim=8",
           "trainer.max_steps=3"]  # Helium's default head_dim (128) does not fit llama_tiny's 96 / 12 heads

@@ -16,7 +16,7 @@ import pytest
 
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, compose_config, metrics, run_cli
+from helpers.launch import REPO, compose_config, metrics, run_cli
 
 INJECT = Path(__file__).resolve().parents[1] / "fault_inject"  # tests/fault_inject
 MICRO = 12  # gpt_tiny: global batch 12 = micro 1 x 12 micro-batches at dp=1

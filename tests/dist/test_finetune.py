@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_helpers import hf_loss, make_checkpoint
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.finetune import hf_loss, make_checkpoint
+from helpers.launch import compose_config, metrics, run_cli
 
 STEPS = 2
 

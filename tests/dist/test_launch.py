@@ -7,7 +7,7 @@ import subprocess
 
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, run_cli
+from helpers.launch import REPO, run_cli
 
 
 def test_bad_plan_launches_nothing(tmp_path):

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, losses, metrics, run_cli
+from helpers.launch import compose_config, losses, metrics, run_cli
 
 
 STEPS = 5
@@ -102,8 +102,8 @@ def test_single_process_equals_plain_transformers(recipe, baseline):
 LLAMA_CI = {(2, 2, 2)}
 """Llama's layout in CI: all three axes. GPT-2 runs every layout in CI, so each layout's exactness is
 checked in CI; Llama's other six run in the slow tier (its 3D layout also runs from a pretrained
-folder, with LoRA and packed in CI: test_finetune.py, test_lora_dist.py, test_packing_dist.py; the
-Llama-shaped families run tp- and pp-only layouts in test_families_dist.py)."""
+folder, with LoRA and packed in CI: test_finetune.py, test_lora_peft.py, test_packing_layouts.py; the
+Llama-shaped families run tp- and pp-only layouts in test_family_layouts.py)."""
 PARITY_CASES = [pytest.param(r, l, id="dp{}_tp{}_pp{}-{}".format(*l, r),
                              marks=[pytest.mark.slow] if r == "llama_tiny" and l not in LLAMA_CI else [])
                 for l in LAYOUTS for r in ("gpt_tiny", "llama_tiny")]
@@ -150,7 +150,7 @@ def test_zero_stages_without_pipeline(zero, baseline, tmp_path):
     assert got_norms == pytest.approx([m["grad_norm"] for m in baseline("llama_tiny")], rel=1e-3)
 
 
-@pytest.mark.slow  # in CI: LoRA with checkpointing (test_lora_dist.py), BlockInputs under recomputation (unit)
+@pytest.mark.slow  # in CI: LoRA with checkpointing (test_lora_peft.py), BlockInputs under recomputation (unit)
 def test_activation_checkpointing_changes_nothing(baseline, tmp_path):
     run_cli(tmp_path, "+recipe=gpt_tiny", *_overrides(1, 2, 2, "parallel.activation_checkpointing=true"))
     _assert_close(losses(tmp_path), [m["loss"] for m in baseline("gpt_tiny")], 1e-4, "activation checkpointing")

@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
-from helpers_unit import RECIPES, compose_config, compose_raw
+from helpers.config import RECIPES, compose_config, compose_raw
 from hybridtrain.config import CONF_DIR, Config, load_config, save_config, to_config
 from hybridtrain.plan import Machine, resolve
 
@@ -20,7 +20,7 @@ def test_recipes_are_found():
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """A tiny save_pretrained Llama, for recipes that fine-tune one (``model.pretrained``)."""
-    from finetune_helpers import make_checkpoint
+    from helpers.finetune import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
 

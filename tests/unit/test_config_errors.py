@@ -12,7 +12,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.config.explain import message
 from hybridtrain.plan import Machine, PlanError, resolve
 

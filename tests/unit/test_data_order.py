@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_unit import compose_config
-from data_helpers import save_samples
+from helpers.config import compose_config
+from helpers.data import save_samples
 from hybridtrain.data.sampler import ArrowColumn, BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
 from hybridtrain.plan import PlanError, resolve
 from hybridtrain.plan.data import check_data_counts

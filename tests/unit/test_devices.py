@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.errors import PlanError
 from hybridtrain.launch.devices import (asked_for_gpus, check_gpus, driver_gpus, local_devices, slurm_device_index,

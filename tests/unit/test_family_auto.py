@@ -58,7 +58,7 @@ def test_unverified_model_type_is_refused_naming_the_list_and_auto():
     from hybridtrain.errors import PlanError
     from hybridtrain.plan.hf import checked_family
 
-    from helpers_unit import compose_config
+    from helpers.config import compose_config
 
     cfg = compose_config("+recipe=gpt_tiny", "model.model_type=helium", "model.config={}")
     with pytest.raises(PlanError) as err:

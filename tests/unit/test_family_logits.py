@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
+from helpers.families import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
 
 FAMILIES = sorted(TINY)
 

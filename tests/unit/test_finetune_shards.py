@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_helpers import make_checkpoint
+from helpers.finetune import make_checkpoint
 
 STEPS = 2
 

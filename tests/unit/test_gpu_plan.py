@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.config import Config
 from hybridtrain.config.choices import GpuType
 from hybridtrain.plan import Machine, PlanError, rank_budget, resolve

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.engine import ds_config
 from hybridtrain.plan import resolve
 from hybridtrain.plan.types import Machine

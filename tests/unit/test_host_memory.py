@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 
 # A fresh interpreter allocates a 64 MiB tensor and reads glibc's mallinfo2: ``hblkhd`` is the bytes held
 # in mmap'ed blocks, ``uordblks`` the bytes in use from the heap; then it frees the tensor.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from family_configs import TINY, hf_config, make_family_checkpoint
-from helpers_unit import compose_config
+from helpers.families import TINY, hf_config, make_family_checkpoint
+from helpers.config import compose_config
 from hybridtrain.models.families import get_family
 from hybridtrain.models.lora import (ADAPTER_CONFIG, AdapterError, LoraSpec, adapter_config, hf_name_of, peft_name,
                                      resolve_targets)

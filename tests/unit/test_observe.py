@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.observe import timeline
 from hybridtrain.observe.checks import check_observe
 from hybridtrain.observe.loggers import check_logger, scalars

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 
 
 def _sequential(*overrides: str):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
-from helpers_unit import compose_config
+from helpers.families import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
+from helpers.config import compose_config
 from hybridtrain.config import DataConfig
 from hybridtrain.config.choices import Packing
 from hybridtrain.data.packing import pack, row_positions

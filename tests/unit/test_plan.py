@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.config import Config
 from hybridtrain.models.families import FAMILIES
 from hybridtrain.plan import Machine, PlanError, build_plan, layer_params, model_config, resolve

@@ -2,7 +2,7 @@
 stage boundaries, the memory model's formulas, ``parallel=auto``'s search and ``verify``'s twin.
 
 The memory estimate against real allocations, the balanced partition's measured effect and the
-search against measured tokens/s are checked with real runs (``tests/dist/test_planning_dist.py``,
+search against measured tokens/s are checked with real runs (``tests/dist/test_planning_runs.py``,
 ``bench/bench_partition.py``, ``bench/bench_auto.py``)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import functools
 import itertools
 
 import pytest
-from helpers_unit import LLAMA_70B, compose_config
+from helpers.config import LLAMA_70B, compose_config
 
 from hybridtrain.config import Config
 from hybridtrain.models.families import get_family

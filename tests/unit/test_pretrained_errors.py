@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from finetune_helpers import make_checkpoint
-from launch_helpers import compose_config
+from helpers.finetune import make_checkpoint
+from helpers.launch import compose_config
 from hybridtrain.models.families import FAMILIES
 from hybridtrain.plan import Machine, PlanError, apply_pretrained_defaults, resolve
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.checkpoint.io import CheckpointDir, finalize, latest_checkpoint, step_dir, tmp_dir
 from hybridtrain.observe import timeline
 from hybridtrain.plan import Machine, resolve

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_configs import TINY, hf_config
+from helpers.families import TINY, hf_config
 from hybridtrain.models.build import ModelBuilder, meta_model, reference_model, shard_block, unit_names
 from hybridtrain.models.families import get_family, padded_vocab
 from hybridtrain.models.seeded_init import TiledFills, cuts, fill_tiles, tile_seed

@@ -9,7 +9,7 @@ from pathlib import Path
 from hybridtrain.cli import compose, compose_raw  # noqa: F401  (compose_raw re-exported for the tests)
 from hybridtrain.config import Config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 """Every shipped recipe; globbed so a new recipe is covered without editing the tests."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose_config
 from hybridtrain.launch import env, placement
 from hybridtrain.launch.slurm import render
 from hybridtrain.plan import Machine, PlanError, resolve

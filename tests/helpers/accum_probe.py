@@ -1,5 +1,5 @@
 """bf16 precision probe for ``tests/dist/test_bf16_accum.py`` (run as a script, one
-rank on gloo): ``python tests/accum_probe.py MICRO_BATCHES`` prints one JSON object.
+rank on gloo): ``python tests/helpers/accum_probe.py MICRO_BATCHES`` prints one JSON object.
 
 It builds hybridtrain's engine for ``gpt_tiny`` three times from the same seeded weights: fp32,
 bf16 as shipped (fp32 gradient accumulation) and bf16 with DeepSpeed's default accumulation in bf16
@@ -17,7 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# run as a script: tests/, not this folder (its config.py, data.py would shadow top-level modules), so
+# ``helpers`` imports as the package
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 
 def main(micro_batches: int) -> dict:
@@ -35,7 +37,7 @@ def main(micro_batches: int) -> dict:
     import hybridtrain.engine as engine_mod
     from hybridtrain.plan import resolve
     from hybridtrain.plan.types import Machine
-    from launch_helpers import compose_config
+    from helpers.launch import compose_config
 
     seq = 32
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Every model family trains under 3D parallelism exactly like plain transformers.
 
-Each family's tiny ``save_pretrained`` checkpoint (``tests/family_configs.py``) is fine-tuned through
+Each family's tiny ``save_pretrained`` checkpoint (``tests/helpers/families.py``) is fine-tuned through
 the real CLI (``+recipe=finetune model.pretrained=DIR``: the family comes from the folder) and
 compared step by step with the one-process oracle (transformers' ``from_pretrained`` of the same
 folder + torch AdamW, :func:`hybridtrain.reference.reference_run`): losses within 1e-4, gradient
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from family_configs import SEQ, TINY, make_family_checkpoint
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.families import SEQ, TINY, make_family_checkpoint
+from helpers.launch import compose_config, metrics, run_cli
 
 STEPS = 3
 CI_LAYOUT = {  # (dp, tp, pp): every family splits heads; pipelines and replicas spread over them

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.launch import compose_config, metrics, run_cli
 
 
 STAGE_KEYS = ("stage_forward_s", "stage_backward_s", "stage_comm_s", "stage_optimizer_s")

@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 
-from data_helpers import skewed_prompt_completion, write_jsonl
+from helpers.data import skewed_prompt_completion, write_jsonl
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.launch import compose_config, metrics, run_cli
 
 STEPS = 4
 SEQ = 64
