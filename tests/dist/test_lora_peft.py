@@ -28,7 +28,8 @@ import torch
 from helpers.families import make_family_checkpoint
 from hybridtrain.checkpoint.io import CheckpointDir
 from hybridtrain.rundir import RunDir
-from helpers.launch import compose_config, losses, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import losses, metrics, run_cli
 
 STEPS = 4
 LAYOUTS = list(itertools.product((1, 2), repeat=3))
@@ -91,7 +92,7 @@ def reference():
             from hybridtrain.plan import apply_pretrained_defaults
             from hybridtrain.reference import reference_run
 
-            cfg = compose_config(overrides)
+            cfg = compose(*overrides)
             apply_pretrained_defaults(cfg)
             adapters: dict = {}
             records = reference_run(cfg, adapters=adapters)

@@ -16,7 +16,8 @@ import os
 import pytest
 
 from hybridtrain.rundir import RunDir
-from helpers.launch import compose_config, losses, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import losses, metrics, run_cli
 
 
 STEPS = 5
@@ -46,7 +47,7 @@ def _assert_export_reproduces_last_step(recipe: str, run_dir, out_dir) -> None:
     export(checkpoint, out_dir)
     diff, scale = check_logits(checkpoint, out_dir)
     assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"{recipe} export logits differ by {diff} (max |logit| {scale})"
-    cfg = compose_config([f"+recipe={recipe}"])
+    cfg = compose(f"+recipe={recipe}")
     samples = train_samples(cfg.data, cfg.trainer.seed)
     x, y = (torch.from_numpy(a) for a in samples.rows(samples.global_indices(STEPS - 1, cfg.trainer.global_batch_size)))
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
@@ -87,7 +88,7 @@ def test_single_process_equals_plain_transformers(recipe, baseline):
     from hybridtrain.config import Config
     from hybridtrain.reference import reference_run
 
-    cfg: Config = compose_config([f"+recipe={recipe}", f"trainer.max_steps={STEPS}"])
+    cfg: Config = compose(f"+recipe={recipe}", f"trainer.max_steps={STEPS}")
     ref = reference_run(cfg)
     ours = baseline(recipe)
     _assert_close([m["loss"] for m in ours], [r["loss"] for r in ref], 1e-5, f"{recipe} (1,1,1) vs transformers")

@@ -37,7 +37,7 @@ def main(micro_batches: int) -> dict:
     import hybridtrain.engine as engine_mod
     from hybridtrain.plan import resolve
     from hybridtrain.plan.types import Machine
-    from helpers.launch import compose_config
+    from helpers.config import compose
 
     seq = 32
     g = torch.Generator().manual_seed(0)
@@ -52,9 +52,9 @@ def main(micro_batches: int) -> dict:
     out: dict = {"micro_batches": micro_batches}
     grads: dict = {}
     for mode in ("fp32", "bf16", "bf16_accum_bf16"):
-        cfg = compose_config(["+recipe=gpt_tiny", f"trainer.precision={mode[:4]}", "parallel.dp=1",
-                              f"trainer.global_batch_size={micro_batches}", "trainer.max_steps=1",
-                              "optim.warmup_steps=1", "plan.calibrate=false"])
+        cfg = compose("+recipe=gpt_tiny", f"trainer.precision={mode[:4]}", "parallel.dp=1",
+                      f"trainer.global_batch_size={micro_batches}", "trainer.max_steps=1",
+                      "optim.warmup_steps=1", "plan.calibrate=false")
         plan, hf = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=1))
         engine_mod.ds_config = bf16_accumulation if mode == "bf16_accum_bf16" else shipped
         built = engine_mod.build(cfg, plan, hf)
@@ -71,7 +71,7 @@ def main(micro_batches: int) -> dict:
         out[mode] = {"zero_stage": plan.zero_stage, "optimizer": type(engine.optimizer).__name__,
                      "grad_accum_dtype": str(engine.get_data_types()[1]), "loss": total / micro_batches}
     # DeepSpeed >= 0.19.2 keeps buffers in their own dtype under bf16: Llama's RoPE inv_freq stays fp32
-    cfg = compose_config(["+recipe=llama_tiny", "trainer.precision=bf16", "parallel.dp=1", "plan.calibrate=false"])
+    cfg = compose("+recipe=llama_tiny", "trainer.precision=bf16", "parallel.dp=1", "plan.calibrate=false")
     plan, hf = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=1))
     engine_mod.ds_config = shipped
     module = engine_mod.build(cfg, plan, hf).engine.module

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.config import compose_config
+from helpers.config import compose
 from helpers.data import save_samples
 from hybridtrain.data.sampler import ArrowColumn, BatchLayout, DataPosition, PackedSamples, RowSamples, open_samples
 from hybridtrain.plan import PlanError, resolve
@@ -167,7 +167,7 @@ def test_validation_batches_are_fixed_unshuffled_and_drop_the_remainder():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = compose_config("+recipe=gpt_tiny")
+    cfg = compose("+recipe=gpt_tiny")
     plan, _ = resolve(cfg, Machine())
     return cfg, plan
 

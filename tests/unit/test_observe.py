@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers.config import compose_config
+from helpers.config import compose
 from hybridtrain.observe import timeline
 from hybridtrain.observe.checks import check_observe
 from hybridtrain.observe.loggers import check_logger, scalars
@@ -265,18 +265,18 @@ def test_missing_logger_package_is_a_config_error(monkeypatch):
 
 
 def test_logger_group_composes():
-    cfg = compose_config("+recipe=gpt_tiny", "logger=wandb", "logger.project=p")
+    cfg = compose("+recipe=gpt_tiny", "logger=wandb", "logger.project=p")
     assert (cfg.logger.name, cfg.logger.project) == ("wandb", "p")
-    assert compose_config("+recipe=gpt_tiny").logger.name == "none"
+    assert compose("+recipe=gpt_tiny").logger.name == "none"
 
 
 def test_profile_steps_and_peak_are_checked():
     with pytest.raises(PlanError) as err:
-        check_observe(compose_config("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.profile_steps=[2,9]"))
+        check_observe(compose("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.profile_steps=[2,9]"))
     assert err.value.key == "trainer.profile_steps" and "[9]" in str(err.value) and "1..4" in str(err.value)
     with pytest.raises(PlanError, match="trainer.peak_tflops"):
-        check_observe(compose_config("+recipe=gpt_tiny", "trainer.peak_tflops=0"))
-    check_observe(compose_config("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
+        check_observe(compose("+recipe=gpt_tiny", "trainer.peak_tflops=0"))
+    check_observe(compose("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
 
 
 

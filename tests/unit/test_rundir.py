@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers.config import compose_config
+from helpers.config import compose
 from hybridtrain.checkpoint.io import CheckpointDir, finalize, latest_checkpoint, step_dir, tmp_dir
 from hybridtrain.observe import timeline
 from hybridtrain.plan import Machine, resolve
@@ -45,7 +45,7 @@ class _Prepared:
 
 
 def test_the_controllers_files_read_back_as_written(tmp_path):
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2")
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2")
     cfg.run_dir = str(tmp_path)
     plan, _ = resolve(cfg, Machine())
     files = RunDir(tmp_path)
