@@ -10,8 +10,9 @@
 The CPU tiers hide GPUs from their processes (``CUDA_VISIBLE_DEVICES=""``), so the suite behaves the
 same on a GPU host; ``HYBRIDTRAIN_TEST_GPU=1`` leaves them visible (for ``tests/gpu``).
 
-Helper modules (``launch_helpers``, ``helpers_unit``, ...) live next to this file; pytest puts this
-folder on ``sys.path`` because it holds this ``conftest.py``.
+Helpers live in the package ``tests/helpers/`` (``from helpers.launch import run_cli``); pytest puts this
+folder on ``sys.path`` because it holds this ``conftest.py``. The fixtures below are the tiny model folders
+several modules read (made once per test process).
 """
 from __future__ import annotations
 
@@ -33,11 +34,41 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
-                 "test_packing_dist.py", "test_lora_dist.py", "test_faults.py", "test_data_e2e.py")
+                 "test_packing_layouts.py", "test_lora_peft.py", "test_faults.py", "test_data_e2e.py")
 """The dist modules that take longest (``--durations``), started first. CI runs the suite on two
 workers (``-n 2 --dist loadfile``: a module stays on one worker, so its module fixtures, the SLURM
 cluster among them, are made once); a long module started last would leave one worker idle at the end,
 so these go first, then the other dist modules, then the many short unit modules."""
+
+
+@pytest.fixture(scope="session")
+def family_folders(tmp_path_factory) -> dict[str, Path]:
+    """One tiny ``save_pretrained`` checkpoint per model family (:data:`helpers.families.TINY`, the embedded
+    tokenizer), made once per test process; tests read them, never write into them."""
+    from helpers.families import TINY, make_family_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_family_checkpoint(root / f, f) for f in sorted(TINY)}
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The fine-tuning tests' HF folders (:func:`helpers.finetune.make_checkpoint`): ``llama`` (grouped-query
+    attention, sharded over several safetensors files with an index) and ``gpt2`` (tied head); read only."""
+    from helpers.finetune import make_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": make_checkpoint(root / "llama", "llama", sharded=True),
+            "gpt2": make_checkpoint(root / "gpt2", "gpt2")}
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory) -> Path:
+    """A tiny ``save_pretrained`` Llama in one safetensors file (:func:`helpers.finetune.make_checkpoint`), for
+    recipes that fine-tune one (``model.pretrained``) and the bad-folder tests (which copy it before breaking it)."""
+    from helpers.finetune import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("hf_llama") / "llama", "llama")
 
 
 def _run_order(item) -> tuple[int, int]:

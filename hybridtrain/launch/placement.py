@@ -1,7 +1,7 @@
 """Where each rank sits: its node and its (dp, tp, pp) coordinates, and which groups cross nodes.
 
 The coordinates come from :class:`~hybridtrain.parallel.dims.ParallelDims` (DeepSpeed's topology,
-``tp`` fastest, then ``dp``, then ``pp``; checked against DeepSpeed in tests/unit/test_slurm_unit.py).
+``tp`` fastest, then ``dp``, then ``pp``; checked against DeepSpeed in tests/unit/test_multinode.py).
 Launchers put ``k = world / nodes`` consecutive ranks on each node, so a TP group (``tp`` consecutive ranks) stays inside a node when ``tp`` divides ``k``, and a
 data-parallel group (stride ``tp``, ``dp`` members) when ``dp x tp`` divides ``k``; the pipeline axis,
 outermost, is what crosses nodes first.

@@ -1,7 +1,7 @@
 """Memory per rank: parameters, gradients, optimizer state (as DeepSpeed allocates them) and activations.
 
 Model state follows what DeepSpeed 0.19 really allocates (measured by
-:func:`hybridtrain.engine.memory.model_state_bytes` and checked in ``tests/dist/test_planning_dist.py``),
+:func:`hybridtrain.engine.memory.model_state_bytes` and checked in ``tests/dist/test_planning_runs.py``),
 with ``P`` the parameters of the rank (after TP and pipeline split), ``d`` = dp, ``w`` = bytes of
 a parameter (4 fp32, 2 bf16/fp16), AdamW moments and master weights in fp32:
 

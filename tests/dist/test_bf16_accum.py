@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from launch_helpers import REPO, metrics, run_cli
+from helpers.launch import REPO, metrics, run_cli
 
 MICRO_BATCHES = 128
 TOLERANCE = 0.012
@@ -23,8 +23,9 @@ def test_bf16_gradient_of_many_micro_batches_stays_close_to_fp32():
     gradient is within bf16 tolerance of the fp32 one; summed in bf16 (DeepSpeed's default, the
     setting before) it drifts more than twice as far."""
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "accum_probe.py"), str(MICRO_BATCHES)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    probe = REPO / "tests" / "helpers" / "accum_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), str(MICRO_BATCHES)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ACCUM ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(line[len("ACCUM "):])

@@ -7,13 +7,14 @@ import shutil
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, losses, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import losses, metrics, run_cli
 
 
 def _batch(recipe: str, step: int):
     from hybridtrain.data.prepare import train_samples
 
-    cfg = compose_config([f"+recipe={recipe}"])
+    cfg = compose(f"+recipe={recipe}")
     samples = train_samples(cfg.data, cfg.trainer.seed)
     return samples.rows(samples.global_indices(step, cfg.trainer.global_batch_size))
 

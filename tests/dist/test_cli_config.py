@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers_unit import ROOT, compose_config
+from helpers.config import ROOT, compose
 from hybridtrain.cli import Background
 from hybridtrain.plan import machine_facts, resolve
 from hybridtrain.rundir import RunDir
@@ -63,7 +63,7 @@ def test_cli_dry_run_writes_config_and_plan(cli):
     assert "plan      dp=1 x tp=1 x pp=1 = 1 rank(s)" in proc.stdout
 
     saved = RunDir(run_dir).config()
-    expected = compose_config(*CLI_RUNS["gpt_tiny"])
+    expected = compose(*CLI_RUNS["gpt_tiny"])
     expected.run_dir = str(run_dir.resolve())
     plan, _ = resolve(expected, machine_facts())  # fills the null keys (attention, vocabulary padding) as the run did
     assert saved == expected

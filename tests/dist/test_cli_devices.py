@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_helpers import run_cli
+from helpers.launch import run_cli
 
 
 def test_gpus_asked_on_a_machine_without_cuda_exits_2_before_launching(tmp_path):
@@ -18,7 +18,7 @@ def test_gpus_asked_on_a_machine_without_cuda_exits_2_before_launching(tmp_path)
 def test_checkpoint_with_the_gpu_vocabulary_padding_resumes_on_cpu(tmp_path):
     """A GPU run pads the vocabulary to 64 x tp rows, a CPU run to tp: resuming one's checkpoint on
     the other goes through the HF names (re-shard) and continues the losses."""
-    from launch_helpers import losses
+    from helpers.launch import losses
 
     common = ["+recipe=gpt_tiny", "++model.config.vocab_size=8003", "trainer.max_steps=4", "optim.warmup_steps=1"]
     run_cli(tmp_path / "gpu_like", *common, "model.vocab_pad_multiple=64", "trainer.save_every=2")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-from helpers_unit import ROOT
+from helpers.config import ROOT
 from hybridtrain.rundir import RunDir
 
 

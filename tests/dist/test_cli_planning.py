@@ -6,7 +6,7 @@ import sys
 import time
 
 
-from helpers_unit import LLAMA_70B, ROOT
+from helpers.config import LLAMA_70B, ROOT
 
 
 def test_plan_command_70b_in_seconds():

@@ -7,7 +7,7 @@ import sys
 
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import run_cli
+from helpers.launch import run_cli
 
 
 def test_cli_refuses_nodes_x_gpus_mismatch_before_submitting(tmp_path):

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from data_helpers import chat_records, text_corpus, write_jsonl
+from helpers.data import chat_records, text_corpus, write_jsonl
 from hybridtrain.rundir import RunDir
-from launch_helpers import metrics, run_cli
+from helpers.launch import metrics, run_cli
 
 
 def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -85,7 +85,7 @@ def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs):
     change with the micro-batch size; the step loss is the mean over every loss token of the global
     batch instead: micro-batches of 3 (dp=2, pp=2) give the losses of micro-batches of 1, and both
     equal plain transformers with ``num_items_in_batch`` (its gradient-accumulation fix)."""
-    from launch_helpers import compose_config
+    from helpers.config import compose
 
     from hybridtrain.reference import reference_run
 
@@ -95,6 +95,6 @@ def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs):
     for g, w in zip(got_train + got_val, want_train + want_val):
         key = "loss" if "loss" in w else "val_loss"
         assert g[key] == pytest.approx(w[key], rel=1e-5), (g, w)
-    oracle = reference_run(compose_config(chat_runs["common"]))
+    oracle = reference_run(compose(*chat_runs["common"]))
     for o, w in zip(oracle, want_train, strict=True):
         assert o["loss"] == pytest.approx(w["loss"], rel=1e-5), (o, w)

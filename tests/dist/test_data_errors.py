@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_helpers import chapters, chat_records, text_corpus, write_jsonl
+from helpers.data import chapters, chat_records, text_corpus, write_jsonl
 from hybridtrain.cli import Background
 from hybridtrain.rundir import RunDir
 

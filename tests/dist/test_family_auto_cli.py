@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import metrics, run_cli
 
 HELIUM = ["+recipe=llama_tiny", "model.model_type=helium", "model.family=auto", "+model.config.head_dim=8",
           "trainer.max_steps=3"]  # Helium's default head_dim (128) does not fit llama_tiny's 96 / 12 heads
@@ -18,7 +19,7 @@ def test_auto_family_trains_like_transformers(tmp_path):
 
     proc = run_cli(tmp_path, *HELIUM, "parallel.tp=2", "parallel.pp=2")
     assert "model.family=auto: the adapter derived for helium matches transformers on a tiny twin" in proc.stdout
-    want = reference_run(compose_config(HELIUM))
+    want = reference_run(compose(*HELIUM))
     got = metrics(tmp_path)
     assert [m["loss"] for m in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
 

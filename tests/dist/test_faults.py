@@ -16,7 +16,8 @@ import pytest
 
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, compose_config, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import REPO, metrics, run_cli
 
 INJECT = Path(__file__).resolve().parents[1] / "fault_inject"  # tests/fault_inject
 MICRO = 12  # gpt_tiny: global batch 12 = micro 1 x 12 micro-batches at dp=1
@@ -61,7 +62,7 @@ def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses
     # The whole killed + resumed history is the uninterrupted run: plain transformers, 6 steps.
     from hybridtrain.reference import reference_run
 
-    ref = [r["loss"] for r in reference_run(compose_config(["+recipe=gpt_tiny", "trainer.max_steps=6"]))]
+    ref = [r["loss"] for r in reference_run(compose("+recipe=gpt_tiny", "trainer.max_steps=6"))]
     assert [m["loss"] for m in before[:4] + after] == pytest.approx(ref[:4] + ref[4:], rel=1e-4, abs=0)
 
 

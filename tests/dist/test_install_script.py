@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from launch_helpers import REPO
+from helpers.launch import REPO
 
 
 def _install(tmp_path, *args: str, has_torch: bool = True, gpu: bool = False) -> subprocess.CompletedProcess:

@@ -1,13 +1,16 @@
-"""Launch behaviour: a bad plan starts nothing, sweeps, the console script, the local launcher's limits.
+"""Launch behaviour: a bad plan starts nothing, sweeps, the console script, the local launcher's limits,
+how the local launcher starts CPU ranks and what rank 0 says when it is ready.
 
 A dead or hung rank: ``tests/dist/test_faults.py``."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 from hybridtrain import cli
+from hybridtrain.cli import Background
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, run_cli
+from helpers.launch import REPO, run_cli
 
 
 def test_bad_plan_launches_nothing(tmp_path):
@@ -42,3 +45,22 @@ def test_multi_node_plan_is_refused_by_the_local_launcher_before_anything_runs(t
     assert proc.returncode == 2
     assert "launcher.nodes=2" in proc.stderr and "dry_run" in proc.stderr
     assert not RunDir(tmp_path).config_file.exists()
+
+
+def test_cpu_ranks_fork_from_one_import_unless_preload_is_off(tmp_path):
+    """The local launcher forks CPU ranks from one process that imported their libraries once, and with
+    ``HYBRIDTRAIN_PRELOAD=0`` starts each as its own interpreter (what GPU ranks do); either way rank 0
+    reports ready with the host memory freed by its tensors kept for reuse (``launcher.keep_host_memory``,
+    on by default). (``test_parity.py`` checks that both ways give the same losses.) One rank, one step each,
+    both jobs started at once."""
+    overrides = ["+recipe=gpt_tiny", "trainer.max_steps=1", "optim.warmup_steps=1", "trainer.save_final=false",
+                 "trainer.report=false"]
+    jobs = {own: Background(tmp_path / f"own{own}" / "run", overrides, tmp_path / f"own{own}", cwd=REPO,
+                            env={**os.environ, "HYBRIDTRAIN_PRELOAD": "0"} if own else None)
+            for own in (False, True)}
+    for own, job in jobs.items():
+        proc = job.result(timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert ("forked after one import" in proc.stdout) != own, proc.stdout[-3000:]
+        assert "[hybridtrain] rank 0 ready in " in proc.stdout, proc.stdout[-3000:]
+        assert "freed host memory kept for reuse" in proc.stdout, proc.stdout[-3000:]

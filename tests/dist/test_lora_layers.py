@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtrain.parallel.spawn import WorldRun, run_world
-from tp_checks import assert_rank_checks, run_cases_at_degrees
+from helpers.tp_checks import assert_rank_checks, run_cases_at_degrees
 
 TP_DEGREES = (2, 3)
 REL_TOL = 1e-6
@@ -284,7 +284,7 @@ CASES: Dict[str, Callable] = {
 
 
 def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: every case at every degree (:func:`tp_checks.run_cases_at_degrees`)."""
+    """Child entry: every case at every degree (:func:`helpers.tp_checks.run_cases_at_degrees`)."""
     run_cases_at_degrees(CASES, TP_DEGREES, rank, emit)
 
 

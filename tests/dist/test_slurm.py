@@ -17,7 +17,7 @@ import pytest
 
 from hybridtrain import cli
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, losses, metrics, run_cli
+from helpers.launch import REPO, losses, metrics, run_cli
 
 
 STEPS = 16
@@ -178,7 +178,7 @@ def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_clu
     assert RunDir(tmp_path).job_script.is_file() and RunDir(tmp_path).config_file.is_file()
 
 
-@pytest.mark.slow  # the multinode launcher's rules and runner command stay in CI (test_slurm_unit.py)
+@pytest.mark.slow  # the multinode launcher's rules and runner command stay in CI (test_multinode.py)
 def test_two_node_no_ssh_launch_matches_the_local_run(reference, tmp_path):
     from hybridtrain.ports import free_port
 

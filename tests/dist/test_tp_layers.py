@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtrain.parallel.spawn import WorldRun, run_world
-from tp_checks import assert_rank_checks, run_cases_at_degrees
+from helpers.tp_checks import assert_rank_checks, run_cases_at_degrees
 
 TP_DEGREES = (2, 3)
 # fp32 throughout; sharded and full runs differ only in summation order. Tolerances are relative
@@ -354,7 +354,7 @@ CASES: Dict[str, Callable] = {
 
 
 def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: every case at every degree in ``TP_DEGREES`` (:func:`tp_checks.run_cases_at_degrees`)."""
+    """Child entry: every case at every degree in ``TP_DEGREES`` (:func:`helpers.tp_checks.run_cases_at_degrees`)."""
     assert world == max(TP_DEGREES), world
     run_cases_at_degrees(CASES, TP_DEGREES, rank, emit)
 

@@ -17,7 +17,7 @@ import subprocess
 import venv
 from pathlib import Path
 
-from helpers_unit import ROOT
+from helpers.config import ROOT
 
 SHIPPED = ("pyproject.toml", "README.md", "hybridtrain", "conf", "recipes", "slurm")
 """What the build reads: the package (with its links ``_conf`` and ``_slurm``) and the folders they point at."""

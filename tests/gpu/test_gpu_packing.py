@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from family_configs import SEQ, VOCAB, make_family_checkpoint, one_process_model_of
+from helpers.families import SEQ, VOCAB, make_family_checkpoint, one_process_model_of
 
 IGNORE = -100
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from launch_helpers import REPO, losses, metrics, run_cli
+from helpers.launch import REPO, losses, metrics, run_cli
 
 SHORT = ["trainer.max_steps=4", "optim.warmup_steps=1", "trainer.save_final=false"]
 CPU = {"CUDA_VISIBLE_DEVICES": ""}

@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
-from helpers_unit import RECIPES, compose_config, compose_raw
+from helpers.config import RECIPES, compose, compose_raw
 from hybridtrain.config import CONF_DIR, Config, load_config, save_config, to_config
 from hybridtrain.plan import Machine, resolve
 
@@ -17,20 +17,12 @@ def test_recipes_are_found():
     assert {"gpt_tiny", "gpt_small", "llama_tiny", "llama_7b"} <= set(RECIPES)
 
 
-@pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory):
-    """A tiny save_pretrained Llama, for recipes that fine-tune one (``model.pretrained``)."""
-    from finetune_helpers import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_validates(recipe, hf_llama):
-    cfg = compose_config(f"+recipe={recipe}")
+    cfg = compose(f"+recipe={recipe}")
     assert isinstance(cfg, Config)
     if cfg.model.pretrained is not None:  # a fine-tuning recipe: it needs the model folder
-        cfg = compose_config(f"+recipe={recipe}", f"model.pretrained={hf_llama}")
+        cfg = compose(f"+recipe={recipe}", f"model.pretrained={hf_llama}")
         from hybridtrain.plan import apply_pretrained_defaults
 
         apply_pretrained_defaults(cfg)
@@ -55,7 +47,7 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
 
 def test_llama_7b_recipe_arithmetic():
     """The numbers the recipe's header states: 32 ranks, 8 blocks per stage, 1M tokens per step."""
-    plan, _ = resolve(compose_config("+recipe=llama_7b"), Machine())
+    plan, _ = resolve(compose("+recipe=llama_7b"), Machine())
     assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
     assert plan.precision == "bf16"  # trainer.precision: null on GPUs (launcher.gpus=true)
     assert plan.grad_accum == 256 and plan.tokens_per_step == 256 * 4096
@@ -64,7 +56,7 @@ def test_llama_7b_recipe_arithmetic():
 
 
 def test_overrides_reach_the_typed_config():
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.tp=2", "trainer.precision=bf16", "model.config.n_layer=2")
+    cfg = compose("+recipe=gpt_tiny", "parallel.tp=2", "trainer.precision=bf16", "model.config.n_layer=2")
     assert cfg.parallel.tp == 2 and cfg.trainer.precision == "bf16" and cfg.model.config["n_layer"] == 2
     assert cfg.data.seq_len == 32  # from the recipe, not conf/data/embedded.yaml's 128
 
@@ -99,7 +91,7 @@ def test_unknown_recipe_lists_the_available_ones():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_save_load_round_trip(recipe, tmp_path):
-    cfg = compose_config(f"+recipe={recipe}")
+    cfg = compose(f"+recipe={recipe}")
     cfg.run_dir = str(tmp_path)  # the optional field with a value, as the CLI saves it
     save_config(cfg, tmp_path / "config.yaml")
     back = load_config(tmp_path / "config.yaml")
@@ -111,7 +103,7 @@ def test_save_load_round_trip(recipe, tmp_path):
 def test_save_load_round_trip_keeps_the_launcher_and_the_choices(launcher, tmp_path):
     from hybridtrain.config.choices import Precision
 
-    cfg = compose_config("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16")
+    cfg = compose("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16")
     save_config(cfg, tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     assert f"  name: {launcher}\n" in text and "  precision: bf16\n" in text  # plain values, no enum tags
@@ -182,7 +174,7 @@ def test_group_files_state_only_differences_from_the_schema(path):
 
 
 def test_load_config_checks_the_schema(tmp_path):
-    cfg = compose_config("+recipe=gpt_tiny")
+    cfg = compose("+recipe=gpt_tiny")
     save_config(cfg, tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     (tmp_path / "bad.yaml").write_text(text.replace("  tp: 1\n", "  tp: 1\n  tpp: 2\n"))
@@ -216,7 +208,7 @@ def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
         raise AssertionError("the local launcher started workers for a 4-node plan")
 
     monkeypatch.setattr(subprocess, "Popen", no_workers)  # never start 32 ranks here
-    cfg = compose_config("+recipe=llama_7b")
+    cfg = compose("+recipe=llama_7b")
     plan, _ = resolve(cfg, Machine())
     with pytest.raises(SystemExit) as info:
         local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8))
@@ -229,11 +221,11 @@ def test_verify_overrides_compose_under_every_launcher(launcher):
     with the local launcher, whatever launcher the plan is for (its slurm/multinode keys are left out)."""
     from hybridtrain.verify import overrides, shrink
 
-    local = compose_config("+recipe=gpt_tiny")
+    local = compose("+recipe=gpt_tiny")
     plan, hf_config = resolve(local, Machine())
     twin = shrink(local, plan, hf_config, steps=2)
-    cfg = compose_config("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16",
-                         "parallel.partition=blocks")
-    again = compose_config(*overrides(cfg, twin, {"dp": 1, "tp": 1, "pp": 1}))
+    cfg = compose("+recipe=gpt_tiny", f"launcher={launcher}", "trainer.precision=bf16",
+                  "parallel.partition=blocks")
+    again = compose(*overrides(cfg, twin, {"dp": 1, "tp": 1, "pp": 1}))
     assert again.launcher.name == "local" and again.launcher.nodes == 1
     assert (again.trainer.precision, again.parallel.partition) == ("bf16", "blocks")

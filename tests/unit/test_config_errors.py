@@ -4,29 +4,21 @@ found while composing (a wrong type, a value outside a fixed choice, an unknown 
 naming the key and what it accepts."""
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from helpers_unit import compose_config
+from helpers.config import cfg_of, compose
 from hybridtrain.config.explain import message
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _composed(*overrides: str):
-    return compose_config("+recipe=gpt_tiny", *overrides)
-
-
 def _with(changes: dict, base: tuple = ()):
     """A fresh ``gpt_tiny`` config (composed once per ``base``) with ``changes`` {"section.key": value}."""
-    cfg = copy.deepcopy(_composed(*base))
+    cfg = cfg_of("+recipe=gpt_tiny", *base)
     for dotted, value in changes.items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
@@ -70,8 +62,8 @@ def test_config_rule_names_the_key(case):
 
 
 def test_hang_timeout_s_from_the_command_line_is_typed_and_accepted():
-    assert _composed("trainer.hang_timeout_s=600").trainer.hang_timeout_s == 600.0
-    assert _composed().trainer.hang_timeout_s is None  # off by default
+    assert cfg_of("+recipe=gpt_tiny", "trainer.hang_timeout_s=600").trainer.hang_timeout_s == 600.0
+    assert cfg_of("+recipe=gpt_tiny").trainer.hang_timeout_s is None  # off by default
     for value in (None, 0.5, 600.0):
         resolve(_with({"trainer.hang_timeout_s": value}), CPU)
 
@@ -117,14 +109,14 @@ COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hyb
 def test_compose_error_is_one_line_naming_the_key(case):
     overrides, expected = COMPOSE_CASES[case]
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException, PlanError)) as info:
-        compose_config("+recipe=gpt_tiny", *overrides)  # composes and types the config, as the CLIs do
+        compose("+recipe=gpt_tiny", *overrides)  # composes and types the config, as the CLIs do
     assert message(info.value) == expected
 
 
 def test_the_right_launcher_keys_compose():
-    slurm = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.partition=gpu", "launcher.time=01:00:00")
+    slurm = compose("+recipe=gpt_tiny", "launcher=slurm", "launcher.partition=gpu", "launcher.time=01:00:00")
     assert (slurm.launcher.name, slurm.launcher.partition, slurm.launcher.time) == ("slurm", "gpu", "01:00:00")
-    multi = compose_config("+recipe=gpt_tiny", "launcher=multinode", "launcher.hostfile=hosts.txt")
+    multi = compose("+recipe=gpt_tiny", "launcher=multinode", "launcher.hostfile=hosts.txt")
     assert (multi.launcher.name, multi.launcher.hostfile, multi.launcher.nodes) == ("multinode", "hosts.txt", 2)
-    local = compose_config("+recipe=gpt_tiny")
+    local = compose("+recipe=gpt_tiny")
     assert local.launcher.name == "local" and not hasattr(local.launcher, "partition")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_unit import compose_config
-from data_helpers import save_samples
+from helpers.config import compose
+from helpers.data import save_samples
 from hybridtrain.data.sampler import ArrowColumn, DataPosition, PackedSamples, RowSamples, open_samples
 from hybridtrain.parallel.dims import BatchLayout
 from hybridtrain.plan import PlanError, resolve
@@ -168,7 +168,7 @@ def test_validation_batches_are_fixed_unshuffled_and_drop_the_remainder():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = compose_config("+recipe=gpt_tiny")
+    cfg = compose("+recipe=gpt_tiny")
     plan, _ = resolve(cfg, Machine())
     return cfg, plan
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_helpers import chapters, text_corpus, write_jsonl
+from helpers.data import chapters, text_corpus, write_jsonl
 from hybridtrain.config import DataConfig
 from hybridtrain.data import prepare as prep
 from hybridtrain.data.sampler import ArrowColumn, open_samples

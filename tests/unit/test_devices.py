@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.config.schema import LauncherConfig
 from hybridtrain.errors import PlanError
 from hybridtrain.launch.devices import (asked_for_gpus, check_gpus, driver_gpus, local_devices, slurm_device_index,
@@ -122,7 +122,7 @@ def test_slurm_task_with_gpus_but_no_cuda_stops(monkeypatch, capsys):
 
 
 def _plan(world: int):
-    cfg = compose_config("+recipe=gpt_tiny", f"parallel.dp={world}")
+    cfg = compose("+recipe=gpt_tiny", f"parallel.dp={world}")
     return resolve(cfg, Machine(gpus_per_node=0, cpu_cores=2))[0]
 
 
@@ -131,7 +131,7 @@ def _plan(world: int):
                                                    (Machine(gpus_per_node=0), False, 1),
                                                    (Machine(gpus_per_node=0), True, 64)])
 def test_vocab_pads_to_64_on_gpus_by_default(machine, gpus, multiple):
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.dp=1", "parallel.tp=3", "launcher.dry_run=true")
+    cfg = compose("+recipe=gpt_tiny", "parallel.dp=1", "parallel.tp=3", "launcher.dry_run=true")
     cfg.launcher.gpus = gpus
     plan, _ = resolve(cfg, machine)
     assert cfg.model.vocab_pad_multiple == multiple  # resolved into the config the workers read
@@ -156,7 +156,7 @@ def test_verify_twin_fits_the_local_gpus(world, dp, tp, pp, gpus, fit):
 def test_verify_twin_runs_here_with_the_local_launcher():
     from hybridtrain.verify import overrides, shrink
 
-    cfg = compose_config("+recipe=llama_7b", "launcher=slurm")
+    cfg = compose("+recipe=llama_7b", "launcher=slurm")
     plan, hf = resolve(cfg, Machine(gpus_per_node=0, cpu_cores=2))
     args = overrides(cfg, shrink(cfg, plan, hf, 2), {"dp": 1}, on_cpu=True)
     assert "launcher=local" in args and "launcher.nodes=1" in args and "launcher.gpus=false" in args

@@ -58,9 +58,9 @@ def test_unverified_model_type_is_refused_naming_the_list_and_auto():
     from hybridtrain.errors import PlanError
     from hybridtrain.plan.hf import checked_family
 
-    from helpers_unit import compose_config
+    from helpers.config import compose
 
-    cfg = compose_config("+recipe=gpt_tiny", "model.model_type=helium", "model.config={}")
+    cfg = compose("+recipe=gpt_tiny", "model.model_type=helium", "model.config={}")
     with pytest.raises(PlanError) as err:
         checked_family(cfg)
     assert err.value.key == "model.model_type" and "'gpt2'" in str(err.value) and "model.family=auto" in str(err.value)

@@ -7,15 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
+from helpers.families import SEQ, TINY, VOCAB, one_process_model_of
 
 FAMILIES = sorted(TINY)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: make_family_checkpoint(root / f, f) for f in FAMILIES}
 
 
 def _ids() -> torch.Tensor:
@@ -38,10 +32,10 @@ def transformers_logits(folder, ids: torch.Tensor, **config) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_equal_transformers(family, folders):
+def test_logits_equal_transformers(family, family_folders):
     ids = _ids()
-    want = transformers_logits(folders[family], ids)
-    got = hybridtrain_logits(folders[family], ids)
+    want = transformers_logits(family_folders[family], ids)
+    got = hybridtrain_logits(family_folders[family], ids)
     assert got.shape == want.shape == (2, SEQ, VOCAB)
     scale = want.abs().max().item()
     diff = (got - want).abs().max().item()
@@ -59,8 +53,8 @@ TRAPS = {  # transformers' own model with the family's trap switched off must gi
 
 
 @pytest.mark.parametrize("family", sorted(TRAPS))
-def test_tiny_config_exercises_the_trap(family, folders):
+def test_tiny_config_exercises_the_trap(family, family_folders):
     ids = _ids()
-    base = transformers_logits(folders[family], ids)
-    off = transformers_logits(folders[family], ids, **TRAPS[family])
+    base = transformers_logits(family_folders[family], ids)
+    off = transformers_logits(family_folders[family], ids, **TRAPS[family])
     assert (base - off).abs().max().item() > 1e-3 * base.abs().max().item(), f"{family}: {TRAPS[family]} changes nothing"

@@ -3,22 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_helpers import make_checkpoint
-
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {"llama": make_checkpoint(root / "llama", "llama", sharded=True),
-            "gpt2": make_checkpoint(root / "gpt2", "gpt2")}
-
-
-def test_sharded_checkpoint_is_read_through_its_index(checkpoints):
+def test_sharded_checkpoint_is_read_through_its_index(hf_checkpoints):
     from hybridtrain.models.weights import SafetensorsWeights
 
-    folder = checkpoints["llama"]
+    folder = hf_checkpoints["llama"]
     assert (folder / "model.safetensors.index.json").is_file()
     assert len(list(folder.glob("model-*.safetensors"))) > 1
     weights = SafetensorsWeights(folder)
@@ -28,7 +19,7 @@ def test_sharded_checkpoint_is_read_through_its_index(checkpoints):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, rank, checkpoints):
+def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, rank, hf_checkpoints):
     """Pretrained blocks read only this rank's slices (safetensors get_slice); they must equal
     what slicing the fully loaded block gives."""
     import torch
@@ -40,7 +31,7 @@ def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, 
     from hybridtrain.models.weights import SafetensorsWeights
     from hybridtrain.parallel.context import TPContext
 
-    folder, fam = checkpoints[family], get_family(family)
+    folder, fam = hf_checkpoints[family], get_family(family)
     cfg = AutoConfig.from_pretrained(str(folder))
     cfg._attn_implementation = "sdpa"
     tp = TPContext(None, rank, 2)
@@ -56,7 +47,7 @@ def test_shards_read_from_the_checkpoint_equal_slices_of_the_full_block(family, 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("tp_size", [2, 3])
-def test_vocab_rows_read_from_the_checkpoint_equal_the_padded_slices(family, tp_size, checkpoints):
+def test_vocab_rows_read_from_the_checkpoint_equal_the_padded_slices(family, tp_size, hf_checkpoints):
     """Embedding and head rows are read per rank; padded rows are zero; tied heads use the embedding."""
     import torch
     from transformers import AutoConfig
@@ -67,7 +58,7 @@ def test_vocab_rows_read_from_the_checkpoint_equal_the_padded_slices(family, tp_
     from hybridtrain.models.weights import SafetensorsWeights
     from hybridtrain.parallel.context import TPContext
 
-    folder, fam = checkpoints[family], get_family(family)
+    folder, fam = hf_checkpoints[family], get_family(family)
     cfg = AutoConfig.from_pretrained(str(folder))
     weights = SafetensorsWeights(folder)
     vp = padded_vocab(cfg.vocab_size, tp_size)

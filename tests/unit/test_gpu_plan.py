@@ -3,13 +3,9 @@ nodes from ``launcher.gpu_type``), the precision default, the GPU memory headroo
 and the inter-node links of the cost model (issue #12, points 7-10)."""
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 
-from helpers_unit import compose_config
-from hybridtrain.config import Config
+from helpers.config import cfg_of
 from hybridtrain.config.choices import GpuType
 from hybridtrain.plan import Machine, PlanError, rank_budget, resolve
 from hybridtrain.plan.calibrate import INTER_NODE_LINK, Rates, planned_rates
@@ -21,15 +17,6 @@ CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4, device_memory_
 """A login node or laptop: no GPU, no fp16 kernels, 64 GiB of RAM."""
 GPUS8 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=80 * GiB)
 V100 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=32 * GiB, bf16_supported=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _composed(*overrides: str) -> Config:
-    return compose_config(*overrides)
-
-
-def cfg_of(*overrides: str) -> Config:
-    return copy.deepcopy(_composed(*overrides))
 
 
 def test_every_gpu_type_has_a_spec_and_a_peak():

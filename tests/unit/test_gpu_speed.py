@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.engine import ds_config
 from hybridtrain.plan import resolve
 from hybridtrain.plan.types import Machine
 
 
 def _conf(precision: str, *overrides: str) -> dict:
-    cfg = compose_config("+recipe=gpt_tiny", f"trainer.precision={precision}", "parallel.dp=1", *overrides)
+    cfg = compose("+recipe=gpt_tiny", f"trainer.precision={precision}", "parallel.dp=1", *overrides)
     plan, _ = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=True, cpu_cores=2))
     return ds_config(cfg, plan)
 

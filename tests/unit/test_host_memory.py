@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 
 # A fresh interpreter allocates a 64 MiB tensor and reads glibc's mallinfo2: ``hblkhd`` is the bytes held
 # in mmap'ed blocks, ``uordblks`` the bytes in use from the heap; then it frees the tensor.
@@ -60,4 +60,4 @@ def test_large_blocks_come_from_the_kept_heap():
 
 
 def test_keep_host_memory_is_on_by_default():
-    assert compose_config("+recipe=gpt_tiny").launcher.keep_host_memory is True
+    assert compose("+recipe=gpt_tiny").launcher.keep_host_memory is True

@@ -80,7 +80,7 @@ def test_pump_logs_every_line_and_shows_the_kept_ones():
 
 
 def test_verbose_is_a_launcher_key_off_by_default():
-    from helpers_unit import compose_config
+    from helpers.config import compose
 
     for name in ("local", "slurm", "multinode"):
-        assert compose_config("+recipe=gpt_tiny", f"launcher={name}").launcher.verbose is False, name
+        assert compose("+recipe=gpt_tiny", f"launcher={name}").launcher.verbose is False, name

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from family_configs import TINY, hf_config, make_family_checkpoint
-from helpers_unit import compose_config
+from helpers.families import TINY, hf_config, make_family_checkpoint
+from helpers.config import compose
 from hybridtrain.models.families import get_family
 from hybridtrain.models.lora import (ADAPTER_CONFIG, AdapterError, LoraSpec, adapter_config, hf_name_of, peft_name,
                                      resolve_targets)
@@ -21,7 +21,7 @@ FAMILIES = sorted(TINY)
 
 
 def _resolve(*overrides: str):
-    cfg = compose_config(*overrides)
+    cfg = compose(*overrides)
     apply_pretrained_defaults(cfg)
     plan, hf = resolve(cfg, CPU)
     return cfg, plan, hf
@@ -56,13 +56,13 @@ def _specs(family: str) -> list:
 # -- config -------------------------------------------------------------------------------------------
 
 def test_finetune_group_composes_with_the_issue_keys():
-    cfg = compose_config("finetune.method=lora", "finetune.lora.r=16", "finetune.lora.alpha=32",
-                         "finetune.lora.target_modules=all-linear", "finetune.lora.rslora=true")
+    cfg = compose("finetune.method=lora", "finetune.lora.r=16", "finetune.lora.alpha=32",
+                  "finetune.lora.target_modules=all-linear", "finetune.lora.rslora=true")
     lo = cfg.finetune.lora
     assert cfg.finetune.method == "lora" and (lo.r, lo.alpha, lo.target_modules, lo.rslora) == (16, 32.0, "all-linear", True)
-    listed = compose_config("finetune.lora.target_modules=[q_proj,v_proj]").finetune.lora.target_modules
+    listed = compose("finetune.lora.target_modules=[q_proj,v_proj]").finetune.lora.target_modules
     assert listed == ["q_proj", "v_proj"]
-    assert compose_config().finetune.method == "full"  # full fine-tuning unless asked
+    assert compose().finetune.method == "full"  # full fine-tuning unless asked
 
 
 # -- target modules, exactly as peft --------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_targets_and_trainable_count_equal_peft(family):
         assert set(ours) == theirs, (family, spec)
         lora = LoraSpec(r=4, alpha=8, dropout=0, rslora=False, targets=ours)
         assert trainable_params(lora, in_out(fam, model.config, model)) == count, (family, spec)
-    cfg = compose_config(f"model={family}", "finetune.method=lora")  # the builder's path: the same resolution
+    cfg = compose(f"model={family}", "finetune.method=lora")  # the builder's path: the same resolution
     assert len(lora_spec(cfg.finetune.lora, fam, model.config, model).targets) == layers * sum(
         r.style in ("column", "row") for r in fam.tp_plan.values())
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.parallel.dims import pipeline_bubble
 from hybridtrain.observe import timeline
 from hybridtrain.observe.checks import check_observe
@@ -203,7 +203,7 @@ def _record(step, **kw):
 
 def plan_json(folder, *overrides):
     """``plan.json`` as the controller writes it for gpt_tiny on two stages with 16 micro-batches per step."""
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2", "trainer.global_batch_size=16", *overrides)
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2", "trainer.global_batch_size=16", *overrides)
     plan, _ = resolve(cfg, Machine())
     RunDir(folder).write_plan(plan)
     return RunDir(folder).plan_record()
@@ -268,7 +268,7 @@ def test_report_from_a_run_directory(tmp_path, tiny_plan):
 
 
 def test_report_of_an_older_plan_json_reads_the_method_from_config_yaml(tmp_path):
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks")
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks")
     files = RunDir(tmp_path)
     files.write_config(cfg)
     files.plan_file.write_text(json.dumps({k: v for k, v in plan_json(tmp_path, "parallel.partition=blocks").items()
@@ -297,18 +297,18 @@ def test_missing_logger_package_is_a_config_error(monkeypatch):
 
 
 def test_logger_group_composes():
-    cfg = compose_config("+recipe=gpt_tiny", "logger=wandb", "logger.project=p")
+    cfg = compose("+recipe=gpt_tiny", "logger=wandb", "logger.project=p")
     assert (cfg.logger.name, cfg.logger.project) == ("wandb", "p")
-    assert compose_config("+recipe=gpt_tiny").logger.name == "none"
+    assert compose("+recipe=gpt_tiny").logger.name == "none"
 
 
 def test_profile_steps_and_peak_are_checked():
     with pytest.raises(PlanError) as err:
-        check_observe(compose_config("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.profile_steps=[2,9]"))
+        check_observe(compose("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.profile_steps=[2,9]"))
     assert err.value.key == "trainer.profile_steps" and "[9]" in str(err.value) and "1..4" in str(err.value)
     with pytest.raises(PlanError, match="trainer.peak_tflops"):
-        check_observe(compose_config("+recipe=gpt_tiny", "trainer.peak_tflops=0"))
-    check_observe(compose_config("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
+        check_observe(compose("+recipe=gpt_tiny", "trainer.peak_tflops=0"))
+    check_observe(compose("+recipe=gpt_tiny", "trainer.profile_steps=[5,6]"))
 
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_unit import compose_config
+from helpers.config import compose
 
 
 def _sequential(*overrides: str):
@@ -18,7 +18,7 @@ def _sequential(*overrides: str):
     from hybridtrain.parallel.layers import VocabParallelLoss
     from hybridtrain.plan import Machine, resolve
 
-    cfg = compose_config(*overrides)
+    cfg = compose(*overrides)
     plan, hf_config = resolve(cfg, Machine(cpu_cores=1))
     tp = TPContext()
     model = sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size),
@@ -58,7 +58,7 @@ def test_fused_adamw_reaches_torch(fused):
     from hybridtrain.engine import ds_config
     from hybridtrain.plan import Machine, resolve
 
-    cfg = compose_config("+recipe=gpt_tiny", f"optim.fused={str(fused).lower()}")
+    cfg = compose("+recipe=gpt_tiny", f"optim.fused={str(fused).lower()}")
     plan, _ = resolve(cfg, Machine(cpu_cores=1))
     params = ds_config(cfg, plan)["optimizer"]["params"]
     assert params["torch_adam"] is True and params["fused"] is fused  # DeepSpeed passes it to torch.optim.AdamW
@@ -69,13 +69,13 @@ def test_deepspeed_throughput_timer_off():
     from hybridtrain.engine import ds_config
     from hybridtrain.plan import Machine, resolve
 
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2")
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2")
     plan, _ = resolve(cfg, Machine(cpu_cores=2))
     assert ds_config(cfg, plan)["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
 
 
 def test_fused_is_the_default():
-    assert compose_config("+recipe=gpt_tiny").optim.fused is True
+    assert compose("+recipe=gpt_tiny").optim.fused is True
 
 
 @pytest.mark.parametrize("layout, zero, skipped", [
@@ -86,8 +86,8 @@ def test_no_op_gradient_reduction_skipped_only_for_one_replica_without_zero(layo
     from hybridtrain.plan import Machine, resolve
 
     dp, tp, pp = layout
-    cfg = compose_config("+recipe=llama_tiny", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                         f"parallel.zero_stage={'null' if zero is None else zero}")
+    cfg = compose("+recipe=llama_tiny", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                  f"parallel.zero_stage={'null' if zero is None else zero}")
     plan, _ = resolve(cfg, Machine(cpu_cores=8))
     assert _single_replica_without_zero(plan) is skipped
 
@@ -97,14 +97,14 @@ def test_bench_models_compose_and_plan():
     from hybridtrain.plan import Machine, resolve
 
     for name, bm in MODELS.items():
-        plan, hf = resolve(compose_config(*bm.overrides), Machine(cpu_cores=1))
+        plan, hf = resolve(compose(*bm.overrides), Machine(cpu_cores=1))
         assert plan.tokens_per_step == bm.tokens_per_step, name
         assert plan.grad_accum == 8 and plan.micro_batch_size == 1, name
-    plan, hf = resolve(compose_config(*MODELS["smollm2_135m"].overrides), Machine(cpu_cores=1))
+    plan, hf = resolve(compose(*MODELS["smollm2_135m"].overrides), Machine(cpu_cores=1))
     assert (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
             hf.intermediate_size, hf.vocab_size, hf.tie_word_embeddings) == (30, 576, 9, 3, 1536, 49152, True)
     assert plan.vocab_size == 49152  # larger than the embedded tokenizer's 8,000 tokens
-    assert {compose_config(*MODELS[f].overrides).model.model_type for f in FAMILIES} == {"llama", "qwen2", "phi3"}
+    assert {compose(*MODELS[f].overrides).model.model_type for f in FAMILIES} == {"llama", "qwen2", "phi3"}
 
 
 def test_loop_times_are_differences_of_elapsed():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from family_configs import SEQ, TINY, VOCAB, make_family_checkpoint, one_process_model_of
-from helpers_unit import compose_config
+from helpers.families import SEQ, TINY, VOCAB, one_process_model_of
+from helpers.config import compose
 from hybridtrain.config import DataConfig
 from hybridtrain.config.choices import Packing
 from hybridtrain.data.packing import pack, row_positions
@@ -176,19 +176,13 @@ def test_packing_values_old_and_new(value, fmt, want):
 
 def test_packing_errors_name_the_key():
     with pytest.raises(PlanError, match=r"^data.packing: 'yes' is not one of \[documents, stream, none\]"):
-        compose_config("+recipe=gpt_tiny", "data.packing=yes")
+        compose("+recipe=gpt_tiny", "data.packing=yes")
     with pytest.raises(PlanError, match=r"^data.packing: stream joins documents .* data.format=text only"):
-        compose_config("+recipe=gpt_tiny", "data.format=chat", "data.packing=stream")
-    assert compose_config("+recipe=gpt_tiny", "data.packing=false").data.packing is Packing.none
+        compose("+recipe=gpt_tiny", "data.format=chat", "data.packing=stream")
+    assert compose("+recipe=gpt_tiny", "data.packing=false").data.packing is Packing.none
 
 
 # --- the model: packed rows are exact ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: make_family_checkpoint(root / f, f) for f in sorted(TINY)}
-
 
 def _model(folder):
     return one_process_model_of(folder).eval()
@@ -206,7 +200,7 @@ def _loss_and_grads(model, batches, weight: torch.Tensor):
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
-def test_packed_rows_give_the_loss_and_gradients_of_their_records_alone(family, folders):
+def test_packed_rows_give_the_loss_and_gradients_of_their_records_alone(family, family_folders):
     recs = records([11, 7, 9, 20, 12, 3, 25], seed=4)  # rows of SEQ=32 with padding; windows of 8 bind
     samples = DocumentSamples.from_records(recs, seq_len=SEQ, seed=1)
     assert samples.num_samples < len(recs)  # really packed
@@ -214,7 +208,7 @@ def test_packed_rows_give_the_loss_and_gradients_of_their_records_alone(family, 
     x, y = (torch.from_numpy(a) for a in samples.rows(idx))
     pos = torch.from_numpy(samples.positions(idx))
     weight = torch.tensor(1.0 / int((y != IGNORE).sum()))
-    model = _model(folders[family])
+    model = _model(family_folders[family])
     packed_loss, packed_grads = _loss_and_grads(model, [(x, pos, y)], weight)
     alone = [(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([lab])) for ids, lab in recs]
     alone_loss, alone_grads = _loss_and_grads(model, alone, weight)
@@ -232,9 +226,9 @@ def _token_losses(model, x, pos, y) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_two_identical_records_each_get_their_own_loss_and_stream_packing_does_not(family, folders):
+def test_two_identical_records_each_get_their_own_loss_and_stream_packing_does_not(family, family_folders):
     (ids, labels), = records([14], seed=9)
-    model = _model(folders[family])
+    model = _model(family_folders[family])
     alone = _token_losses(model, torch.tensor([ids]), torch.arange(14)[None], torch.tensor([labels]))[0]
     row_x = torch.tensor([ids + ids + [0] * (SEQ - 28)])
     row_y = torch.tensor([labels + labels + [IGNORE] * (SEQ - 28)])
@@ -260,7 +254,7 @@ def test_flash_attention_without_the_package_is_a_plan_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     with pytest.raises(PlanError, match=r"^model.attn_implementation: flash_attention_2 needs the flash-attn package"):
-        resolve(compose_config("+recipe=gpt_tiny", "model.attn_implementation=flash_attention_2"), Machine())
+        resolve(compose("+recipe=gpt_tiny", "model.attn_implementation=flash_attention_2"), Machine())
 
 
 def test_documents_needs_a_kernel_that_keeps_records_apart():
@@ -303,7 +297,7 @@ def test_memory_estimate_follows_what_packing_adds(recipe):
     from hybridtrain.plan.memory import activation_bytes, attention_flags
 
     b, s = 2, 256
-    cfg = compose_config(f"+recipe={recipe}", "data.packing=documents", f"data.seq_len={s}")
+    cfg = compose(f"+recipe={recipe}", "data.packing=documents", f"data.seq_len={s}")
     plan, hf = resolve(cfg, Machine())
     assert attention_flags(cfg) == {"eager": False, "mask": True}
     block = DecoderBlock(ModelBuilder.for_run(cfg, hf, TPContext(), plan.padded_vocab_size), 0)

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.config import Config
 from hybridtrain.models.families import FAMILIES
 from hybridtrain.plan import Machine, PlanError, build_plan, layer_params, model_config, resolve
@@ -20,7 +20,7 @@ GPUS8 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=16)
 
 @functools.lru_cache(maxsize=None)
 def _recipe(name: str) -> Config:
-    return compose_config(f"+recipe={name}")
+    return compose(f"+recipe={name}")
 
 
 def tiny() -> Config:
@@ -168,7 +168,7 @@ def test_keep_last_positive_or_null():
 
 
 def test_finetune_recipe_requires_a_model_folder():
-    cfg = compose_config("+recipe=finetune_llama")
+    cfg = compose("+recipe=finetune_llama")
     plan_error(cfg, "model.pretrained", "give-model.pretrained=DIR", "save_pretrained")
 
 

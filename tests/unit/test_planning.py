@@ -2,18 +2,15 @@
 stage boundaries, the memory model's formulas, ``parallel=auto``'s search and ``verify``'s twin.
 
 The memory estimate against real allocations, the balanced partition's measured effect and the
-search against measured tokens/s are checked with real runs (``tests/dist/test_planning_dist.py``,
+search against measured tokens/s are checked with real runs (``tests/dist/test_planning_runs.py``,
 ``bench/bench_partition.py``, ``bench/bench_auto.py``)."""
 from __future__ import annotations
 
-import copy
-import functools
 import itertools
 
 import pytest
-from helpers_unit import LLAMA_70B, compose_config
+from helpers.config import LLAMA_70B, cfg_of
 
-from hybridtrain.config import Config
 from hybridtrain.models.families import get_family
 from hybridtrain.plan import Machine, PlanError, model_config, resolve
 from hybridtrain.plan.calibrate import Rates
@@ -25,15 +22,6 @@ from hybridtrain.plan.report import build_report, format_report
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
 RATES = Rates(flops=1e10, latency=1e-4, bandwidth=1e9, device="cpu", threads=1, layer_overhead=5e-4)
 """Fixed machine rates: the search is a pure function of them (no probe in unit tests)."""
-
-
-@functools.lru_cache(maxsize=None)
-def _composed(*overrides: str) -> Config:
-    return compose_config(*overrides)
-
-
-def cfg_of(*overrides: str) -> Config:
-    return copy.deepcopy(_composed(*overrides))
 
 
 def stage_costs(costs, bounds):

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from finetune_helpers import make_checkpoint
-from launch_helpers import compose_config
+from helpers.config import compose
 from hybridtrain.models.families import FAMILIES
 from hybridtrain.plan import Machine, PlanError, apply_pretrained_defaults, resolve
 
@@ -14,14 +13,9 @@ CPU = Machine(cpu_cores=2)
 
 
 def _resolve(*overrides: str):
-    cfg = compose_config(list(overrides))
+    cfg = compose(*overrides)
     apply_pretrained_defaults(cfg)
     return resolve(cfg, CPU)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
 
 
 def test_missing_folder(tmp_path):
@@ -48,15 +42,15 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     assert "'bert'" in str(info.value) and str(sorted(FAMILIES)) in str(info.value)
 
 
-def test_family_mismatch_names_the_fix(llama_dir):
+def test_family_mismatch_names_the_fix(hf_llama):
     with pytest.raises(PlanError) as info:
-        _resolve("model=gpt2", f"model.pretrained={llama_dir}")
+        _resolve("model=gpt2", f"model.pretrained={hf_llama}")
     assert info.value.key == "model.model_type" and "use model=llama" in str(info.value)
 
 
-def test_shape_override_that_differs_from_the_checkpoint(llama_dir):
+def test_shape_override_that_differs_from_the_checkpoint(hf_llama):
     with pytest.raises(PlanError) as info:
-        _resolve("model=llama", f"model.pretrained={llama_dir}", "+model.config.num_hidden_layers=8")
+        _resolve("model=llama", f"model.pretrained={hf_llama}", "+model.config.num_hidden_layers=8")
     assert info.value.key == "model.config.num_hidden_layers" and "differs from the checkpoint" in str(info.value)
 
 
@@ -69,13 +63,13 @@ def test_remote_code_is_refused_unless_allowed(tmp_path):
     assert info.value.key == "model.pretrained" and "trust_remote_code" in str(info.value)
 
 
-def test_truncated_safetensors_file_is_named(llama_dir, tmp_path):
+def test_truncated_safetensors_file_is_named(hf_llama, tmp_path):
     import shutil
 
     from hybridtrain.models.weights import CheckpointError, SafetensorsWeights
 
     broken = tmp_path / "broken"
-    shutil.copytree(llama_dir, broken)
+    shutil.copytree(hf_llama, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError) as info:
@@ -84,12 +78,12 @@ def test_truncated_safetensors_file_is_named(llama_dir, tmp_path):
     assert "model.safetensors" in str(info.value) and "truncated or corrupt" in str(info.value)
 
 
-def test_weights_with_a_different_shape_are_rejected(llama_dir):
+def test_weights_with_a_different_shape_are_rejected(hf_llama):
     import torch
 
     from hybridtrain.models.weights import CheckpointError, SafetensorsWeights, load_unit
 
     wrong = torch.nn.Linear(96, 10)  # the checkpoint's q_proj is [96, 96]
     with pytest.raises(CheckpointError) as info:
-        load_unit(wrong, "model.layers.0.self_attn.q_proj", SafetensorsWeights(llama_dir), {})
+        load_unit(wrong, "model.layers.0.self_attn.q_proj", SafetensorsWeights(hf_llama), {})
     assert "shape" in str(info.value) and "does not match the checkpoint" in str(info.value)

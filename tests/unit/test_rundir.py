@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.checkpoint.io import CheckpointDir, finalize, latest_checkpoint, step_dir, tmp_dir
 from hybridtrain.observe import timeline
 from hybridtrain.plan import Machine, resolve
@@ -45,7 +45,7 @@ class _Prepared:
 
 
 def test_the_controllers_files_read_back_as_written(tmp_path):
-    cfg = compose_config("+recipe=gpt_tiny", "parallel.pp=2")
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2")
     cfg.run_dir = str(tmp_path)
     plan, _ = resolve(cfg, Machine())
     files = RunDir(tmp_path)
@@ -63,7 +63,7 @@ def test_the_controllers_files_read_back_as_written(tmp_path):
 
 
 def test_a_plan_json_written_before_the_partition_method_was_recorded_reads(tmp_path):
-    plan, _ = resolve(compose_config("+recipe=gpt_tiny", "parallel.pp=2"), Machine())
+    plan, _ = resolve(compose("+recipe=gpt_tiny", "parallel.pp=2"), Machine())
     older = {k: v for k, v in plan.to_dict().items() if k != "partition_method"}
     RunDir(tmp_path).plan_file.write_text(json.dumps(older))
     assert RunDir(tmp_path).plan() == replace(plan, partition_method="")

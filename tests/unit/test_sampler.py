@@ -115,7 +115,7 @@ def test_stream_resumes_at_any_step():
 
 
 def test_memory_mapped_file_gives_the_same_samples(tmp_path):
-    from data_helpers import save_samples
+    from helpers.data import save_samples
 
     tokens = np.arange(81, dtype=np.uint16)
     documents = [tokens[:10], tokens[10:11], tokens[11:50], tokens[50:]]  # blocks span documents and files

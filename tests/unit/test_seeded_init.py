@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_configs import TINY, hf_config
+from helpers.families import TINY, hf_config
 from hybridtrain.models.build import ModelBuilder, shard_block
 from hybridtrain.models.families import get_family, padded_vocab
 from hybridtrain.models.hf_model import meta_model, reference_model, unit_names

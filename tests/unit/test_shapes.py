@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from family_configs import TINY
+from helpers.families import TINY
 from hybridtrain.models.families import FAMILIES, get_family
 from hybridtrain.models.shapes import block_shapes, built_shapes, cache_dir, cache_key
 from hybridtrain.models.units import block_variants

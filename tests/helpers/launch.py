@@ -1,14 +1,14 @@
 """Run the real command line (``python -m hybridtrain``) from tests and read what it wrote.
 
-Thin over :mod:`hybridtrain.cli` (starting and composing) and :class:`hybridtrain.rundir.RunDir`
-(the run's files), which the benchmarks and ``hybridtrain.verify`` use too."""
+Thin over :mod:`hybridtrain.cli` (starting) and :class:`hybridtrain.rundir.RunDir` (the run's files),
+which the benchmarks and ``hybridtrain.verify`` use too; composing a config is :func:`helpers.config.compose`."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
 from hybridtrain import cli
-from hybridtrain.cli import REPO, compose as compose_config  # noqa: F401  (re-exported for the tests)
+from hybridtrain.cli import REPO  # noqa: F401  (re-exported for the tests)
 from hybridtrain.rundir import RunDir
 
 

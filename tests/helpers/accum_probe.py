@@ -1,5 +1,5 @@
 """bf16 precision probe for ``tests/dist/test_bf16_accum.py`` (run as a script, one
-rank on gloo): ``python tests/accum_probe.py MICRO_BATCHES`` prints one JSON object.
+rank on gloo): ``python tests/helpers/accum_probe.py MICRO_BATCHES`` prints one JSON object.
 
 It builds hybridtrain's engine for ``gpt_tiny`` three times from the same seeded weights: fp32,
 bf16 as shipped (fp32 gradient accumulation) and bf16 with DeepSpeed's default accumulation in bf16
@@ -17,7 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# run as a script: tests/, not this folder (its config.py, data.py would shadow top-level modules), so
+# ``helpers`` imports as the package
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 
 def main(micro_batches: int) -> dict:
@@ -35,7 +37,7 @@ def main(micro_batches: int) -> dict:
     import hybridtrain.engine as engine_mod
     from hybridtrain.plan import resolve
     from hybridtrain.plan.types import Machine
-    from launch_helpers import compose_config
+    from helpers.config import compose
 
     seq = 32
     g = torch.Generator().manual_seed(0)
@@ -50,9 +52,9 @@ def main(micro_batches: int) -> dict:
     out: dict = {"micro_batches": micro_batches}
     grads: dict = {}
     for mode in ("fp32", "bf16", "bf16_accum_bf16"):
-        cfg = compose_config(["+recipe=gpt_tiny", f"trainer.precision={mode[:4]}", "parallel.dp=1",
-                              f"trainer.global_batch_size={micro_batches}", "trainer.max_steps=1",
-                              "optim.warmup_steps=1", "plan.calibrate=false"])
+        cfg = compose("+recipe=gpt_tiny", f"trainer.precision={mode[:4]}", "parallel.dp=1",
+                      f"trainer.global_batch_size={micro_batches}", "trainer.max_steps=1",
+                      "optim.warmup_steps=1", "plan.calibrate=false")
         plan, hf = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=1))
         engine_mod.ds_config = bf16_accumulation if mode == "bf16_accum_bf16" else shipped
         built = engine_mod.build(cfg, plan, hf)
@@ -69,7 +71,7 @@ def main(micro_batches: int) -> dict:
         out[mode] = {"zero_stage": plan.zero_stage, "optimizer": type(engine.optimizer).__name__,
                      "grad_accum_dtype": str(engine.get_data_types()[1]), "loss": total / micro_batches}
     # DeepSpeed >= 0.19.2 keeps buffers in their own dtype under bf16: Llama's RoPE inv_freq stays fp32
-    cfg = compose_config(["+recipe=llama_tiny", "trainer.precision=bf16", "parallel.dp=1", "plan.calibrate=false"])
+    cfg = compose("+recipe=llama_tiny", "trainer.precision=bf16", "parallel.dp=1", "plan.calibrate=false")
     plan, hf = resolve(cfg, Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=1))
     engine_mod.ds_config = shipped
     module = engine_mod.build(cfg, plan, hf).engine.module

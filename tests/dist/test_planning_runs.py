@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import REPO, metrics, run_cli
+from helpers.launch import REPO, metrics, run_cli
 
 
 @pytest.fixture(scope="module")

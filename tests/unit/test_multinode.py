@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_unit import compose_config
+from helpers.config import compose
 from hybridtrain.launch import env, placement
 from hybridtrain.launch.slurm import render
 from hybridtrain.plan import Machine, PlanError, resolve
@@ -25,7 +25,7 @@ def fake_expand(nodelist):
 
 
 def plan_of(*overrides: str, gpus: int = 0):
-    cfg = compose_config("+recipe=gpt_tiny", *overrides)
+    cfg = compose("+recipe=gpt_tiny", *overrides)
     return resolve(cfg, Machine(gpus_per_node=gpus, cpu_cores=2))[0], cfg
 
 
@@ -90,8 +90,8 @@ def test_render_job_script(tmp_path):
     # every #SBATCH line comes before the first command, or sbatch ignores it
     first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
     assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
-    cpu = render(tmp_path, plan, compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.requeue=false",
-                                                  "launcher.signal_seconds=0", "launcher.threads_per_rank=3").launcher,
+    cpu = render(tmp_path, plan, compose("+recipe=gpt_tiny", "launcher=slurm", "launcher.requeue=false",
+                                         "launcher.signal_seconds=0", "launcher.threads_per_rank=3").launcher,
                  gpus=False, python="/usr/bin/python3", workdir=Path("/w"))
     assert "--gpus-per-node" not in cpu and "--signal" not in cpu and "requeue" not in cpu.replace("#SBATCH", "")
     assert "#SBATCH --cpus-per-task=3" in cpu and "HYBRIDTRAIN_THREADS=3" in cpu
@@ -105,7 +105,7 @@ def test_gpu_jobs_ask_for_cpus_and_memory_per_task():
     from hybridtrain.launch.slurm import resources
 
     def asked(*overrides, gpus=True):
-        return resources(compose_config("+recipe=gpt_tiny", "launcher=slurm", *overrides).launcher, gpus, 4)
+        return resources(compose("+recipe=gpt_tiny", "launcher=slurm", *overrides).launcher, gpus, 4)
 
     assert asked() == ["--gpus-per-node=4", "--cpus-per-task=8", "--mem-per-gpu=64G"]
     assert asked("launcher.cpus_per_task=16", "launcher.mem_per_gpu=120G") == [
@@ -121,7 +121,7 @@ def test_gpu_jobs_ask_for_cpus_and_memory_per_task():
     (["launcher.gpu_type=h100-80gb", "launcher.gpus=false"], "launcher.gpu_type", "drop one of them"),
 ], ids=["cpus", "mem", "gpu_type_without_gpus"])
 def test_slurm_resource_keys_are_checked(overrides, key, fragment):
-    cfg = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.submit=false", *overrides)
+    cfg = compose("+recipe=gpt_tiny", "launcher=slurm", "launcher.submit=false", *overrides)
     with pytest.raises(PlanError) as err:
         resolve(cfg, Machine(cpu_cores=2))
     assert err.value.key == key and fragment in str(err.value)
@@ -129,8 +129,8 @@ def test_slurm_resource_keys_are_checked(overrides, key, fragment):
 
 def test_slurm_plan_must_fill_nodes_x_gpus_per_node():
     # an explicit dp that leaves devices idle is fine locally, not on SLURM: srun starts one rank per device
-    cfg = compose_config("+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4",
-                          "parallel.dp=1", "parallel.pp=2")
+    cfg = compose("+recipe=gpt_tiny", "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4",
+                  "parallel.dp=1", "parallel.pp=2")
     with pytest.raises(PlanError) as err:
         resolve(cfg, Machine(cpu_cores=2))
     msg = str(err.value)
@@ -145,7 +145,7 @@ def test_multinode_rules():
                              "launcher.master_addr=h"], "launcher.node_rank"),
                            (["launcher=multinode", "launcher.no_ssh=true", "launcher.node_rank=1"], "launcher.master_addr")]:
         with pytest.raises(PlanError) as err:
-            resolve(compose_config("+recipe=gpt_tiny", *overrides), Machine(cpu_cores=2))
+            resolve(compose("+recipe=gpt_tiny", *overrides), Machine(cpu_cores=2))
         assert err.value.key == key, overrides
 
 

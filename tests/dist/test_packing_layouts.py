@@ -11,9 +11,10 @@ import itertools
 
 import pytest
 
-from data_helpers import skewed_prompt_completion, write_jsonl
+from helpers.data import skewed_prompt_completion, write_jsonl
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import metrics, run_cli
 
 STEPS = 4
 SEQ = 64
@@ -44,7 +45,7 @@ def _oracle(packed, recipe: str) -> tuple[list[dict], object]:
     from hybridtrain.data.prepare import train_samples
     from hybridtrain.reference import reference_run
 
-    cfg = compose_config([f"+recipe={recipe}", *packed["common"]])
+    cfg = compose(f"+recipe={recipe}", *packed["common"])
     return reference_run(cfg), train_samples(cfg.data, cfg.trainer.seed)
 
 
@@ -66,7 +67,7 @@ def test_packed_layout_matches_records_run_alone(recipe, layout, packed):
     oracle, samples = _oracle(packed, recipe)
     assert isinstance(samples, DocumentSamples) and samples.fill > 0.9
     _assert_matches_oracle(run_dir, oracle, f"{recipe} {layout}")
-    gbs = compose_config([f"+recipe={recipe}"]).trainer.global_batch_size
+    gbs = compose(f"+recipe={recipe}").trainer.global_batch_size
     for m in _train(metrics(run_dir)):  # the loss-carrying tokens of the step's global batch
         assert m["loss_tokens"] == samples.step_loss_tokens(m["step"] - 1, gbs) > gbs
         assert m["loss_tokens_per_sec"] == pytest.approx(m["loss_tokens"] / m["step_time_s"], rel=1e-9)

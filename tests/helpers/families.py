@@ -57,7 +57,7 @@ def make_family_checkpoint(folder: Path, family: str, seed: int = 7, **extra) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune_helpers import save_tokenizer
+    from helpers.finetune import save_tokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family, **extra))
@@ -73,10 +73,10 @@ def one_process_model_of(folder: Path, *overrides: str):
     """hybridtrain's one-process model (tp = 1, :func:`hybridtrain.models.stages.one_process_model`) of the
     pretrained folder ``folder``, configured as ``+recipe=finetune model.pretrained=FOLDER OVERRIDES``
     composes it for a run."""
-    from helpers_unit import compose_config
+    from helpers.config import compose
     from hybridtrain.models.stages import one_process_model
     from hybridtrain.plan import apply_pretrained_defaults, model_config
 
-    cfg = compose_config("+recipe=finetune", f"model.pretrained={folder}", *overrides)
+    cfg = compose("+recipe=finetune", f"model.pretrained={folder}", *overrides)
     apply_pretrained_defaults(cfg)
     return one_process_model(cfg, model_config(cfg))

@@ -1,6 +1,6 @@
 """LoRA through the real command line, against the real peft.
 
-Each run fine-tunes a tiny pretrained folder (``family_configs``) with ``finetune.method=lora`` at one
+Each run fine-tunes a tiny pretrained folder (``helpers.families``) with ``finetune.method=lora`` at one
 (dp, tp, pp) layout; :func:`hybridtrain.reference.reference_run` trains the same config in one process
 with ``peft.get_peft_model`` from the same initial A and B. Per run:
 
@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from family_configs import make_family_checkpoint
+from helpers.families import make_family_checkpoint
 from hybridtrain.checkpoint.io import CheckpointDir
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, losses, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import losses, metrics, run_cli
 
 STEPS = 4
 LAYOUTS = list(itertools.product((1, 2), repeat=3))
@@ -91,7 +92,7 @@ def reference():
             from hybridtrain.plan import apply_pretrained_defaults
             from hybridtrain.reference import reference_run
 
-            cfg = compose_config(overrides)
+            cfg = compose(*overrides)
             apply_pretrained_defaults(cfg)
             adapters: dict = {}
             records = reference_run(cfg, adapters=adapters)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hybridtrain.rundir import RunDir
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.config import compose
+from helpers.launch import metrics, run_cli
 
 
 STAGE_KEYS = ("stage_forward_s", "stage_backward_s", "stage_comm_s", "stage_optimizer_s")
@@ -36,7 +37,7 @@ def test_metrics_keys_and_values(pipe_run):
     from hybridtrain.plan import model_config
     from hybridtrain.plan.flops import model_flops_per_token
 
-    cfg = compose_config(["+recipe=gpt_tiny", "parallel.pp=2"])
+    cfg = compose("+recipe=gpt_tiny", "parallel.pp=2")
     assert observe["model_flops_per_token"] == model_flops_per_token(GPT2, model_config(cfg), 32, plan["vocab_size"])
     assert observe["peak_tflops"] > 0 and "cpu matmul probe" in observe["peak_source"]
     assert [m["step"] for m in train] == [1, 2, 3, 4]

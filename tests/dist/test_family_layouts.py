@@ -1,6 +1,6 @@
 """Every model family trains under 3D parallelism exactly like plain transformers.
 
-Each family's tiny ``save_pretrained`` checkpoint (``tests/family_configs.py``) is fine-tuned through
+Each family's tiny ``save_pretrained`` checkpoint (``tests/helpers/families.py``) is fine-tuned through
 the real CLI (``+recipe=finetune model.pretrained=DIR``: the family comes from the folder) and
 compared step by step with the one-process oracle (transformers' ``from_pretrained`` of the same
 folder + torch AdamW, :func:`hybridtrain.reference.reference_run`): losses within 1e-4, gradient
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from family_configs import SEQ, TINY, make_family_checkpoint
-from launch_helpers import compose_config, metrics, run_cli
+from helpers.families import SEQ
+from helpers.config import compose
+from helpers.launch import metrics, run_cli
 
 STEPS = 3
 CI_LAYOUT = {  # (dp, tp, pp): every family splits heads; pipelines and replicas spread over them
@@ -34,19 +35,13 @@ a parallel residual. The other five run in the slow tier; in CI every family sti
 SLOW_LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)]
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("family_ckpts")
-    return {f: make_family_checkpoint(root / f, f) for f in TINY}
-
-
 def _common(folder) -> list[str]:
     return ["+recipe=finetune", f"model.pretrained={folder}", f"data.seq_len={SEQ}", "trainer.global_batch_size=8",
             f"trainer.max_steps={STEPS}", "optim.lr=1e-3", "optim.warmup_steps=1"]
 
 
 @pytest.fixture(scope="module")
-def oracle(folders):
+def oracle(family_folders):
     """The one-process transformers + AdamW records of each family, computed once."""
     from hybridtrain.plan import apply_pretrained_defaults
     from hybridtrain.reference import reference_run
@@ -55,7 +50,7 @@ def oracle(folders):
 
     def get(family: str) -> list[dict]:
         if family not in cache:
-            cfg = compose_config(_common(folders[family]))
+            cfg = compose(*_common(family_folders[family]))
             apply_pretrained_defaults(cfg)
             cache[family] = reference_run(cfg)
         return cache[family]
@@ -63,12 +58,12 @@ def oracle(folders):
     return get
 
 
-def _check_run(family: str, layout: tuple[int, int, int], folders, oracle, run_dir, *extra: str) -> None:
+def _check_run(family: str, layout: tuple[int, int, int], family_folders, oracle, run_dir, *extra: str) -> None:
     from hybridtrain.export import check_logits, export
     from hybridtrain.plan.estimate import estimate_for_run
 
     dp, tp, pp = layout
-    run_cli(run_dir, *_common(folders[family]), f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+    run_cli(run_dir, *_common(family_folders[family]), f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
             f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true", *extra)
     got, want = metrics(run_dir), oracle(family)
     assert len(got) == len(want) == STEPS
@@ -85,23 +80,23 @@ def _check_run(family: str, layout: tuple[int, int, int], folders, oracle, run_d
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in CI_FAMILIES else [pytest.mark.slow]) for f in NEW])
-def test_family_layout_equals_transformers(family, folders, oracle, tmp_path):
-    _check_run(family, CI_LAYOUT[family], folders, oracle, tmp_path)
+def test_family_layout_equals_transformers(family, family_folders, oracle, tmp_path):
+    _check_run(family, CI_LAYOUT[family], family_folders, oracle, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", SLOW_LAYOUTS, ids=lambda l: "dp{}_tp{}_pp{}".format(*l))
 @pytest.mark.parametrize("family", NEW)
-def test_every_layout_equals_transformers(family, layout, folders, oracle, tmp_path):
-    _check_run(family, layout, folders, oracle, tmp_path)
+def test_every_layout_equals_transformers(family, layout, family_folders, oracle, tmp_path):
+    _check_run(family, layout, family_folders, oracle, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,before,after", [("qwen2", (1, 2, 2), (2, 1, 1)), ("phi3", (2, 1, 2), (1, 2, 1))],
                          ids=["qwen2", "phi3"])
-def test_resume_under_another_layout_continues_the_losses(family, before, after, folders, oracle, tmp_path):
+def test_resume_under_another_layout_continues_the_losses(family, before, after, family_folders, oracle, tmp_path):
     """Steps 1-2 under one layout, a checkpoint, steps 3-4 under another: the oracle's four losses."""
-    common = [*_common(folders[family]), "trainer.max_steps=4"]
+    common = [*_common(family_folders[family]), "trainer.max_steps=4"]
     first = tmp_path / "first"
     run_cli(first, *common, *(f"parallel.{k}={v}" for k, v in zip(("dp", "tp", "pp"), before)),
             "trainer.save_every=2")
@@ -111,7 +106,7 @@ def test_resume_under_another_layout_continues_the_losses(family, before, after,
     from hybridtrain.plan import apply_pretrained_defaults
     from hybridtrain.reference import reference_run
 
-    cfg = compose_config(common)
+    cfg = compose(*common)
     apply_pretrained_defaults(cfg)
     want = [r["loss"] for r in reference_run(cfg)]
     got = [m["loss"] for m in metrics(first)][:2] + [m["loss"] for m in metrics(resumed)]
