@@ -8,7 +8,6 @@ with every tile filled.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict
 
 import torch
@@ -45,14 +44,6 @@ def meta_model(hf_config) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config, attn_implementation=hf_config._attn_implementation)
-
-
-def one_layer_model(family: Family, hf_config) -> nn.Module:
-    """A one-layer meta model of ``hf_config``: decoder blocks are alike, so the planner reads shapes
-    from one (no memory is allocated)."""
-    one = copy.deepcopy(hf_config)
-    setattr(one, family.n_layers, 1)
-    return meta_model(one)
 
 
 def reference_model(hf_config, family: Family, seed: int) -> nn.Module:

@@ -72,9 +72,8 @@ def block_variants(family: Any, hf_config: Any) -> list[str]:
     :func:`hybridtrain.models.shapes.block_shapes` checks the variants against the built model: blocks of
     one variant whose parameters differ are refused."""
     layers = int(getattr(hf_config, family.n_layers))
-    rule = getattr(family, "block_variants", None)
-    if rule is not None:
-        variants = [str(v) for v in rule(hf_config)]
+    if family.block_variants is not None:
+        variants = [str(v) for v in family.block_variants(hf_config)]
     else:
         types = getattr(hf_config, "layer_types", None)
         variants = [str(t) for t in types] if types is not None and len(types) == layers else ["block"] * layers

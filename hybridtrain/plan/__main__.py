@@ -1,6 +1,6 @@
 """``python -m hybridtrain.plan +recipe=NAME key=value ...``: the plan of a run, without running it.
 
-Same Hydra config and overrides as training. Builds nothing but a one-block meta model, starts no
+Same Hydra config and overrides as training. Builds nothing but a meta model, starts no
 process, reads no weights or data, so it answers in seconds for any model size: the rank map,
 the stages, memory per rank, tokens per step, the bubble and warnings. With ``parallel=auto`` it
 first searches the layouts and prints the choice with its runners-up.

@@ -1,7 +1,7 @@
 """Per-pipeline-layer facts of a model: parameters per TP rank, FLOPs, activation bytes.
 
-Everything is derived from the HF config and a *one-block* meta model (blocks are identical),
-so a 70B model costs the same milliseconds as a tiny one. The balanced partition, the memory
+Everything is derived from the HF config and a meta model (each block from its variant's first block,
+:mod:`hybridtrain.models.shapes`), so no weights are allocated, whatever the model's size. The balanced partition, the memory
 estimate and the automatic plan search all read these numbers.
 """
 from __future__ import annotations

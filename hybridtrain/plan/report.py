@@ -2,7 +2,7 @@
 
 A pure function of the typed config, the resolved :class:`~hybridtrain.plan.validate.Plan`, the HF
 config and the memory budget of a rank (:func:`hybridtrain.plan.rank_budget`: the device's memory, less
-the GPU headroom); no process group, no weights (a one-block meta model).
+the GPU headroom); no process group, no weights (a meta model).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 planned for (:class:`Machine`). The bottom of :mod:`hybridtrain.plan`: no rules, no imports of the planner."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hybridtrain.parallel.dims import AXES, BatchLayout, ParallelDims, pipeline_bubble
@@ -88,8 +88,7 @@ class Plan:
         """The plan of a ``plan.json`` (an axis a file predating it lacks has degree 1)."""
         data = dict(data)
         dims = ParallelDims(**{axis: int(data.pop(axis, 1)) for axis in AXES})
-        known = {f.name for f in fields(cls)}
-        return cls(dims=dims, **{k: v for k, v in data.items() if k in known})
+        return cls(dims=dims, **data)
 
 
 def saved_layout(saved: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 from transformers import GPT2Config, LlamaConfig
 
 from hybridtrain.models.families import GPT2, LLAMA
-from hybridtrain.models.hf_model import one_layer_model
+from hybridtrain.models.hf_model import meta_model
 from hybridtrain.models.shapes import linear_flops
 from hybridtrain.models.units import model_units
 from hybridtrain.plan.flops import model_flops_per_token, unit_forward_flops
@@ -22,7 +22,7 @@ def test_llama_block_counts_grouped_kv_and_gated_mlp():
     kv_dim = kv * h // heads
     expected = 2 * h * (h + 2 * kv_dim) + 2 * h * h + 4 * s * h + 3 * 2 * h * f
     units = {u.name: u for u in model_units(LLAMA, cfg)}
-    block = one_layer_model(LLAMA, cfg).get_submodule("model.layers.0")
+    block = meta_model(cfg).get_submodule("model.layers.0")
     assert unit_forward_flops(units["block.1"], LLAMA, cfg, s, 1000, linear_flops(block)) == expected
     assert unit_forward_flops(units["embed"], LLAMA, cfg, s, 1000) == 0
     assert unit_forward_flops(units["head"], LLAMA, cfg, s, 1024) == 2 * h * 1024
