@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[hybridtrain] verify: the plan's {plan.world_size} ranks do not fit this machine's GPUs: the twin "
               + ("runs as CPU processes" if on_cpu else f"runs dp={dp}"), flush=True)
     env = {"CUDA_VISIBLE_DEVICES": ""} if on_cpu else None
-    twin = shrink(cfg, dataclasses.replace(plan, dp=dp), hf_config, steps)
+    twin = shrink(cfg, dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, dp=dp)), hf_config, steps)
     layout = {"dp": dp, "tp": plan.dims.tp, "pp": plan.dims.pp, "micro_batch_size": plan.micro_batch_size,
               "zero_stage": plan.zero_stage}
     base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": plan.micro_batch_size, "zero_stage": None,
