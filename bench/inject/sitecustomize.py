@@ -6,10 +6,14 @@ vocabulary-parallel loss) and the gradient-norm reduction all call it, so a run 
 the same shapes and kernels minus the all-reduces: the tensor-parallel cost comparison uses it
 to split a tp=2 step into compute and communication. The losses of such a run are wrong by design;
 only its step times are used. Other collectives (barriers, broadcasts) still run.
+
+It patches every process that starts with this folder on its path, the controller included: local
+CPU ranks are forked from the controller (``hybridtrain.launch.preload``) and never run a
+``sitecustomize`` of their own, so the patch has to be in the process they are forked from.
 """
 import os
 
-if os.environ.get("HT_BENCH_NO_ALLREDUCE") == "1" and os.environ.get("RANK") is not None:
+if os.environ.get("HT_BENCH_NO_ALLREDUCE") == "1":
     import torch.distributed as _dist
 
     class _Done:
