@@ -41,6 +41,7 @@ def run(run_dir: Path) -> int:
     from hybridtrain.data.sampler import open_samples
     from hybridtrain.engine import build
     from hybridtrain.parallel import collectives
+    from hybridtrain.parallel.groups import time_out_groups_like_world
     from hybridtrain.plan import model_config
     from hybridtrain.rundir import RunDir
     from hybridtrain.train.loop import train
@@ -63,8 +64,9 @@ def run(run_dir: Path) -> int:
             kept = keep_freed_memory()
     else:
         _setup_gpu(cfg)
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None,
-                               timeout=timedelta(minutes=cfg.launcher.timeout_minutes))
+    timeout = timedelta(minutes=cfg.launcher.timeout_minutes)
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None, timeout=timeout)
+    time_out_groups_like_world(timeout)  # DeepSpeed's sub-groups too, not torch's 10-minute NCCL default
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)

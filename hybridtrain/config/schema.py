@@ -262,7 +262,8 @@ class LauncherConfig:
     job's CPUs on the node, ``SLURM_CPUS_ON_NODE``, divided by the tasks per node). ``slurm``: a value
     also asks for that many CPUs per task (``--cpus-per-task``)."""
     timeout_minutes: int = 10
-    """Collective timeout: a rank that stops answering ends the job after this long."""
+    """Collective timeout: a rank that stops answering ends the job after this long. It holds for every
+    process group (the world, DeepSpeed's pipe / data / model groups, hybridtrain's own), not only the world."""
     keep_host_memory: bool = True
     """CPU ranks keep the host memory their tensors free and reuse it (glibc ``mallopt``: blocks under
     1 GiB come from the heap, which is not trimmed), instead of returning each large block to the OS and

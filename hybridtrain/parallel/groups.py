@@ -13,6 +13,7 @@ DeepSpeed's grid, topology or ``new_group``.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from hybridtrain.parallel.context import TPContext
@@ -123,6 +124,22 @@ class ParallelGroups:
 
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.dims.data
+
+
+def time_out_groups_like_world(timeout: timedelta) -> None:
+    """Every process group made after this call, here or inside DeepSpeed, times out after ``timeout`` (the
+    world group's, ``launcher.timeout_minutes``).
+
+    torch gives a ``new_group`` made without a timeout of its own the backend's default (30 minutes on gloo,
+    10 on NCCL), not the world group's, and DeepSpeed's grid, its expert groups and its ZeRO partitioner call
+    ``new_group(ranks)`` without one: a checkpoint gather over the TP group during a long save would time out
+    at 10 minutes whatever the run asked. torch has no public setter for that default; this sets the two module
+    defaults ``distributed_c10d._get_default_timeout`` reads (torch 2.13). Call it once per rank, after the world
+    group exists and before the engine is built."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
 
 
 def _axis_group(dims: ParallelDims, axis: str, rank: int) -> Any:

@@ -1,7 +1,8 @@
 """``parallel/groups.py`` in a real gloo world of 4 ranks: the groups :class:`ParallelGroups` hands out hold
 exactly the ranks :class:`ParallelDims` says (an all-reduce of each rank's number over each group), its mpu
 answers equal DeepSpeed's grid's, and an axis DeepSpeed's grid lacks (``cp``) gets groups of its own that
-lie inside DeepSpeed's data axis."""
+lie inside DeepSpeed's data axis. Every group, DeepSpeed's included, times out as the world group does
+(:func:`~hybridtrain.parallel.groups.time_out_groups_like_world`)."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from hybridtrain.parallel.spawn import run_world
 
 LAYOUTS = {"dp2_tp2": dict(dp=2, tp=2), "cp2_tp2": dict(cp=2, tp=2), "dp2_cp2": dict(dp=2, cp=2)}
 WORLD = 4
+TIMEOUT_S = 4321  # neither torch's gloo default (1800 s) nor the harness's world timeout (120 s)
 
 
 def _members(group, rank: int):
@@ -26,10 +28,20 @@ def _members(group, rank: int):
     return [int(r) for r in collectives.all_reduce(onehot, "cpu", group=group).nonzero().flatten()]
 
 
-def _probe(rank: int, world: int, emit) -> None:
-    from hybridtrain.parallel.context import TPContext
-    from hybridtrain.parallel.groups import sequential_groups
+def _timeout_s(group) -> float:
+    import torch
 
+    options = group._get_backend(torch.device("cpu")).options
+    return options._timeout.total_seconds()
+
+
+def _probe(rank: int, world: int, emit) -> None:
+    from datetime import timedelta
+
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.groups import sequential_groups, time_out_groups_like_world
+
+    time_out_groups_like_world(timedelta(seconds=TIMEOUT_S))
     for name, degrees in LAYOUTS.items():
         groups = sequential_groups(ParallelDims(**degrees), TPContext())
         grid = groups._grid  # DeepSpeed's own answers, to compare the protocol with
@@ -48,6 +60,9 @@ def _probe(rank: int, world: int, emit) -> None:
                           grid.get_pipe_parallel_rank(), grid.get_pipe_parallel_world_size(),
                           grid.get_data_parallel_group_ranks()],
             "cp_rank": [groups.get_sequence_parallel_rank(), groups.get_sequence_parallel_world_size()],
+            "timeouts": [_timeout_s(g) for g in (grid.get_data_parallel_group(), grid.get_slice_parallel_group(),
+                                                 grid.get_pipe_parallel_group(), groups.tp.group,
+                                                 groups.get_sequence_parallel_group()) if g is not None],
         })
 
 
@@ -69,3 +84,10 @@ def test_groups_hold_the_ranks_the_axes_say(world, name):
         assert got["model"] == [r for r in range(WORLD) if (dims.coords(r).dp, dims.coords(r).cp) == (c.dp, c.cp)]
         assert got["ours"] == got["deepspeed"]  # the mpu protocol answers as DeepSpeed's grid does
         assert got["cp_rank"] == [c.cp, dims.cp]
+
+
+def test_every_group_times_out_as_the_world_does(world):
+    for rank in range(WORLD):
+        for name in LAYOUTS:
+            timeouts = world.emitted[rank][name]["timeouts"]
+            assert len(timeouts) >= 3 and set(timeouts) == {TIMEOUT_S}, (rank, name, timeouts)
