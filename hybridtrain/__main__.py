@@ -143,7 +143,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console-script entry point (``hybridtrain ...``); a config Hydra cannot compose exits with code 2."""
     from hybridtrain.config.explain import run_hydra
+    from hybridtrain.versions import require_tested_versions
 
+    require_tested_versions()
     try:
         run_hydra(_hydra_main)
         code = 0

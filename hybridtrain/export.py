@@ -171,6 +171,9 @@ def _peft_on_base(checkpoint: str | Path, adapter_dir: str | Path):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybridtrain.versions import require_tested_versions
+
+    require_tested_versions()
     parser = argparse.ArgumentParser(prog="python -m hybridtrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a RUN_DIR/checkpoints/step_N folder")
     parser.add_argument("out_dir", help="where to write the HF model folder (a LoRA checkpoint: the peft adapter folder)")

@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     from hybridtrain.config.explain import explain
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.rundir import RunDir
+    from hybridtrain.versions import require_tested_versions
 
+    require_tested_versions()
     args, steps, out = _parse(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load(args)

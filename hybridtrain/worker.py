@@ -235,6 +235,9 @@ def run_or_report(run_dir: Path) -> int:
 
 
 def main() -> None:
+    from hybridtrain.versions import require_tested_versions
+
+    require_tested_versions()  # this node's install, which on a cluster need not be the controller's
     if len(sys.argv) != 2:
         sys.exit("usage: python -m hybridtrain.worker RUN_DIR  (started by `python -m hybridtrain`)")
     code = run_or_report(Path(sys.argv[1]))

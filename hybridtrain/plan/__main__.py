@@ -54,6 +54,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from hybridtrain.versions import require_tested_versions
+
+    require_tested_versions()
     # no run directory: the plan command writes nothing
     given = {a.split("=", 1)[0].lstrip("+") for a in sys.argv[1:]}
     sys.argv += [a for a in ("hydra.output_subdir=null", "hydra/job_logging=disabled",

@@ -133,3 +133,21 @@ def test_plan_cli_config_error_is_one_line_and_exit_2(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == "[hybridtrain] config error: trainer.precision: 'fp33' is not one of [fp32, bf16, fp16] or null"
+
+
+@pytest.mark.parametrize("module", ["hybridtrain", "hybridtrain.plan"])
+def test_an_untested_old_transformers_is_one_line_before_anything(tmp_path, module):
+    """A metadata folder first on the path makes the interpreter report transformers 5.17.0 (its modules still
+    import from site-packages): the command stops at once with the install line, exit 2."""
+    info = tmp_path / "fake" / "transformers-5.17.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.17.0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", module, "+recipe=gpt_tiny", "launcher.dry_run=true",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "[hybridtrain] error: transformers 5.17.0 is older than hybridtrain supports (>= 5.24.0, the version CI "
+        "tests); install it with: pip install 'transformers>=5.24.0,<5.25'"]
+    assert not (tmp_path / "run").exists()
