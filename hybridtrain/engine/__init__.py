@@ -71,7 +71,13 @@ def ds_config(cfg: Config, plan: Plan, trainable: int | None = None) -> dict[str
         # ones (llama_7b accumulates 256). fp32 accumulation makes DeepSpeed train ZeRO-1 through
         # its BF16 optimizer (an fp32 gradient buffer, reduced in fp32; engine.py
         # _do_optimizer_sanity_check) and ZeRO-2/3 with fp32 gradient partitions.
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if plan.precision == "bf16" else {}),
+        # fp16 likewise: ZeRO-1/2/3 (fp16 ZeRO-0 is refused) keep a separate fp32 accumulation
+        # (stage_1_and_2.py use_separate_grad_accum, stage3.py gradient_accumulation_dtype).
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if plan.precision != "fp32" else {}),
+        # DeepSpeed's default communication type is the model's dtype (engine.py communication_data_type):
+        # it would round the fp32-accumulated gradients to bf16/fp16 before the all-reduce and copy the
+        # rounded sums back. Reduce in fp32 (ZeRO-2/3 then reduce-scatter their 16-bit gradients in fp32).
+        "communication_data_type": "fp32",
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         # DeepSpeed's throughput timer (printed every steps_per_print, i.e. never) synchronizes the
@@ -92,10 +98,14 @@ def bucket_size(trainable: int) -> int:
     return max(1, min(REDUCE_BUCKET_SIZE, int(trainable)))
 
 
-def _single_replica_without_zero(plan: Plan) -> bool:
-    """Whether the data-parallel gradient reduction is a no-op: one replica, and no ZeRO optimizer
-    (whose reduction also moves the gradients into its partitions, so it must run even then)."""
-    return plan.dims.dp == 1 and plan.zero_stage == 0
+def reduces_gradients(plan: Plan) -> bool:
+    """Whether DeepSpeed's data-parallel gradient reduction runs. Not for one replica (``dims.data`` = dp x cp
+    = 1) when the reduction is a plain all-reduce of every gradient: ZeRO-0, and bf16 ZeRO-1, which
+    DeepSpeed runs through its BF16 optimizer (``buffered_allreduce_fallback`` of its fp32 gradients,
+    nothing else). DeepSpeed's ZeRO optimizers (fp32/fp16 ZeRO-1, ZeRO-2/3) also move the gradients into
+    their partitions while reducing, so theirs runs even then."""
+    plain_all_reduce = plan.zero_stage == 0 or (plan.zero_stage == 1 and plan.precision == "bf16")
+    return not (plan.dims.data == 1 and plain_all_reduce)
 
 
 def zero3_partitioner(conf: dict[str, Any], groups: ParallelGroups, precision: str) -> Callable[[Any], None]:
@@ -251,7 +261,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     conf = ds_config(cfg, plan, trainable=trainable)
     engine, *_ = deepspeed.initialize(model=model, config=conf, mpu=mpu, lr_scheduler=scheduler,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
-    if _single_replica_without_zero(plan):
+    if not reduces_gradients(plan):
         # DeepSpeed would still flatten every gradient into one buffer, "all-reduce" it over a
         # data-parallel group of one and copy it back at each step: two passes over the gradients
         # for nothing (docs/benchmarks.md: its share of a step, from py-spy).

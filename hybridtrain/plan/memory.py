@@ -23,7 +23,10 @@ ZeRO-1 gradients peak either after the backward (every parameter's full gradient
 inside the step (this rank's averaged partition and its fp32 copy, ``(w+4)P/d``). In bf16 the
 gradients accumulate in fp32 (:func:`hybridtrain.engine.ds_config`), which DeepSpeed runs through
 its BF16 optimizer: every parameter's bf16 gradient plus a full fp32 gradient buffer, reduced over
-dp in fp32. ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validate.py``).
+dp in fp32 (``communication_data_type``). Where DeepSpeed's engine all-reduces the gradients itself
+(ZeRO-0 and the BF16 optimizer at dp x cp > 1) it flattens them into a transient fp32 copy of up to
+5e8 elements, counted apart (:func:`reduction_buffer`, ``RankMemory.reduce``); with one replica the
+reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validate.py``).
 
 Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
 sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
@@ -55,6 +58,10 @@ PERSISTENCE_THRESHOLD = 100_000
 REDUCE_BUCKET_SIZE = 500_000_000
 """Elements of the gradient reduction bucket ZeRO-2/3 allocate at the first backward (DeepSpeed's
 ``reduce_bucket_size`` default; hybridtrain does not set it)."""
+ALLREDUCE_BUFFER_SIZE = 500_000_000
+"""Elements of the buffer DeepSpeed's engine flattens gradients into for a plain data-parallel all-reduce
+(``buffered_allreduce_fallback``'s ``elements_per_buffer``, ``MEMORY_OPT_ALLREDUCE_SIZE``): the reduction of
+ZeRO-0 and of the BF16 optimizer (bf16 ZeRO-1) copies up to this many gradient elements at a time."""
 MAX_LIVE_PARAMETERS = 1_000_000_000
 """ZeRO-3 keeps gathered parameters until this many are live (``stage3_max_live_parameters``)."""
 
@@ -67,6 +74,8 @@ class RankMemory:
     grads: int
     optim: int
     activations: int
+    reduce: int = 0
+    """The gradient reduction's transient buffer (:func:`reduction_buffer`), alive during the reduction only."""
 
     @property
     def model_state(self) -> int:
@@ -74,7 +83,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.activations
+        return self.model_state + self.activations + self.reduce
 
 
 def model_state(sizes: list[int], zero: int, dp: int, precision: str,
@@ -101,6 +110,17 @@ def model_state(sizes: list[int], zero: int, dp: int, precision: str,
     total = n + f
     live = min(total, -(-total // dp) + persistent + MAX_LIVE_PARAMETERS)  # gathered parameters stay until the limit
     return w * live, bucket + 4 * part, 16 * part
+
+
+def reduction_buffer(trained: int, zero: int, data: int, precision: str) -> int:
+    """Bytes of the flat copy DeepSpeed's engine makes of a rank's gradients to all-reduce them over ``data``
+    (dp x cp) replicas, where hybridtrain lets it reduce (``hybridtrain.engine.reduces_gradients``): ZeRO-0
+    and the BF16 optimizer (bf16 ZeRO-1), whose gradients are fp32, flattened up to
+    :data:`ALLREDUCE_BUFFER_SIZE` elements at a time and reduced in fp32 (``communication_data_type``). ZeRO-1
+    in fp32 and ZeRO-2/3 reduce through their own buckets, counted in :func:`model_state`."""
+    if data == 1 or not (zero == 0 or (zero == 1 and precision == "bf16")):
+        return 0
+    return 4 * min(ALLREDUCE_BUFFER_SIZE, trained)
 
 
 def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
@@ -165,13 +185,15 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
     """:func:`rank_memory` of a stage ``stage`` holding the units ``facts.units[start:stop]``."""
     units = facts.units[start:stop]
     if lora is None:
-        params, grads, optim = model_state(stage_param_sizes(units, dims.tp), zero, dims.data, precision)
+        trained = stage_param_sizes(units, dims.tp)
+        params, grads, optim = model_state(trained, zero, dims.data, precision)
     else:
         trained = [n for u in units for n in lora(u.name)]
         params, grads, optim = model_state(trained, zero, dims.data, precision,
                                            frozen=stage_param_sizes(units, dims.tp))
     act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask)
-    return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches))
+    return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
+                      reduction_buffer(sum(trained), zero, dims.data, precision))
 
 
 def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches: int, padded_vocab: int,

@@ -153,12 +153,12 @@ def format_report(report: PlanReport) -> str:
     budget = f" of a {report.device_memory / GiB:.2f} GiB budget" if report.device_memory else ""
     lines += ["", f"memory per rank in GiB{budget} (ZeRO-{p.zero_stage}, {p.precision}, micro-batch "
               f"{p.micro_batch_size} x seq {p.seq_len}, activations x in-flight micro-batches)",
-              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'total':>8}  in-flight"]
+              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'reduce':>8} {'total':>8}  in-flight"]
     for st in report.stages:
         m = st.memory
         flight = min(p.dims.pp - st.stage, p.grad_accum)
         lines.append(f"  {st.stage:>5} {_gib(m.params)} {_gib(m.grads)} {_gib(m.optim)} {_gib(m.activations)} "
-                     f"{_gib(m.total)}  {max(1, flight)}")
+                     f"{_gib(m.reduce)} {_gib(m.total)}  {max(1, flight)}")
     lines.append("")
     lines += [f"warning   {w}" for w in report.warnings] or ["warnings  none"]
     return "\n".join("[hybridtrain] " + ln if ln else "" for ln in lines)

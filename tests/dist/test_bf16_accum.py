@@ -39,6 +39,22 @@ def test_bf16_gradient_of_many_micro_batches_stays_close_to_fp32():
     assert out["llama_buffers"] and set(out["llama_buffers"].values()) == {"torch.float32"}, out["llama_buffers"]
 
 
+def test_bf16_gradient_is_not_rounded_to_bf16_by_the_reduction():
+    """One replica, bf16 ZeRO-1 (the BF16 optimizer): the fp32-accumulated gradient reaches the optimizer in
+    fp32. DeepSpeed's default communication type (bf16) rounded every element to bf16 in an all-reduce over
+    a group of one (every non-zero element bf16-exact before the fix: a share of 1.0); the reduction now runs
+    in fp32 and is skipped for one replica (about 0.2 stay exact: a gradient made by one micro-batch alone,
+    such as an embedding row of a token seen once, is a bf16 value)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", MASTER_PORT="29541")
+    probe = REPO / "tests" / "helpers" / "accum_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), "4"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ACCUM ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shipped = json.loads(line[len("ACCUM "):])["bf16"]
+    assert shipped["optimizer"] == "BF16_Optimizer" and shipped["bf16_exact_share"] < 0.5, shipped
+
+
 def test_bf16_zero1_trains_a_tp_rank_with_no_gradient_to_count(tmp_path):
     """llama_tiny (tied head) at tp=2 pp=2 with the last stage [final_norm, head]: its TP rank 1 holds
     only a replicated norm and the tied copy, so DeepSpeed's BF16 optimizer counts no gradient there

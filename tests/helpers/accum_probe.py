@@ -4,10 +4,12 @@ rank on gloo): ``python tests/helpers/accum_probe.py MICRO_BATCHES`` prints one 
 It builds hybridtrain's engine for ``gpt_tiny`` three times from the same seeded weights: fp32,
 bf16 as shipped (fp32 gradient accumulation) and bf16 with DeepSpeed's default accumulation in bf16
 (the ``data_types`` entry removed from the DeepSpeed config, as before the fix). Each engine runs
-``MICRO_BATCHES`` micro-batches of the same random tokens (one optimizer step's worth); after the
-last backward (accumulated and reduced, not yet applied) DeepSpeed's ``safe_get_full_grad`` reads
-the gradient of every parameter. Printed per bf16 mode: the optimizer DeepSpeed chose and the
-relative L2 distance of its gradient from the fp32 one. Then ``llama_tiny`` in bf16: the dtypes of its
+``MICRO_BATCHES`` micro-batches of the same random tokens (one optimizer step's worth, ``engine.step()``
+after each backward as the training loop does, so the last is DeepSpeed's accumulation boundary); in
+place of the optimizer's step (accumulated and reduced, not applied) DeepSpeed's ``safe_get_full_grad``
+reads the gradient of every parameter. Printed per bf16 mode: the optimizer DeepSpeed chose and the
+relative L2 distance of its gradient from the fp32 one, and the share of its elements that a bf16 value
+holds exactly, zeros left out (1.0: the fp32-accumulated gradient was rounded to bf16 on the way). Then ``llama_tiny`` in bf16: the dtypes of its
 parameters and of its RoPE ``inv_freq`` buffers (DeepSpeed >= 0.19.2 leaves buffers in fp32).
 """
 from __future__ import annotations
@@ -62,12 +64,19 @@ def main(micro_batches: int) -> dict:
         built.stop_watching()
         weight = torch.tensor(micro_batches / (micro_batches * seq), dtype=torch.float32)
         total = 0.0
+        seen: dict = {}
+
+        def capture(*args, _engine=engine, _seen=seen, **kwargs):  # the optimizer's step, which would consume it
+            _seen.update({n: safe_get_full_grad(p).float().clone() for n, p in _engine.module.named_parameters()})
+
+        engine.optimizer.step = capture
         for i, ids in enumerate(batches):
             loss = engine(ids[:, :-1].contiguous(), (ids[:, 1:].contiguous(), weight))
-            engine.backward(loss)
+            engine.backward(loss)  # the last one is the boundary: DeepSpeed reduces there, where it reduces
+            engine.step()  # counts the micro-batch; at the boundary it calls the optimizer's step
             total += float(loss)
-        # accumulated (and reduced at the boundary), not yet applied: the engine's step would consume it
-        grads[mode] = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
+        assert seen, "the optimizer's step never ran"
+        grads[mode] = seen  # accumulated and reduced, not applied
         out[mode] = {"zero_stage": plan.zero_stage, "optimizer": type(engine.optimizer).__name__,
                      "grad_accum_dtype": str(engine.get_data_types()[1]), "loss": total / micro_batches}
     # DeepSpeed >= 0.19.2 keeps buffers in their own dtype under bf16: Llama's RoPE inv_freq stays fp32
@@ -82,6 +91,12 @@ def main(micro_batches: int) -> dict:
         num = sum(float((grads[mode][n] - ref[n]).square().sum()) for n in ref)
         den = sum(float(ref[n].square().sum()) for n in ref)
         out[mode]["grad_rel_error"] = (num / den) ** 0.5
+        # the share of gradient elements a bf16 value holds exactly: 1.0 when the fp32-accumulated gradient
+        # was rounded to bf16 on the way (a bf16 all-reduce), near 0 for a gradient kept in fp32
+        # (zeros, such as the rows of tokens no micro-batch holds, are exact either way and left out)
+        nonzero = {n: grads[mode][n][grads[mode][n] != 0] for n in ref}
+        exact = sum(int((g.bfloat16().float() == g).sum()) for g in nonzero.values())
+        out[mode]["bf16_exact_share"] = exact / max(1, sum(g.numel() for g in nonzero.values()))
     return out
 
 

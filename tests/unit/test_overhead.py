@@ -78,18 +78,35 @@ def test_fused_is_the_default():
     assert compose("+recipe=gpt_tiny").optim.fused is True
 
 
-@pytest.mark.parametrize("layout, zero, skipped", [
-    ((1, 1, 1), None, True), ((1, 2, 2), None, True), ((2, 1, 1), None, False), ((2, 1, 1), 0, False),
-    ((1, 1, 1), 1, False)])
-def test_no_op_gradient_reduction_skipped_only_for_one_replica_without_zero(layout, zero, skipped):
-    from hybridtrain.engine import _single_replica_without_zero
+@pytest.mark.parametrize("layout, zero, precision, skipped", [
+    ((1, 1, 1), None, "fp32", True), ((1, 2, 2), None, "fp32", True), ((2, 1, 1), None, "fp32", False),
+    ((2, 1, 1), 0, "fp32", False), ((1, 1, 1), 1, "fp32", False), ((1, 1, 1), 1, "bf16", True),
+    ((1, 2, 2), 1, "bf16", True), ((2, 1, 1), 1, "bf16", False), ((1, 1, 1), 2, "bf16", False)])
+def test_no_op_gradient_reduction_skipped_only_for_one_replica_all_reducing(layout, zero, precision, skipped):
+    """One replica: ZeRO-0 and the BF16 optimizer (bf16 ZeRO-1) would all-reduce over a group of one; ZeRO's
+    own optimizers move gradients into partitions while reducing, so they keep the reduction."""
+    from hybridtrain.engine import reduces_gradients
     from hybridtrain.plan import Machine, resolve
 
     dp, tp, pp = layout
     cfg = compose("+recipe=llama_tiny", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                  f"parallel.zero_stage={'null' if zero is None else zero}")
+                  f"parallel.zero_stage={'null' if zero is None else zero}", f"trainer.precision={precision}")
     plan, _ = resolve(cfg, Machine(cpu_cores=8))
-    assert _single_replica_without_zero(plan) is skipped
+    assert reduces_gradients(plan) is not skipped
+
+
+@pytest.mark.parametrize("precision, accum", [("fp32", None), ("bf16", "fp32"), ("fp16", "fp32")])
+def test_gradients_accumulate_and_reduce_in_fp32(precision, accum):
+    """16-bit runs accumulate gradients in fp32 and DeepSpeed reduces them in fp32 (its default would cast them
+    to the model's dtype before the all-reduce)."""
+    from hybridtrain.engine import ds_config
+    from hybridtrain.plan import Machine, resolve
+
+    cfg = compose("+recipe=llama_tiny", "parallel.dp=2", f"trainer.precision={precision}")
+    plan, _ = resolve(cfg, Machine(cpu_cores=8, fp16_supported=True))
+    conf = ds_config(cfg, plan)
+    assert conf["communication_data_type"] == "fp32"
+    assert conf.get("data_types", {}).get("grad_accum_dtype") == accum
 
 
 def test_bench_models_compose_and_plan():
