@@ -59,7 +59,7 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial folder filling the disk
         if is_disk_full(err):
-            raise CheckpointError(f"saving {final} failed: {no_space(mount_point(final.parent), need)}") from err
+            raise CheckpointError(f"saving {final} failed: {no_space(mount_point(final.parent), need, during=True)}") from err
         raise
     collectives.barrier(device)
     return final

@@ -33,11 +33,14 @@ def space_problem(folder: Path, need: int) -> Optional[str]:
     return no_space(where, need, free)
 
 
-def no_space(where: Path, need: int, free: Optional[int] = None) -> str:
-    """The message of a checkpoint that does not fit on the file system mounted at ``where``."""
+def no_space(where: Path, need: int, free: Optional[int] = None, during: bool = False) -> str:
+    """The message of a checkpoint that does not fit on the file system mounted at ``where``; ``during``:
+    a write found the disk full after the check passed (the partial folder is removed by then)."""
     free = shutil.disk_usage(where).free if free is None else free
-    return (f"no space left on {where} (needs {gigabytes(need)} for the checkpoint, {gigabytes(free)} free): "
-            "free space there, keep fewer checkpoints (trainer.keep_last) or put hydra.run.dir on a larger disk")
+    now = (f"the disk filled up during the save; {gigabytes(free)} free again with the partial folder removed"
+           if during else f"{gigabytes(free)} free")
+    return (f"no space left on {where} (needs {gigabytes(need)} for the checkpoint, {now}): free space there, "
+            "keep fewer checkpoints (trainer.keep_last) or put hydra.run.dir on a larger disk")
 
 
 def is_disk_full(err: BaseException) -> bool:
