@@ -206,3 +206,20 @@ def test_a_write_into_a_full_disk_is_recognised(tmp_path):
     assert "unexpected pos" in str(errors[0])
     assert all(is_disk_full(e) for e in errors), [repr(e) for e in errors]
     assert not is_disk_full(RuntimeError("a shape mismatch")) and not is_disk_full(OSError(2, "No such file"))
+
+
+def test_auto_resume_refuses_a_directory_whose_checkpoints_all_fail(checkpoint, capsys):
+    """trainer.resume=auto with checkpoints none of which loads: a fresh start would overwrite their
+    step_N folders and metrics.jsonl, so it is a config error (with none at all it starts fresh)."""
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.errors import PlanError
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(resume="auto"))
+    run_dir = checkpoint.parent.parent
+    (checkpoint / "hf" / "config.json").write_text("[]")  # same size, another digest
+    with pytest.raises(PlanError, match=r"trainer.resume: auto found no loadable checkpoint in .*checkpoints \(1 cannot "
+                                        r"be loaded, the newest: .*config.json does not match its sha256 digest"):
+        resolve_resume(cfg, None, None, run_dir)
+    assert "skipping a checkpoint that cannot be loaded" in capsys.readouterr().out
+    shutil.rmtree(checkpoint)
+    assert resolve_resume(cfg, None, None, run_dir) is None
