@@ -73,8 +73,8 @@ def _checkpoint_folder(value: str) -> Path:
     if path.is_file():
         inside = next((p for p in path.parents if CheckpointDir(p).meta_file.is_file()), None)
         hint = f"it lies inside the checkpoint {inside}: give that folder" if inside else expected
-        raise PlanError("trainer.resume", f"{value!r} is a file ({path.stat().st_size} bytes), not a checkpoint "
-                        f"folder; {hint}")
+        size = path.stat().st_size
+        raise PlanError("trainer.resume", f"{value!r} is a file ({size} bytes), not a checkpoint folder; {hint}")
     if path.exists():
         raise PlanError("trainer.resume", f"{value!r} is neither a folder nor a file; {expected}")
     raise PlanError("trainer.resume", f"{value!r} does not exist; {expected}")

@@ -156,8 +156,6 @@ def _tamper(ckpt, how: str, marker):
         f = ckpt / "rng" / "rank_00000.safetensors"
     elif how == "ds_pickle":   # DeepSpeed's model states replaced by a crafted pickle
         f = ckpt / "ds" / "mp_rank_00_model_states.pt"
-    elif how == "ds_added":    # a pickle DeepSpeed would open, added next to its files
-        f = ckpt / "ds" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     else:                      # same_size: one byte of the weights flipped, the size unchanged
         f = next((ckpt / "hf").glob("model-stage*.safetensors"))
         data = bytearray(f.read_bytes())
@@ -169,10 +167,11 @@ def _tamper(ckpt, how: str, marker):
     return f
 
 
-@pytest.mark.parametrize("how", ["rng_pickle", "ds_pickle", "ds_added", "same_size"])
+@pytest.mark.parametrize("how", ["rng_pickle", "ds_pickle", "same_size"])
 def test_tampered_checkpoint_is_refused_before_anything_loads(how, saved_runs, tmp_path):
     """Resuming from a checkpoint whose files changed since the save (a crafted pickle put in place of
-    rng/rank_00000 or of a ds/*.pt file, one added to ds/, a byte of the weights flipped) ends with
+    rng/rank_00000 or of a ds/*.pt file, a byte of the weights flipped; a file added to ds/ is refused
+    the same way, tests/unit/test_checkpoint_files.py) ends with
     exit 2 before any rank starts, naming the file and the newest good checkpoint; the crafted pickle
     never runs (its marker file never appears). trainer.resume=auto skips it and falls back."""
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
@@ -183,7 +182,7 @@ def test_tampered_checkpoint_is_refused_before_anything_loads(how, saved_runs, t
                    check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"config error: trainer.resume: {victim}" in proc.stderr
-    assert ("is not listed in meta.json" if how == "ds_added" else "does not match its sha256 digest") in proc.stderr
+    assert "does not match its sha256 digest in meta.json: corrupt or replaced since the save" in proc.stderr
     assert f"the newest loadable checkpoint there is {ckpts / 'step_3'}" in proc.stderr
     assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
     if how == "same_size":
@@ -194,20 +193,17 @@ def test_tampered_checkpoint_is_refused_before_anything_loads(how, saved_runs, t
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("what", ["meta_json", "other_file"])
-def test_resume_from_a_file_says_what_it_is(what, saved_runs, tmp_path):
+def test_resume_from_a_file_says_what_it_is(saved_runs, tmp_path):
+    """trainer.resume= the meta.json of a checkpoint: exit 2 saying it is a file and naming the checkpoint
+    folder it lies in (other files: tests/unit/test_checkpoint_files.py)."""
     step_6 = RunDir(saved_runs[("gpt_tiny", (1, 1, 1))]).checkpoints / "step_6"
-    target = step_6 / "meta.json" if what == "meta_json" else tmp_path / "notes.txt"
-    if what == "other_file":
-        target.write_text("not a checkpoint")
+    target = step_6 / "meta.json"
     proc = run_cli(tmp_path / "run", "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={target}",
                    "launcher.dry_run=true", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    size = target.stat().st_size
-    assert f"config error: trainer.resume: '{target}' is a file ({size} bytes), not a checkpoint folder; " in proc.stderr
+    assert (f"config error: trainer.resume: '{target}' is a file ({target.stat().st_size} bytes), not a checkpoint "
+            f"folder; it lies inside the checkpoint {step_6}: give that folder") in proc.stderr
     assert "does not exist" not in proc.stderr
-    assert (f"it lies inside the checkpoint {step_6}: give that folder" if what == "meta_json" else
-            "give a RUN_DIR/checkpoints/step_N folder (the one that holds meta.json) or auto") in proc.stderr
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

@@ -223,3 +223,22 @@ def test_auto_resume_refuses_a_directory_whose_checkpoints_all_fail(checkpoint, 
     assert "skipping a checkpoint that cannot be loaded" in capsys.readouterr().out
     shutil.rmtree(checkpoint)
     assert resolve_resume(cfg, None, None, run_dir) is None
+
+
+@pytest.mark.parametrize("what", ["inside_a_checkpoint", "elsewhere", "missing"])
+def test_resume_from_a_path_that_is_no_checkpoint_folder_says_what_it_is(what, checkpoint, tmp_path):
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.errors import PlanError
+
+    target = {"inside_a_checkpoint": checkpoint / DS_FILE, "elsewhere": tmp_path / "notes.txt",
+              "missing": tmp_path / "step_9"}[what]
+    if what == "elsewhere":
+        target.write_text("not a checkpoint")
+    with pytest.raises(PlanError) as err:
+        resolve_resume(SimpleNamespace(trainer=SimpleNamespace(resume=str(target))), None, None, tmp_path)
+    expected = "give a RUN_DIR/checkpoints/step_N folder (the one that holds meta.json) or auto"
+    want = {"inside_a_checkpoint": f"'{target}' is a file ({target.stat().st_size if target.exists() else 0} bytes), "
+                                   f"not a checkpoint folder; it lies inside the checkpoint {checkpoint}: give that folder",
+            "elsewhere": f"'{target}' is a file (16 bytes), not a checkpoint folder; {expected}",
+            "missing": f"'{target}' does not exist; {expected}"}[what]
+    assert str(err.value) == f"trainer.resume: {want}"
