@@ -37,6 +37,8 @@ CONFIG = "config.yaml"
 """The resolved config; a checkpoint holds a copy under the same name."""
 PLAN = "plan.json"
 """The resolved plan; a checkpoint holds a copy under the same name."""
+RESUME_EVENT = "resume"
+"""``metrics.jsonl``'s ``{"event": "resume", "step": N, "checkpoint": PATH}``: a run resumed at step N."""
 
 
 @dataclass(frozen=True)
@@ -158,11 +160,28 @@ class RunDir:
         """``plan.json`` as written, or ``None`` when there is none (the report reads what it finds)."""
         return _json_or_none(self.plan_file)
 
-    def metrics(self) -> list[dict[str, Any]]:
-        """Every record of ``metrics.jsonl`` in order: training steps and validations."""
+    def metric_records(self) -> list[dict[str, Any]]:
+        """Every line of ``metrics.jsonl`` as written: training steps, validations and resume events."""
         if not self.metrics_file.is_file():
             raise FileNotFoundError(f"{self.metrics_file} does not exist: give the run directory of a training run")
         return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The run's one history in step order: training steps and validations, as it continues from
+        each resume. A resume at step N (its event record) replaces what an earlier run logged after
+        step N (steps a killed run trained past its checkpoint, or the newer steps of a resume that
+        fell back to an older checkpoint); the event records themselves are left out (:meth:`resumes`)."""
+        out: list[dict[str, Any]] = []
+        for record in self.metric_records():
+            if record.get("event") == RESUME_EVENT:
+                out = [r for r in out if r.get("step", 0) <= record["step"]]
+            elif "event" not in record:
+                out.append(record)
+        return out
+
+    def resumes(self) -> list[dict[str, Any]]:
+        """The resume events of ``metrics.jsonl`` (``step``, ``checkpoint``), in order."""
+        return [r for r in self.metric_records() if r.get("event") == RESUME_EVENT]
 
     def losses(self) -> list[float]:
         """The training loss of every logged step (validation records left out)."""

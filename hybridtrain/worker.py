@@ -92,7 +92,7 @@ def run(run_dir: Path) -> int:
               f"{'; freed host memory kept for reuse' if kept else ''}", flush=True)
     save = _saver(cfg, plan, built, hf_config, run_dir, rank, samples)
     losses = train(cfg, plan, built, samples, run_dir, is_rank0=rank == 0, start_step=start_step, save=save,
-                   stop=stop)
+                   stop=stop, resumed_from=resume)
     collectives.barrier(built.engine.device)  # nobody exits while a peer may still be in the last collective
     if stop.stopped_at is not None:
         if rank == 0:
@@ -165,8 +165,8 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     Same plan: DeepSpeed's own state (bit-exact). Another plan: weights were built from the
     checkpoint's HF-named tensors; the AdamW moments, step and schedule are set here.
     """
-    from hybridtrain.checkpoint.io import DS_TAG, CheckpointDir
-    from hybridtrain.checkpoint.save import restore_rng, stage_hf_params
+    from hybridtrain.checkpoint.io import CheckpointDir
+    from hybridtrain.checkpoint.save import load_verified, stage_hf_params
 
     step = int(CheckpointDir(checkpoint).meta()["step"])
     if reshard:
@@ -176,8 +176,7 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
         load_moments(built, params, CheckpointDir(checkpoint).optim, step, plan.padded_vocab_size)
         set_schedule(built.engine, plan, step)
     else:
-        built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
-        restore_rng(checkpoint, rank)
+        load_verified(built, checkpoint, rank, plan.world_size)  # digests of ds/ checked before DeepSpeed unpickles
     if rank == 0:
         how = f"re-sharded from {_saved_plan(checkpoint)}" if reshard else "same plan"
         print(f"[hybridtrain] resumed from {checkpoint} at step {step} ({how})", flush=True)
@@ -227,7 +226,14 @@ def run_or_report(run_dir: Path) -> int:
             env.apply(os.environ)
         missing = os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm" and _slurm_gpus_missing()
         return 2 if missing else run(run_dir)
-    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
+    except BaseException as err:  # noqa: BLE001 - report, then exit non-zero so the runner stops every rank
+        from hybridtrain.checkpoint.io import CheckpointError
+
+        if isinstance(err, CheckpointError):  # one line naming the file and the fix, no traceback
+            rank = os.environ.get("RANK", "0")
+            if not err.shared or rank == "0":
+                print(f"[hybridtrain] rank {rank}: {err}", file=sys.stderr, flush=True)
+            return 1
         import traceback
 
         traceback.print_exc()

@@ -9,10 +9,17 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
                    another plan
     adapter/       LoRA runs: the adapters under peft's names (``base_model.model.<module>.lora_A.weight``),
                    one safetensors file per stage, and peft's adapter_config.json
-    rng/           every rank's RNG states
+    rng/           every rank's RNG states (safetensors: tensors and JSON metadata, no pickle)
     config.yaml    the resolved config of the run that wrote it
     plan.json      its plan
-    meta.json      step, samples seen; written last, so its presence marks a complete checkpoint
+    meta.json      step, samples seen, the size and sha256 digest of every other file; written last,
+                   so its presence marks a complete checkpoint
+
+DeepSpeed's ``ds/*.pt`` are pickles that ``torch.load(weights_only=False)`` opens: whoever can
+change them runs code on resume. So every file is verified against the digests of ``meta.json``
+before anything of the checkpoint is loaded (:func:`problem`, the controller; :func:`verify_share`,
+the ranks, just before DeepSpeed opens ``ds/``): a file not listed there, or with another digest,
+is refused. hybridtrain's own files are safetensors, JSON and YAML, which never run code.
 
 Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
 finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
@@ -22,10 +29,12 @@ keep the run directory's names, :mod:`hybridtrain.rundir`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -36,6 +45,8 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 DS_TAG = "ds"
 """DeepSpeed's checkpoint tag: ``engine.save_checkpoint(path, tag=DS_TAG)`` writes ``path/ds/``."""
 META = "meta.json"
+DIGESTS = "sha256"
+"""The ``meta.json`` key of every file's sha256 digest (``relative path -> hex``)."""
 HF_PART = "model-stage{stage:03d}.safetensors"
 OPTIM_PART = "optim-stage{stage:03d}.safetensors"
 ADAPTER_PART = "adapter-stage{stage:03d}.safetensors"
@@ -112,7 +123,7 @@ class CheckpointDir:
 
     def rng_file(self, rank: int) -> Path:
         """Rank ``rank``'s RNG states."""
-        return self.rng / f"rank_{rank:05d}.pt"
+        return self.rng / f"rank_{rank:05d}.safetensors"
 
     def meta(self) -> dict:
         """``meta.json``: step, samples seen, plan layout, file sizes."""
@@ -135,29 +146,108 @@ def is_complete(path: Path) -> bool:
     return ckpt.meta_file.is_file() and ckpt.ds.is_dir()
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the file and the fix.
+
+    ``shared``: every rank raises the same error (agreed through a collective), so one rank's
+    message is enough."""
+
+    def __init__(self, message: str, shared: bool = False):
+        super().__init__(message)
+        self.shared = shared
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` but ``meta.json``, as sorted relative paths."""
+    folder = Path(folder)
+    return [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p.name != META]
+
+
 def file_sizes(folder: Path) -> dict[str, int]:
     """``relative path -> size`` of every file under ``folder`` (what ``meta.json`` records)."""
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(Path(folder).rglob("*"))
-            if p.is_file() and p.name != META}
+    return {rel: (Path(folder) / rel).stat().st_size for rel in checkpoint_files(folder)}
 
 
-def problem(path: Path) -> Optional[str]:
-    """Why checkpoint ``path`` cannot be loaded (incomplete, a file missing or truncated), or ``None``."""
-    if not is_complete(path):
-        return f"{path} is not a complete checkpoint (no meta.json: the save was interrupted)"
-    recorded = read_meta(path).get("files", {})
-    for rel, size in recorded.items():
-        f = Path(path) / rel
-        if not f.is_file():
-            return f"{f} is missing"
-        if f.stat().st_size != size:
-            return f"{f} is {f.stat().st_size} bytes but was saved with {size}: truncated or corrupt"
+def sha256(path: Path) -> str:
+    """The hex sha256 digest of file ``path``."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_digests(folder: Path, rels: Optional[list[str]] = None) -> dict[str, str]:
+    """``relative path -> sha256`` of ``rels`` (default: every file but ``meta.json``) under ``folder``;
+    several files at a time (hashlib releases the GIL), since a large model's ``ds/`` holds hundreds of GB."""
+    folder = Path(folder)
+    rels = checkpoint_files(folder) if rels is None else rels
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(rels, pool.map(lambda rel: sha256(folder / rel), rels)))
+
+
+def _file_problem(path: Path, rel: str, meta: dict, digest: Optional[str] = None) -> Optional[str]:
+    """Why file ``rel`` of checkpoint ``path`` does not match ``meta.json`` (``digest``: its sha256 when
+    already computed), or ``None``."""
+    f = Path(path) / rel
+    if not f.is_file():
+        return f"{f} is missing"
+    size = meta.get("files", {}).get(rel)
+    if size is not None and f.stat().st_size != size:
+        return f"{f} is {f.stat().st_size} bytes but was saved with {size}: truncated or corrupt"
+    if (digest or sha256(f)) != meta[DIGESTS][rel]:
+        return f"{f} does not match its sha256 digest in meta.json: corrupt or replaced since the save"
     return None
 
 
+def _listing_problem(path: Path, meta: dict, under: str = "") -> Optional[str]:
+    """A checkpoint without digests, or a file (under ``under``) that ``meta.json`` does not list."""
+    if DIGESTS not in meta:
+        return (f"{path} has no file digests in meta.json (saved by a hybridtrain without them), so its "
+                "DeepSpeed pickles cannot be verified before loading")
+    prefix = f"{under}/" if under else ""
+    unlisted = [rel for rel in checkpoint_files(path) if rel.startswith(prefix) and rel not in meta[DIGESTS]]
+    if unlisted:
+        return (f"{Path(path) / unlisted[0]} is not listed in meta.json: it was added after the save, "
+                "and an unverified file is never loaded")
+    return None
+
+
+def problem(path: Path) -> Optional[str]:
+    """Why checkpoint ``path`` cannot be loaded (incomplete, without digests, a file missing, added,
+    truncated or not matching its sha256 digest), or ``None``. Reads every file once."""
+    if not is_complete(path):
+        return f"{path} is not a complete checkpoint (no meta.json: the save was interrupted)"
+    meta = read_meta(path)
+    why = _listing_problem(path, meta)
+    if why is not None:
+        return why
+    listed = sorted(meta[DIGESTS])
+    for rel in listed:  # missing and truncated files first: no reading
+        f = Path(path) / rel
+        size = meta.get("files", {}).get(rel)
+        if not f.is_file() or (size is not None and f.stat().st_size != size):
+            return _file_problem(path, rel, meta)
+    digests = file_digests(path, listed)
+    for rel in listed:
+        why = _file_problem(path, rel, meta, digests[rel])
+        if why is not None:
+            return why
+    return None
+
+
+def verify_share(path: Path, under: str, rank: int, world: int) -> Optional[str]:
+    """This rank's share (every ``world``-th file) of the digest check of the files under ``under``
+    (``ds/``) of checkpoint ``path``, and the listing check; ``None`` when they match. The ranks
+    split the reading; they must agree (a collective) before any of them loads."""
+    meta = read_meta(path)
+    why = _listing_problem(path, meta, under)
+    if why is not None:
+        return why
+    mine = [rel for rel in sorted(meta[DIGESTS]) if rel.startswith(f"{under}/")][rank::world]
+    return next((w for rel in mine if (w := _file_problem(path, rel, meta)) is not None), None)
+
+
 def latest_checkpoint(run_dir: Path, skipped: Optional[list[str]] = None) -> Optional[Path]:
-    """The newest loadable checkpoint of a run directory, or ``None``; the problems of newer ones
-    that cannot be loaded are appended to ``skipped``."""
+    """The newest loadable checkpoint of a run directory (:func:`problem`: its digests verified), or
+    ``None``; the problems of newer ones that cannot be loaded are appended to ``skipped``."""
     root = RunDir(run_dir).checkpoints
     steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)))
     for _, path in reversed(steps):

@@ -9,11 +9,13 @@ from hybridtrain.checkpoint.io import CheckpointDir, latest_checkpoint, problem
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Plan, saved_layout
+from hybridtrain.rundir import RunDir
 
 
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
-    """The complete checkpoint ``trainer.resume`` names, checked against this run; ``None`` when
-    ``auto`` finds none (a fresh start).
+    """The complete checkpoint ``trainer.resume`` names, checked against this run (every file against
+    the sha256 digests of its ``meta.json``: DeepSpeed unpickles ``ds/``); ``None`` when ``auto`` finds
+    no checkpoint at all (a fresh start). ``auto`` refuses a directory whose checkpoints all fail.
 
     With ``model.pretrained`` as well (a fine-tune that is resumed, e.g. after a SLURM requeue), the
     checkpoint wins: its weights, optimizer state and step; the folder still gives the model's config
@@ -25,17 +27,19 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         path = latest_checkpoint(run_dir, skipped)
         for why in skipped:
             print(f"[hybridtrain] skipping a checkpoint that cannot be loaded: {why}")
+        if path is None and skipped:  # a fresh start would overwrite their step_N folders and metrics.jsonl
+            raise PlanError("trainer.resume", f"auto found no loadable checkpoint in {RunDir(run_dir).checkpoints} "
+                            f"({len(skipped)} cannot be loaded, the newest: {skipped[0]}); resume from one named "
+                            "explicitly, move them away to start fresh, or use another hydra.run.dir")
         if path is None:
             return None
     else:
-        path = Path(cfg.trainer.resume).expanduser().resolve()
-        if not path.is_dir():
-            raise PlanError("trainer.resume", f"{cfg.trainer.resume!r} does not exist; give a "
-                            "RUN_DIR/checkpoints/step_N folder or auto")
-        why = problem(path)
+        path = _checkpoint_folder(cfg.trainer.resume)
+        why = problem(path)  # every file against its digest: before any rank starts, before anything is unpickled
         if why is not None:
             newest = latest_checkpoint(path.parent.parent)
-            raise PlanError("trainer.resume", f"{why}; the newest loadable checkpoint there is {newest}")
+            raise PlanError("trainer.resume", f"{why}; " + (f"the newest loadable checkpoint there is {newest}" if newest
+                            else f"there is no loadable checkpoint in {path.parent}"))
     ckpt = CheckpointDir(path)
     meta = ckpt.meta()
     saved = saved_layout(meta["plan"])
@@ -58,6 +62,22 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
         raise PlanError("trainer.max_steps", f"{cfg.trainer.max_steps} but {path} is at step {meta['step']} "
                         "already; raise trainer.max_steps to train on")
     return path
+
+
+def _checkpoint_folder(value: str) -> Path:
+    """The folder ``trainer.resume=value`` names, or a :class:`PlanError` saying what the path is instead."""
+    path = Path(value).expanduser().resolve()
+    if path.is_dir():
+        return path
+    expected = "give a RUN_DIR/checkpoints/step_N folder (the one that holds meta.json) or auto"
+    if path.is_file():
+        inside = next((p for p in path.parents if CheckpointDir(p).meta_file.is_file()), None)
+        hint = f"it lies inside the checkpoint {inside}: give that folder" if inside else expected
+        size = path.stat().st_size
+        raise PlanError("trainer.resume", f"{value!r} is a file ({size} bytes), not a checkpoint folder; {hint}")
+    if path.exists():
+        raise PlanError("trainer.resume", f"{value!r} is neither a folder nor a file; {expected}")
+    raise PlanError("trainer.resume", f"{value!r} does not exist; {expected}")
 
 
 def _configurable(cfg: Config, key: str) -> bool:

@@ -9,8 +9,9 @@ from typing import Callable
 
 from hybridtrain.checkpoint.hf_state import full_moment, gather
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
-from hybridtrain.checkpoint.io import (DS_TAG, CheckpointDir, file_sizes, finalize, step_dir, tmp_dir,
-                                      write_hf_metadata)
+from hybridtrain.checkpoint.io import (DIGESTS, DS_TAG, CheckpointDir, CheckpointError, file_digests, file_sizes,
+                                      finalize, read_meta, step_dir, tmp_dir, verify_share, write_hf_metadata)
+from hybridtrain.checkpoint.space import is_disk_full, mount_point, no_space, space_problem
 from hybridtrain.models.lora import is_lora, peft_name
 from hybridtrain.rundir import RunDir
 
@@ -26,30 +27,18 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     """Write ``RUN_DIR/checkpoints/step_<step>`` atomically; every rank must call it.
 
     ``extra(tmp_dir)``, called on every rank before the checkpoint is sealed, may add files (such as
-    :mod:`hybridtrain.train.logits`); they are size-checked like the rest.
+    :mod:`hybridtrain.train.logits`); they are size-checked and digested like the rest. The free space
+    is checked first (:class:`CheckpointError` on every rank, nothing written); a rank whose write
+    fails removes the partial folder before it raises (a full disk: :class:`CheckpointError` naming it).
     """
-    import torch
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from hybridtrain.parallel import collectives
 
     final = step_dir(run_dir, step)
     tmp = tmp_dir(final)
-    ckpt = CheckpointDir(tmp)
     rank = dist.get_rank()
-    lora = built.lora
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckpt.hf.mkdir(parents=True)
-        ckpt.rng.mkdir()
-        ckpt.optim.mkdir()
-        if lora is not None:
-            ckpt.adapter.mkdir()
     device = built.engine.device
-    collectives.barrier(device)
-    client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
-    built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
     named = stage_hf_params(built.engine.module)
     tensors = gather(named, built.tp, device)  # collective over TP and DP
     adapters = {peft_name(n): tensors.pop(n) for n in list(tensors) if is_lora(n)}  # LoRA: peft's names
@@ -60,14 +49,86 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         for key in MOMENTS:
             value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
             moments.update({f"{key}.{n}": t for n, t in gather(trained, built.tp, device, value).items()})
-    if built.tp_rank == 0 and built.dp_rank == 0 and (tensors or adapters):
+    writes = built.tp_rank == 0 and built.dp_rank == 0 and bool(tensors or adapters)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was killed: its space comes back
+    need = _check_space(built, plan, final, [tensors, adapters, moments] if writes else [])  # collective
+    try:
+        _write(built, cfg, plan, hf_config, step, run_dir, tokenizer_path, extra, tmp, final, rank,
+               (tensors, adapters, moments) if writes else None)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial folder filling the disk
+        if is_disk_full(err):
+            raise CheckpointError(f"saving {final} failed: {no_space(mount_point(final.parent), need, during=True)}") from err
+        raise
+    collectives.barrier(device)
+    return final
+
+
+def _check_space(built, plan, final: Path, written: list[dict]) -> int:
+    """Refuse the save on every rank, before anything is written, when the checkpoint's file system
+    lacks its size: DeepSpeed's part (the measured parameters, written by data-parallel rank 0 unless
+    ZeRO-3 partitions them, and the optimizer state of every rank), the HF-named tensors, exactly, and
+    the size of the last checkpoint of the same plan when larger. A collective; returns the bytes needed."""
+    import torch
+
+    from hybridtrain.parallel import collectives
+
+    held = built.model_state_bytes
+    ds = held["optim"] + (held["params"] if built.dp_rank == 0 or plan.zero_stage == 3 else 0)
+    own = sum(t.numel() * t.element_size() for part in written for t in part.values())
+    total = collectives.all_reduce(torch.tensor([float(ds + own)], dtype=torch.float64), built.engine.device)
+    need = int(float(total.item()) * 1.05) + SLACK_BYTES
+    need = max(need, _last_size(final.parent, plan))
+    why = space_problem(final.parent, need)
+    flag = torch.tensor([1.0 if why else 0.0])
+    if collectives.all_reduce(flag, built.engine.device, op="max").item() > 0:
+        raise CheckpointError(f"cannot save {final}: {why or 'another rank found no space left for it'}", shared=True)
+    return need
+
+
+SLACK_BYTES = 4 << 20
+"""Added to the tensors' bytes: configs, the tokenizer, RNG states, DeepSpeed's scripts."""
+
+
+def _last_size(root: Path, plan) -> int:
+    """The bytes of the newest checkpoint in ``root`` saved under the same plan (0: none)."""
+    pointer = root / "latest"
+    try:
+        meta = read_meta(root / pointer.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    return sum(meta.get("files", {}).values()) if meta.get("plan") == plan.layout() else 0
+
+
+def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path, extra, tmp: Path,
+           final: Path, rank: int, parts) -> None:
+    """Every rank's writes into ``tmp``; rank 0 then seals (sizes, digests, ``meta.json``) and publishes."""
+    from hybridtrain.parallel import collectives
+
+    ckpt = CheckpointDir(tmp)
+    lora = built.lora
+    if rank == 0:
+        ckpt.hf.mkdir(parents=True)
+        ckpt.rng.mkdir()
+        ckpt.optim.mkdir()
+        if lora is not None:
+            ckpt.adapter.mkdir()
+    device = built.engine.device
+    collectives.barrier(device)
+    client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
+    built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
+    if parts is not None:
+        from safetensors.torch import save_file
+
+        tensors, adapters, moments = parts
         if tensors:
             save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
         if adapters:
             save_file(adapters, str(ckpt.adapter_part(built.stage)), metadata={"format": "pt"})
         if moments:
             save_file(moments, str(ckpt.optim_part(built.stage)), metadata={"format": "pt"})
-    torch.save(rng_state(), ckpt.rng_file(rank))
+    save_rng(ckpt.rng_file(rank))
     if extra is not None:
         extra(tmp)
     collectives.barrier(device)
@@ -80,33 +141,60 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
         shutil.copy2(run.plan_file, ckpt.plan_file)
         meta = {"step": step, "samples_seen": step * plan.global_batch_size,
                 "plan": plan.layout(),
-                "files": file_sizes(tmp)}  # lets a resume detect a truncated or missing file
+                "files": file_sizes(tmp),  # lets a resume detect a truncated or missing file
+                DIGESTS: file_digests(tmp)}  # and one changed at the same size: verified before any load
         ckpt.meta_file.write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)
-    collectives.barrier(device)
-    return final
 
 
-def rng_state() -> dict:
-    """This rank's RNG states: torch's CPU generator, its CUDA device's (dropout on a GPU draws
-    from that one), numpy's and Python's."""
+def rng_state() -> tuple[dict, dict]:
+    """This rank's RNG states as safetensors' ``(tensors, metadata)``: torch's CPU generator, its CUDA
+    device's (dropout on a GPU draws from that one), numpy's and Python's Mersenne twisters (their
+    words as int64 tensors, the scalars as JSON). Tensors and strings only: loading never runs code."""
     import numpy as np
     import torch
 
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+               "python_words": torch.tensor(words, dtype=torch.int64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    scalars = {"numpy": [kind, int(pos), int(has_gauss), float(gauss).hex()],
+               "python": [version, None if gauss_next is None else float(gauss_next).hex()]}
+    return tensors, {"rng": json.dumps(scalars)}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(tensors: dict, metadata: dict) -> None:
     """Put back what :func:`rng_state` returned; a CUDA state is restored only where CUDA runs."""
     import numpy as np
     import torch
 
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    scalars = json.loads(metadata["rng"])
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    kind, pos, has_gauss, gauss = scalars["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, float.fromhex(gauss)))
+    version, gauss_next = scalars["python"]
+    random.setstate((version, tuple(int(w) for w in tensors["python_words"].tolist()),
+                     None if gauss_next is None else float.fromhex(gauss_next)))
+
+
+def save_rng(path: Path) -> None:
+    """Write this rank's RNG states to ``path`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    tensors, metadata = rng_state()
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_rng(path: Path) -> tuple[dict, dict]:
+    """The ``(tensors, metadata)`` of an RNG file :func:`save_rng` wrote (safetensors: never runs code)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
 def write_adapter_config(folder: Path, lora, cfg, hf_config) -> None:
@@ -122,8 +210,25 @@ def write_adapter_config(folder: Path, lora, cfg, hf_config) -> None:
 
 def restore_rng(path: Path, rank: int) -> None:
     """Put back the RNG states rank ``rank`` saved in checkpoint ``path`` (if it saved any)."""
-    import torch
-
     f = CheckpointDir(path).rng_file(rank)
     if f.is_file():
-        set_rng_state(torch.load(f, weights_only=False))  # our own file: numpy/python states are not tensors
+        set_rng_state(*load_rng(f))
+
+
+def load_verified(built, checkpoint: Path, rank: int, world: int) -> None:
+    """Same-plan resume: verify ``ds/`` against the digests of ``meta.json`` (each rank its share of
+    the files, then all agree), then let DeepSpeed load it and put back this rank's RNG states.
+
+    DeepSpeed unpickles ``ds/*.pt`` (``torch.load(weights_only=False)``); no rank opens one before
+    every rank has found its share intact. A collective."""
+    import torch
+
+    from hybridtrain.parallel import collectives
+
+    why = verify_share(checkpoint, DS_TAG, rank, world)
+    flag = torch.tensor([1.0 if why else 0.0])
+    if collectives.all_reduce(flag, built.engine.device, op="max").item() > 0:
+        raise CheckpointError(f"refusing to load {checkpoint}: {why or 'another rank found a file that does not match'}",
+                              shared=why is None)
+    built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
+    restore_rng(checkpoint, rank)

@@ -39,6 +39,15 @@ class MetricsWriter:
             if self._also is not None:
                 self._also(record)
 
+    def mark_resume(self, step: int, checkpoint: Path) -> None:
+        """Append the record of a resume (:data:`hybridtrain.rundir.RESUME_EVENT`): readers drop what an
+        earlier run logged after ``step`` (:meth:`hybridtrain.rundir.RunDir.metrics`). The file only: a
+        logger gets training records."""
+        from hybridtrain.rundir import RESUME_EVENT
+
+        if self._file is not None:
+            self._file.write(json.dumps({"event": RESUME_EVENT, "step": step, "checkpoint": str(checkpoint)}) + "\n")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -74,13 +83,14 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
 
 def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path, is_rank0: bool,
           start_step: int = 0, save: Callable[[int], None] | None = None,
-          stop: StopRequest | None = None) -> list[float]:
+          stop: StopRequest | None = None, resumed_from: Path | None = None) -> list[float]:
     """Run optimizer steps ``start_step`` .. ``trainer.max_steps - 1``; return their losses.
 
     ``save(step)`` is called (on every rank) after every ``trainer.save_every`` steps and after the
     last one when ``trainer.save_final``. With ``stop``, the ranks agree after every step whether a
     stop signal arrived; if so they save (if this step did not already) and leave the loop early,
-    recording the step in ``stop.stopped_at`` (:mod:`hybridtrain.train.preempt`).
+    recording the step in ``stop.stopped_at`` (:mod:`hybridtrain.train.preempt`). A run resumed from
+    checkpoint ``resumed_from`` (at ``start_step``) first marks the resume in ``metrics.jsonl``.
     """
     layout = plan.batch_layout()
     engine = built.engine
@@ -92,6 +102,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
 
     obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
     writer = MetricsWriter(RunDir(run_dir).metrics_file if is_rank0 else None, append=start_step > 0, also=obs.log)
+    if resumed_from is not None:
+        writer.mark_resume(start_step, resumed_from)
     bar = None
     if is_rank0:
         from tqdm import tqdm

@@ -136,6 +136,76 @@ def test_truncated_checkpoint_file_is_named_and_auto_resume_falls_back(saved_run
     assert f"resume: {ckpts / 'step_3'}" in proc.stdout
 
 
+class _Bait:
+    """Unpickling it calls ``open(marker, "w")``: a crafted pickle that writes a file when loaded
+    (``tests/unit/test_checkpoint_files.py`` shows that plain unpickling does write it)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _tamper(ckpt, how: str, marker):
+    """Change checkpoint ``ckpt`` as an attacker or a bad disk would; return the file changed."""
+    import pickle
+
+    bait = pickle.dumps(_Bait(marker))
+    if how == "rng_pickle":    # the RNG file replaced by a pickle
+        f = ckpt / "rng" / "rank_00000.safetensors"
+    elif how == "ds_pickle":   # DeepSpeed's model states replaced by a crafted pickle
+        f = ckpt / "ds" / "mp_rank_00_model_states.pt"
+    else:                      # same_size: one byte of the weights flipped, the size unchanged
+        f = next((ckpt / "hf").glob("model-stage*.safetensors"))
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+        return f
+    size = f.stat().st_size if f.exists() else len(bait)
+    f.write_bytes(bait.ljust(size, b"\0"))  # same size as the file it replaces: only the digest tells
+    return f
+
+
+@pytest.mark.parametrize("how", ["rng_pickle", "ds_pickle", "same_size"])
+def test_tampered_checkpoint_is_refused_before_anything_loads(how, saved_runs, tmp_path):
+    """Resuming from a checkpoint whose files changed since the save (a crafted pickle put in place of
+    rng/rank_00000 or of a ds/*.pt file, a byte of the weights flipped; a file added to ds/ is refused
+    the same way, tests/unit/test_checkpoint_files.py) ends with
+    exit 2 before any rank starts, naming the file and the newest good checkpoint; the crafted pickle
+    never runs (its marker file never appears). trainer.resume=auto skips it and falls back."""
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
+    ckpts = RunDir(run_dir).checkpoints
+    victim = _tamper(ckpts / "step_6", how, marker)
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={ckpts / 'step_6'}",
+                   check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"config error: trainer.resume: {victim}" in proc.stderr
+    assert "does not match its sha256 digest in meta.json: corrupt or replaced since the save" in proc.stderr
+    assert f"the newest loadable checkpoint there is {ckpts / 'step_3'}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
+    if how == "same_size":
+        proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", "trainer.resume=auto",
+                       "launcher.dry_run=true", timeout=120)
+        assert f"skipping a checkpoint that cannot be loaded: {victim}" in proc.stdout
+        assert f"resume: {ckpts / 'step_3'}" in proc.stdout
+    assert not marker.exists()
+
+
+def test_resume_from_a_file_says_what_it_is(saved_runs, tmp_path):
+    """trainer.resume= the meta.json of a checkpoint: exit 2 saying it is a file and naming the checkpoint
+    folder it lies in (other files: tests/unit/test_checkpoint_files.py)."""
+    step_6 = RunDir(saved_runs[("gpt_tiny", (1, 1, 1))]).checkpoints / "step_6"
+    target = step_6 / "meta.json"
+    proc = run_cli(tmp_path / "run", "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={target}",
+                   "launcher.dry_run=true", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"config error: trainer.resume: '{target}' is a file ({target.stat().st_size} bytes), not a checkpoint "
+            f"folder; it lies inside the checkpoint {step_6}: give that folder") in proc.stderr
+    assert "does not exist" not in proc.stderr
+
+
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from hybridtrain.checkpoint.io import finalize
 

@@ -1,4 +1,4 @@
-"""Faults: a rank killed mid-step, a hung rank, an output directory that cannot be written.
+"""Faults: a rank killed mid-step, a hung rank, an output directory that cannot be written, a full disk.
 
 Faults are injected from outside the production code by ``tests/fault_inject/sitecustomize.py``
 (put first on the workers' ``PYTHONPATH``), which wraps DeepSpeed's pipeline engine in the rank
@@ -7,6 +7,8 @@ named by ``HT_FAULT_RANK``.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -55,15 +57,20 @@ def test_rank_killed_mid_step_ends_job_and_resume_gives_the_uninterrupted_losses
 
     resumed = run_cli(run_dir, *common, "trainer.resume=auto", timeout=300)
     assert f"resumed from {ckpts / 'step_4'} at step 4 (same plan)" in resumed.stdout
-    after = metrics(run_dir)[5:]  # metrics.jsonl is appended to on resume
-    assert [m["step"] for m in after] == [5, 6]
+    # metrics.jsonl is appended to and marks the resume; the reader returns one history, in which
+    # the resumed run's step 5 replaces the one the killed run logged after its last checkpoint
+    records = RunDir(run_dir).metric_records()
+    assert records[5] == {"event": "resume", "step": 4, "checkpoint": str(ckpts / "step_4")}
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 4, 5, 6]
+    history = metrics(run_dir)
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6] and history[4] == records[6]
     # Step 5 ran before the kill: the resumed run repeats it exactly (same plan: bit-exact state).
-    assert after[0]["loss"] == pytest.approx(before[4]["loss"], rel=1e-6, abs=0)
+    assert history[4]["loss"] == pytest.approx(before[4]["loss"], rel=1e-6, abs=0)
     # The whole killed + resumed history is the uninterrupted run: plain transformers, 6 steps.
     from hybridtrain.reference import reference_run
 
     ref = [r["loss"] for r in reference_run(compose("+recipe=gpt_tiny", "trainer.max_steps=6"))]
-    assert [m["loss"] for m in before[:4] + after] == pytest.approx(ref[:4] + ref[4:], rel=1e-4, abs=0)
+    assert [m["loss"] for m in history] == pytest.approx(ref, rel=1e-4, abs=0)
 
 
 @pytest.mark.slow  # CI keeps the watchdog firing with its stack and exit code, and staying quiet (below)
@@ -134,3 +141,52 @@ def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
                           f"hydra.sweep.dir={blocker / 'sweep'}"], cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"hydra.sweep.dir: cannot write the output directory {blocker / 'sweep'} ({blocker} is a file" in proc.stderr
+
+
+def _can_mount_tmpfs() -> bool:
+    """Whether this process may mount a tmpfs in a private mount namespace (root, or a user namespace)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="mounting a small tmpfs needs root or user namespaces "
+                    "(unshare -m); the check itself is tested in tests/unit/test_checkpoint_files.py")
+def test_full_disk_during_a_save_names_the_device_and_leaves_no_partial_folder(tmp_path):
+    """RUN_DIR/checkpoints is a 100 MB tmpfs (in a private mount namespace, gone with the job), a
+    gpt_tiny checkpoint about 30 MB. Run 1 saves step_1; while it saves step_2 the disk fills up
+    (tests/fault_inject: another writer takes every free byte), so DeepSpeed's write meets a real
+    ENOSPC: the rank says "no space left on" the mount, exits 1, and .tmp-step_2 (with the filler
+    in it) is gone, the space free again. Then the tmpfs shrinks to 40 MB and run 2 resumes from
+    step_1: the free space is checked before step_2 is written, and the save is refused, nothing written."""
+    run_dir = tmp_path / "run"
+    ckpts = RunDir(run_dir).checkpoints
+    ckpts.mkdir(parents=True)
+    listing = tmp_path / "listing"
+    common = ["+recipe=gpt_tiny", "trainer.max_steps=3", "trainer.save_every=1", "trainer.report=false"]
+    first = shlex.join(cli.command(run_dir, common))
+    second = shlex.join(cli.command(run_dir, [*common, "trainer.resume=auto"]))
+    ls, used = f"$(ls -A {ckpts} | tr '\\n' ' ')", f"$(df -k --output=used {ckpts} | tail -1)"
+    script = (f"mount -t tmpfs -o size=100m tmpfs {ckpts} || exit 97\n"
+              f"HT_FAULT=fill {first}; echo \"first: $?\" >> {listing}\n"
+              f"echo \"ls1: {ls}\" >> {listing}; echo \"used1: {used}\" >> {listing}\n"
+              f"mount -o remount,size=40m {ckpts} || exit 98\n"
+              f"{second}; echo \"second: $?\" >> {listing}; echo \"ls2: {ls}\" >> {listing}\n")
+    env = cli.environment(_fault_env("fill", rank=0, at=2))
+    env.pop("HT_FAULT")  # set in the script, for the first run only
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
+    stderr = proc.stderr
+    assert seen["first"] == "1", stderr[-3000:]
+    assert (f"[hybridtrain] rank 0: saving {ckpts / 'step_2'} failed: no space left on {ckpts} (needs 0.0" in stderr
+            and "the disk filled up during the save" in stderr), stderr[-3000:]
+    assert seen["ls1"].split() == ["latest", "step_1"]  # no .tmp-step_2, no filler
+    assert int(seen["used1"]) < 40_000  # KiB: only step_1 (about 30 MB) is left on the disk
+    assert seen["second"] == "1", stderr[-3000:]
+    assert f"[hybridtrain] rank 0: cannot save {ckpts / 'step_2'}: no space left on {ckpts} (needs 0.0" in stderr
+    assert seen["ls2"].split() == ["latest", "step_1"]
+    assert "Traceback" not in stderr and "unexpected pos" not in stderr

@@ -15,6 +15,10 @@ class's ``_INSTRUCTION_MAP``) so that:
   of a step, between two micro-batches.
 - ``HT_FAULT=stall``: at that backward pass the rank sleeps forever (``_ht_injected_stall``),
   a hang that is not a crash and not a collective timeout.
+- ``HT_FAULT=fill``: instead, ``DeepSpeedEngine.save_checkpoint`` is wrapped: at the save of step
+  ``HT_FAULT_AT`` (the ``hybridtrain`` client state's step) the rank first fills the checkpoint's file
+  system with a file inside the checkpoint folder being written, up to the last byte, as another
+  process filling the disk would; DeepSpeed's own write then meets the full disk (a real ENOSPC).
 
 The production code has no test hooks; this patches DeepSpeed's class from outside.
 """
@@ -39,6 +43,8 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
             time.sleep(0.02)
         if getattr(cls, "_ht_wrapped", False):  # wrapped before this process was forked
             return
+        if os.environ["HT_FAULT"] == "fill":
+            return _ht_patch_save()
         original = cls._exec_backward_pass
         at, calls = int(os.environ["HT_FAULT_AT"]), [0]
 
@@ -58,6 +64,33 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
         cls._ht_wrapped = True
         # the engine dispatches through this class-level table of the original functions
         cls._INSTRUCTION_MAP = {k: (backward if v is original else v) for k, v in cls._INSTRUCTION_MAP.items()}
+
+    def _ht_patch_save():
+        import deepspeed.runtime.engine as ds_engine
+
+        cls = ds_engine.DeepSpeedEngine
+        if getattr(cls, "_ht_wrapped_save", False):
+            return
+        original = cls.save_checkpoint
+
+        def save_checkpoint(self, save_dir, *args, **kwargs):
+            step = (kwargs.get("client_state") or {}).get("hybridtrain", {}).get("step")
+            if os.environ.get("RANK") == os.environ["HT_FAULT_RANK"] and step == int(os.environ["HT_FAULT_AT"]):
+                chunk = b"\0" * (1 << 20)
+                with open(os.path.join(save_dir, "ht_filler"), "wb", buffering=0) as f:
+                    try:
+                        while True:
+                            f.write(chunk)
+                    except OSError:  # ENOSPC: the last MiB did not fit; fill the rest byte by byte
+                        try:
+                            while True:
+                                f.write(b"\0" * 4096)
+                        except OSError:
+                            pass
+            return original(self, save_dir, *args, **kwargs)
+
+        cls.save_checkpoint = save_checkpoint
+        cls._ht_wrapped_save = True
 
     def _ht_watch():
         threading.Thread(target=_ht_patch, name="ht-fault-inject", daemon=True).start()

@@ -267,6 +267,19 @@ def test_report_from_a_run_directory(tmp_path, tiny_plan):
     assert "| MFU (median) | 30.00% |" in text
 
 
+def test_report_of_a_resumed_run_reads_one_history(tmp_path, tiny_plan):
+    """Steps 1-4, then a resume from step_2: the report counts 4 steps ending in the resumed run's loss
+    and names the resume."""
+    ckpt = str(tmp_path / "checkpoints" / "step_2")
+    recs = ([_record(s) for s in range(1, 5)] + [{"event": "resume", "step": 2, "checkpoint": ckpt}]
+            + [_record(s, loss=1.25) for s in (3, 4)])
+    RunDir(tmp_path).metrics_file.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    RunDir(tmp_path).plan_file.write_text(json.dumps(tiny_plan))
+    text = write_report(tmp_path).read_text()
+    assert "| steps logged | 4 (last step 4) |" in text and "-> 1.2500 |" in text
+    assert f"Resumed at step 2 from `{ckpt}`" in text
+
+
 def test_report_of_an_older_plan_json_reads_the_method_from_config_yaml(tmp_path):
     cfg = compose("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks")
     files = RunDir(tmp_path)

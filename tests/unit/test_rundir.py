@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 import pytest
 
 from helpers.config import compose
-from hybridtrain.checkpoint.io import CheckpointDir, finalize, latest_checkpoint, step_dir, tmp_dir
+from hybridtrain.checkpoint.io import (DIGESTS, CheckpointDir, file_digests, file_sizes, finalize, latest_checkpoint,
+                                      step_dir, tmp_dir)
 from hybridtrain.observe import timeline
 from hybridtrain.plan import Machine, resolve
 from hybridtrain.rundir import CONFIG, PLAN, RunDir
@@ -80,6 +81,20 @@ def test_metrics_and_losses(tmp_path):
     assert files.losses() == [5.0, 4.5, 4.0]  # the validation record is not a step's loss
 
 
+def test_metrics_continue_from_a_resume(tmp_path):
+    """A run that logged steps 1-4, was resumed from step_2 (its step_4 unloadable), then logged 3 and
+    4 again and validated: one history, the resumed run's records replacing those after step 2."""
+    files = RunDir(tmp_path)
+    first = [{"step": s, "loss": 10.0 - s} for s in (1, 2, 3, 4)] + [{"step": 4, "val_loss": 7.0}]
+    resume = {"event": "resume", "step": 2, "checkpoint": str(tmp_path / "checkpoints" / "step_2")}
+    second = [{"step": 3, "loss": 6.5}, {"step": 4, "loss": 6.0}, {"step": 4, "val_loss": 6.9}]
+    files.metrics_file.write_text("\n".join(json.dumps(r) for r in first + [resume] + second) + "\n")
+    assert files.metrics() == first[:2] + second
+    assert [r["step"] for r in files.metrics() if "loss" in r] == [1, 2, 3, 4]
+    assert files.losses() == [9.0, 8.0, 6.5, 6.0]
+    assert files.resumes() == [resume] and len(files.metric_records()) == 9
+
+
 def test_optional_files_read_as_none_until_written(tmp_path):
     files = RunDir(tmp_path)
     assert files.observe() is None and files.timeline() is None and files.plan_record() is None
@@ -110,14 +125,14 @@ def test_checkpoint_folder_names_and_the_newest_complete_one(tmp_path):
                              ckpt.plan_file)] == ["ds", "hf", "optim", "rng", "meta.json", "config.yaml", "plan.json"]
     assert ckpt.hf_part(1) == ckpt.hf / "model-stage001.safetensors"
     assert ckpt.optim_part(0) == ckpt.optim / "optim-stage000.safetensors"
-    assert ckpt.rng_file(12) == ckpt.rng / "rank_00012.pt"
+    assert ckpt.rng_file(12) == ckpt.rng / "rank_00012.safetensors"
     for d in (ckpt.ds, ckpt.hf):
         d.mkdir(parents=True)
     for stage in (1, 0):
         ckpt.hf_part(stage).write_bytes(b"")
     (ckpt.hf / "config.json").write_text("{}")
     assert ckpt.hf_parts() == [ckpt.hf_part(0), ckpt.hf_part(1)]  # stage order, nothing else
-    ckpt.meta_file.write_text(json.dumps({"step": 3, "files": {}}))
+    ckpt.meta_file.write_text(json.dumps({"step": 3, "files": file_sizes(ckpt.path), DIGESTS: file_digests(ckpt.path)}))
     assert latest_checkpoint(tmp_path) is None  # not published yet
     finalize(ckpt.path, final, keep_last=None)
     assert latest_checkpoint(tmp_path) == final and CheckpointDir(final).meta()["step"] == 3

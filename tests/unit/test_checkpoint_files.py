@@ -1,0 +1,244 @@
+"""A checkpoint's files: nothing in one runs code, every file is verified against its sha256 digest
+before anything is loaded, RNG states round-trip through safetensors, and a full disk is named.
+
+The checkpoints here are folders laid out as :mod:`hybridtrain.checkpoint.io` describes, written
+in the test process (no ranks): a DeepSpeed-style ``ds/*.pt`` pickle, a safetensors RNG file, an HF
+config, and the ``meta.json`` a save writes. The runs that save and resume for real are in
+``tests/dist/test_checkpoint.py`` and ``tests/dist/test_faults.py``.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import pickle
+import random
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hybridtrain.checkpoint.io import (DIGESTS, CheckpointDir, CheckpointError, file_digests, file_sizes, problem,
+                                      verify_share)
+from hybridtrain.checkpoint.save import load_verified, restore_rng, save_rng
+from hybridtrain.checkpoint.space import is_disk_full, space_problem
+
+ROOT = Path(__file__).resolve().parents[2]
+DS_FILE = "ds/mp_rank_00_model_states.pt"
+
+
+class _Bait:
+    """Unpickling it calls ``open(marker, "w")``: a pickle that writes a file when it is loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _crafted(marker: Path) -> bytes:
+    return pickle.dumps(_Bait(marker))
+
+
+def _seal(path: Path) -> None:
+    """Write ``meta.json`` as a save does: sizes and digests of every other file."""
+    meta = {"step": 3, "samples_seen": 36, "plan": {}, "files": file_sizes(path), DIGESTS: file_digests(path)}
+    CheckpointDir(path).meta_file.write_text(json.dumps(meta))
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    ckpt = CheckpointDir(tmp_path / "run" / "checkpoints" / "step_3")
+    for d in (ckpt.ds, ckpt.rng, ckpt.hf):
+        d.mkdir(parents=True)
+    torch.save({"module": {"w": torch.randn(4, 4)}}, ckpt.path / DS_FILE)  # what DeepSpeed writes: a pickle
+    save_rng(ckpt.rng_file(0))
+    (ckpt.hf / "config.json").write_text("{}")
+    _seal(ckpt.path)
+    return ckpt.path
+
+
+class _Engine:
+    """Records whether DeepSpeed's ``load_checkpoint`` was reached."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_checkpoint(self, path, tag):
+        self.loaded.append((path, tag))
+
+
+def test_the_bait_runs_code_when_unpickled(tmp_path):
+    """The crafted file is a real attack: plain unpickling (what DeepSpeed's torch.load(weights_only=False)
+    does) writes the marker. The tests below show that hybridtrain never gets there."""
+    marker = tmp_path / "pwned"
+    pickle.loads(_crafted(marker))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("target", [DS_FILE, "rng/rank_00000.safetensors"], ids=["ds", "rng"])
+def test_crafted_pickle_in_a_checkpoint_is_refused_before_anything_loads(checkpoint, target, tmp_path):
+    marker = tmp_path / "pwned"
+    f = checkpoint / target
+    f.write_bytes(_crafted(marker).ljust(f.stat().st_size, b"\0"))  # same size: only the digest tells
+    # the controller, while planning the resume
+    assert problem(checkpoint) == f"{f} does not match its sha256 digest in meta.json: corrupt or replaced since the save"
+    # the ranks, when started without that check: DeepSpeed's pickles are verified before it opens one,
+    # and the RNG file is safetensors, which refuses anything else without running it
+    engine = _Engine()
+    with pytest.raises(CheckpointError if target == DS_FILE else Exception) as err:
+        load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
+    if target == DS_FILE:
+        assert engine.loaded == [] and "does not match its sha256 digest" in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_file_added_to_ds_is_refused(checkpoint, tmp_path):
+    marker = tmp_path / "pwned"
+    (checkpoint / "ds" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(_crafted(marker))
+    for why in (problem(checkpoint), verify_share(checkpoint, "ds", 0, 1)):
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is not listed in meta.json" in why
+    engine = _Engine()
+    with pytest.raises(CheckpointError, match="is not listed in meta.json"):
+        load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
+    assert engine.loaded == [] and not marker.exists()
+
+
+def test_a_file_corrupted_at_the_same_size_is_named(checkpoint):
+    f = checkpoint / DS_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert problem(checkpoint) == f"{f} does not match its sha256 digest in meta.json: corrupt or replaced since the save"
+
+
+def test_intact_checkpoint_passes_and_loads(checkpoint):
+    assert problem(checkpoint) is None
+    engine = _Engine()
+    load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
+    assert engine.loaded == [(str(checkpoint), "ds")]
+    # two ranks split the files: rank 1 of 2 has none of the single ds file, rank 0 all of it
+    assert verify_share(checkpoint, "ds", 1, 2) is None and verify_share(checkpoint, "ds", 0, 2) is None
+
+
+def test_checkpoint_without_digests_is_refused(checkpoint):
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    del meta[DIGESTS]
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    assert "has no file digests in meta.json" in problem(checkpoint)
+
+
+def test_rng_states_round_trip_through_safetensors(tmp_path):
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    np.random.standard_normal()  # numpy caches the second Gaussian of a pair: part of its state
+    random.gauss(0, 1)           # so does Python's
+    ckpt = CheckpointDir(tmp_path / "step_1")
+    ckpt.rng.mkdir(parents=True)
+    save_rng(ckpt.rng_file(0))
+    want = (torch.rand(3), np.random.standard_normal(3), random.gauss(0, 1), random.random())
+    torch.manual_seed(9)
+    np.random.seed(9)
+    random.seed(9)
+    restore_rng(ckpt.path, 0)
+    got = (torch.rand(3), np.random.standard_normal(3), random.gauss(0, 1), random.random())
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2:] == want[2:]
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.rng_file(0)), framework="pt") as f:  # a safetensors file, no pickle inside
+        assert set(f.keys()) == {"torch", "numpy_keys", "python_words"}
+
+
+def _unsafe_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """Calls that can run code from a file: ``torch.load`` without ``weights_only=True``, ``pickle``'s
+    and ``yaml``'s loaders, ``numpy.load(allow_pickle=True)``, ``eval`` and ``exec``."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
+        if ((name == "torch.load" and kw.get("weights_only") != "True") or name in ("eval", "exec")
+                or name.startswith(("pickle.", "cPickle.", "dill.", "marshal.")) or name in ("yaml.load", "yaml.unsafe_load")
+                or (name.endswith("np.load") or name == "numpy.load") and kw.get("allow_pickle") == "True"):
+            out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_nothing_in_the_package_unpickles():
+    """Every file hybridtrain reads is safetensors, JSON or YAML; the one torch.load (a test world's
+    emitted tensors) is weights_only=True, and DeepSpeed's pickles are verified first (above)."""
+    hits = [f"{p.relative_to(ROOT)}:{n}: {call}" for p in sorted((ROOT / "hybridtrain").rglob("*.py"))
+            for n, call in _unsafe_calls(ast.parse(p.read_text()))]
+    assert hits == []
+    assert _unsafe_calls(ast.parse("torch.load(f, weights_only=False)\npickle.load(f)\neval(s)"))  # it finds them
+
+
+def test_free_space_is_checked_against_the_checkpoint_size(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=20_000_000))
+    why = space_problem(tmp_path / "checkpoints", 50_000_000)
+    assert why.startswith("no space left on ") and "(needs 0.05 GB for the checkpoint, 0.02 GB free)" in why
+    assert space_problem(tmp_path / "checkpoints", 10_000_000) is None
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="no /dev/full device on this system")
+def test_a_write_into_a_full_disk_is_recognised(tmp_path):
+    """/dev/full answers every write with ENOSPC (written through a link, so that a writer that
+    replaces its target by a rename never touches the device): torch's zip writer then raises the
+    'unexpected pos' RuntimeError of the issue, a plain write an OSError; both are a full disk.
+    (safetensors writes a temporary file and renames it, so the real full disk of a save is in
+    tests/dist/test_faults.py, on a small tmpfs.)"""
+    link = tmp_path / "full"
+    link.symlink_to("/dev/full")
+    errors = []
+    for write in (lambda: torch.save({"w": torch.zeros(1 << 20)}, str(link)),
+                  lambda: link.open("wb", buffering=0).write(b"\0" * 4096)):
+        with pytest.raises((RuntimeError, OSError)) as err:
+            write()
+        errors.append(err.value)
+    assert "unexpected pos" in str(errors[0])
+    assert all(is_disk_full(e) for e in errors), [repr(e) for e in errors]
+    assert not is_disk_full(RuntimeError("a shape mismatch")) and not is_disk_full(OSError(2, "No such file"))
+
+
+def test_auto_resume_refuses_a_directory_whose_checkpoints_all_fail(checkpoint, capsys):
+    """trainer.resume=auto with checkpoints none of which loads: a fresh start would overwrite their
+    step_N folders and metrics.jsonl, so it is a config error (with none at all it starts fresh)."""
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.errors import PlanError
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(resume="auto"))
+    run_dir = checkpoint.parent.parent
+    (checkpoint / "hf" / "config.json").write_text("[]")  # same size, another digest
+    with pytest.raises(PlanError, match=r"trainer.resume: auto found no loadable checkpoint in .*checkpoints \(1 cannot "
+                                        r"be loaded, the newest: .*config.json does not match its sha256 digest"):
+        resolve_resume(cfg, None, None, run_dir)
+    assert "skipping a checkpoint that cannot be loaded" in capsys.readouterr().out
+    shutil.rmtree(checkpoint)
+    assert resolve_resume(cfg, None, None, run_dir) is None
+
+
+@pytest.mark.parametrize("what", ["inside_a_checkpoint", "elsewhere", "missing"])
+def test_resume_from_a_path_that_is_no_checkpoint_folder_says_what_it_is(what, checkpoint, tmp_path):
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.errors import PlanError
+
+    target = {"inside_a_checkpoint": checkpoint / DS_FILE, "elsewhere": tmp_path / "notes.txt",
+              "missing": tmp_path / "step_9"}[what]
+    if what == "elsewhere":
+        target.write_text("not a checkpoint")
+    with pytest.raises(PlanError) as err:
+        resolve_resume(SimpleNamespace(trainer=SimpleNamespace(resume=str(target))), None, None, tmp_path)
+    expected = "give a RUN_DIR/checkpoints/step_N folder (the one that holds meta.json) or auto"
+    want = {"inside_a_checkpoint": f"'{target}' is a file ({target.stat().st_size if target.exists() else 0} bytes), "
+                                   f"not a checkpoint folder; it lies inside the checkpoint {checkpoint}: give that folder",
+            "elsewhere": f"'{target}' is a file (16 bytes), not a checkpoint folder; {expected}",
+            "missing": f"'{target}' does not exist; {expected}"}[what]
+    assert str(err.value) == f"trainer.resume: {want}"
