@@ -62,7 +62,7 @@ def _column_problems(ds, field: str, chat: bool) -> dict[int, str]:
     return out
 
 
-def _where(records: Sequence[int], origins: Sequence[tuple[str, int]]) -> str:
+def where(records: Sequence[int], origins: Sequence[tuple[str, int]]) -> str:
     """``corpus.jsonl records 3, 7 and 12, extra.jsonl record 0`` for the first :data:`SHOWN` of
     ``records`` (indices into the concatenated ``origins``: ``(file, records)`` in order), and how many more."""
     groups: list[tuple[str, list[int]]] = []
@@ -105,19 +105,19 @@ def screen(ds, origins: Sequence[tuple[str, int]], cfg: DataConfig, source: str)
     for r in records:
         reasons[found[r]] = reasons.get(found[r], 0) + 1
     why = "; ".join(f"{n}: {reason}" for reason, n in reasons.items())
-    where = _where(records, origins)
+    where_ = where(records, origins)
     if not cfg.skip_invalid:
         field = found[records[0]].split("'")[1]
         key = next(k for f, k in fields_of(cfg) if f == field)
-        raise PlanError(key, f"{len(records)} of {len(ds)} {source} records cannot be trained on ({why}): {where}; "
+        raise PlanError(key, f"{len(records)} of {len(ds)} {source} records cannot be trained on ({why}): {where_}; "
                              "fix or remove them, or set data.skip_invalid=true to skip them (counted on the "
                              "console and in data.json)")
     if len(records) == len(ds):
         raise PlanError("data.skip_invalid", f"every one of the {len(ds)} {source} records is invalid ({why}): "
-                                             f"{where}; check the data.format and its field names")
+                                             f"{where_}; check the data.format and its field names")
     bad = set(records)
     kept = ds.select([i for i in range(len(ds)) if i not in bad])
-    return kept, {"records": len(records), "of": len(ds), "why": why, "where": where}
+    return kept, {"records": len(records), "of": len(ds), "why": why, "where": where_}
 
 
 def describe(skipped: dict) -> str:

@@ -121,16 +121,51 @@ def load_files(pattern: str, key: str, cfg: DataConfig, cache: Path):
         for f in files:
             check_utf8(f, key)
     kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
-    parts = {f"file{i}": [str(f)] for i, f in enumerate(files)}  # one split per file: its record count
+    names = {f"file{i}": [str(f)] for i, f in enumerate(files)}  # one split per file: its record count
     try:
-        loaded = load_dataset(builder, data_files=parts, cache_dir=str(cache), **kwargs)
+        if builder == "json" and len(files) > 1:  # each file's own column types first (see _check_json_types)
+            parts = [load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache)) for f in files]
+            if len({json.dumps(p.features.to_dict(), sort_keys=True) for p in parts}) > 1:
+                _check_json_types(parts, files, cfg, key)
+                parts = None
+        else:
+            parts = None
+        if parts is None:  # HF aligns the files' columns (a column one file lacks is null there)
+            loaded = load_dataset(builder, data_files=names, cache_dir=str(cache), **kwargs)
+            parts = [loaded[name] for name in names]
+    except PlanError:
+        raise
     except Exception as err:  # noqa: BLE001 - malformed JSON/CSV surfaces as DatasetGenerationError
         cause = err.__cause__ or err
         raise PlanError(key, f"could not read the {builder} files {[str(f) for f in files][:5]}: "
                              f"{type(cause).__name__}: {str(cause)[:300]}; fix or remove the file") from None
-    ds = concatenate_datasets([loaded[name] for name in parts])  # the files' records in order, as one split
-    origins = [(str(f), len(loaded[name])) for f, name in zip(files, parts)]
-    return ds, {"files": _stat(files), "builder": builder, **kwargs}, origins
+    ds = concatenate_datasets(parts)  # the files' records in order, as one split
+    return ds, {"files": _stat(files), "builder": builder, **kwargs}, [(str(f), len(p)) for f, p in zip(files, parts)]
+
+
+def _check_json_types(parts: list, files: list[Path], cfg: DataConfig, key: str) -> None:
+    """Refuse a JSON file whose text field is not text throughout. Given several files at once, HF's
+    ``json`` builder takes the column types from the first file and casts the others to them; a file
+    whose field mixes strings with numbers or lists is read as JSON values and cast to strings by
+    encoding them, so all of that file's text would arrive quoted (``"c"`` as ``'"c"'``). Such records
+    cannot be skipped (``data.skip_invalid``): the file's other records are changed too."""
+    from hybridtrain.data import invalid
+
+    if str(cfg.format) == "chat":
+        return
+    for part, f in zip(parts, files):
+        for name, _ in invalid.fields_of(cfg):
+            feature = part.features.get(name)
+            if feature is None or getattr(feature, "dtype", None) in ("string", "large_string"):
+                continue
+            found = {r: why for r, why in invalid.problems(part, cfg).items() if not why.endswith("missing or null")}
+            if found:  # nulls are kept as nulls (and screened later); other values mangle the file
+                records = sorted(found)
+                raise PlanError(key, f"{len(records)} of the {len(part)} records of {f} are not text "
+                                     f"({'; '.join(sorted(set(found.values())))}): "
+                                     f"{invalid.where(records, [(f.name, len(part))])}; read with the other files, this "
+                                     "file's text would all be turned into JSON strings (quotes included), so these "
+                                     "records cannot be skipped: fix them or remove the file")
 
 
 def load_disk(path: str, key: str, split: str | None):

@@ -320,3 +320,24 @@ def test_the_tokenized_line_counts_the_empty_documents_a_stream_skips(tmp_path):
     p = prep.prepare(_cfg(tmp_path, path=str(tmp_path / "d.jsonl")), 0, log=logs.append)
     assert p.splits["train"]["num_documents"] == 15
     assert "tokenized 20 records (5 empty documents skipped)" in logs[-1]
+
+
+def test_a_later_json_file_with_values_that_are_not_text_is_refused_not_quoted(tmp_path):
+    """Given several files at once, HF's json builder types the columns by the first file and JSON-encodes
+    a later file's mixed values, so that file's text would train quoted ('"c"'): refused, naming it."""
+    docs = chapters(6)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs[:3]])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": docs[3]}, {"text": 5}, {"text": docs[4]}])
+    for skip in (False, True):
+        with pytest.raises(PlanError) as info:
+            prep.prepare(_cfg(tmp_path, path=f"{tmp_path}/*.jsonl", skip_invalid=skip), 0, log=lambda _: None)
+        msg = str(info.value)
+        assert info.value.key == "data.path" and f"1 of the 3 records of {tmp_path}/b.jsonl are not text" in msg, msg
+        assert "field 'text' a int, not text" in msg and "b.jsonl record 1 (counting from 0)" in msg, msg
+    write_jsonl(tmp_path / "b.jsonl", [{"text": docs[3]}, {"text": None}, {"text": docs[4]}, {"text": None}])
+    p = prep.prepare(_cfg(tmp_path, path=f"{tmp_path}/*.jsonl", skip_invalid=True), 0, log=lambda _: None)
+    assert p.skipped["train"]["records"] == 2 and "b.jsonl records 1, 3" in p.skipped["train"]["where"]
+    one = prep.prepare(DataConfig(source="files", path=str(write_jsonl(tmp_path / "one" / "c.jsonl",
+                                                                      [{"text": d} for d in docs[:5]])),
+                                  cache_dir=str(tmp_path / "c2"), seq_len=16), 0, log=lambda _: None)
+    assert np.array_equal(_stream(p), _stream(one))  # the text arrives as written, unquoted
