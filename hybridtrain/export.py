@@ -34,9 +34,47 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported; the message names the path and the problem."""
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB", merge: bool = False) -> Path:
+def recorded_sizes(meta: dict) -> dict[str, int]:
+    """``relative path -> bytes`` of a checkpoint's files as its ``meta.json`` records them (``files``:
+    ``{path: size}``, or ``{path: {"size": size, ...}}`` next to a digest); ``{}`` when it records none."""
+    out = {}
+    for rel, entry in (meta.get("files") or {}).items():
+        size = entry.get("size") if isinstance(entry, dict) else entry
+        if isinstance(size, int):
+            out[rel] = size
+    return out
+
+
+def _check_sizes(ckpt, files: list[Path]) -> None:
+    """Every file export reads has the size ``meta.json`` recorded at save time (a truncated shard is
+    refused before anything is written)."""
+    sizes = recorded_sizes(ckpt.meta())
+    for f in files:
+        want = sizes.get(str(f.relative_to(ckpt.path)))
+        if want is not None and f.stat().st_size != want:
+            raise ExportError(f"{f} is {f.stat().st_size} bytes but was saved with {want} (meta.json): truncated or "
+                              "corrupt; export another checkpoint of the run")
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    """``out`` is a new or empty folder, or ``overwrite`` is given; never a file."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a folder; give a new or empty folder for the export")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ExportError(f"{out} is not empty (it holds {shown}); give a new or empty folder, or --overwrite to "
+                          "replace the export's files there (other files are kept)")
+
+
+def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB", merge: bool = False,
+           overwrite: bool = False) -> Path:
     """Write the HF model folder of ``checkpoint`` into ``out_dir`` (a LoRA checkpoint: its peft adapter
-    folder, or with ``merge`` the HF model with the adapters merged); return ``out_dir``."""
+    folder, or with ``merge`` the HF model with the adapters merged); return ``out_dir``.
+
+    ``out_dir`` must be new or empty unless ``overwrite``; a file there, an incomplete checkpoint or a
+    file whose size differs from ``meta.json`` is an :class:`ExportError` before anything is written,
+    and a failed export removes the folder it created."""
     from hybridtrain.checkpoint.io import CheckpointDir
 
     ckpt = CheckpointDir(checkpoint)
@@ -51,11 +89,19 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     if merge and not adapters:
         raise ExportError(f"{checkpoint} holds no LoRA adapters (adapter/): --merge is for finetune.method=lora "
                           "checkpoints; export without --merge")
+    _check_sizes(ckpt, [*files, *adapters])
     out = Path(out_dir)
+    _check_target(out, overwrite)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    if adapters and not merge:
-        return _write_adapter(ckpt, out)
-    return _write_model(ckpt, out, max_shard_size, adapters if merge else [])
+    try:
+        if adapters and not merge:
+            return _write_adapter(ckpt, out)
+        return _write_model(ckpt, out, max_shard_size, adapters if merge else [])
+    except BaseException:
+        if created:  # no empty or half-written folder left behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _write_model(ckpt, out: Path, max_shard_size: str, adapters: list[Path]) -> Path:
@@ -89,9 +135,13 @@ def _read(files: list[Path]) -> dict:
 
     tensors = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            raise ExportError(f"{f} is not a readable safetensors file ({err}): truncated or corrupt; export "
+                              "another checkpoint of the run") from None
     return tensors
 
 
@@ -178,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a RUN_DIR/checkpoints/step_N folder")
     parser.add_argument("out_dir", help="where to write the HF model folder (a LoRA checkpoint: the peft adapter folder)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="export into a folder that is not empty, replacing the export's files there "
+                             "(an earlier export's model*.safetensors are removed; other files are kept)")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA checkpoint: write the HF model with the adapters merged into its weights "
                              "instead of the peft adapter folder")
@@ -188,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--check: largest allowed |difference| relative to the largest |logit| (fp32)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out_dir, args.max_shard_size, merge=args.merge)
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size, merge=args.merge, overwrite=args.overwrite)
         print(f"[hybridtrain] exported {args.checkpoint} to {out}")
         if args.check:
             diff, scale = check_logits(args.checkpoint, out)
@@ -198,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
     except ExportError as err:
         print(f"[hybridtrain] export error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the output cannot be written (permissions, a full disk): one line, not a traceback
+        print(f"[hybridtrain] export error: cannot write {args.out_dir}: {err}", file=sys.stderr)
         return 2
     return 0
 

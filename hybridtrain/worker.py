@@ -126,7 +126,7 @@ def _export(run_dir: Path, step: int) -> None:
 
     t0 = time.perf_counter()
     out = RunDir(run_dir).hf_dir
-    export(step_dir(run_dir, step), out)
+    export(step_dir(run_dir, step), out, overwrite=True)  # the run's own folder: a resumed run replaces its export
     print(f"[hybridtrain] exported the HF model to {out} in {time.perf_counter() - t0:.1f}s", flush=True)
 
 

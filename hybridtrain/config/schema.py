@@ -132,6 +132,11 @@ class DataConfig:
     """A Jinja chat template (a file path or the template itself) replacing the tokenizer's; it must
     mark assistant text with ``{% generation %}`` ... ``{% endgeneration %}``. ``null``: the tokenizer's
     own, or for the embedded tokenizer the one in ``hybridtrain/data/tokenizer.py``."""
+    skip_invalid: bool = False
+    """Records whose field is missing, null or not of the format's type (text for ``text`` and
+    ``prompt_completion``, a list of ``{role, content}`` messages with an assistant turn for ``chat``):
+    ``false`` stops the run before it starts, naming the files and record numbers; ``true`` leaves them
+    out, counted on the console and in the run's ``data.json`` (``skipped``)."""
     sample_by: SampleBy = SampleBy.document
     """``.txt`` files: one record per ``document`` (file), ``paragraph`` (blank-line separated) or ``line``."""
     val_fraction: float = 0.0

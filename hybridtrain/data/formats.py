@@ -75,9 +75,7 @@ def _samples(records: list[tuple[list[int], list[int]]], indices: list[int], seq
 
 def _texts(batch: dict[str, list], field: str, indices: list[int]) -> list[str]:
     out = []
-    for text, i in zip(batch[field], indices):
-        if text is None:
-            text = ""
+    for text, i in zip(batch[field], indices):  # prepare screens the records first (hybridtrain.data.invalid)
         if not isinstance(text, str):
             raise PlanError("data.text_field", f"record {i}: field {field!r} holds a {type(text).__name__}, not text; "
                                                "point data.text_field at a string field")
@@ -112,20 +110,27 @@ def prompt_completion_rows(batch: dict[str, list], indices: list[int], *, tokeni
     return _samples(records, indices, seq_len, pad_id)
 
 
-def check_messages(messages: Any, index: int, field: str) -> None:
-    """A chat record must be a list of ``{role, content}`` with known roles and at least one assistant turn."""
-    fix = (f"each record's {field!r} must be a list of {{'role': ..., 'content': ...}} messages with roles in "
-           f"{list(ROLES)} and at least one 'assistant' turn")
+def message_problem(messages: Any) -> str | None:
+    """What keeps ``messages`` from being a chat record (``None``: nothing): it must be a non-empty list
+    of ``{role, content}`` with known roles, string contents and at least one assistant turn."""
     if not isinstance(messages, list) or not messages:
-        raise PlanError("data.messages_field", f"record {index}: {field!r} is {type(messages).__name__} "
-                                               f"{str(messages)[:80]!r}; {fix}")
+        return "missing or null" if messages is None else f"is {type(messages).__name__} {str(messages)[:80]!r}"
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise PlanError("data.messages_field", f"record {index}: message {str(m)[:120]!r} lacks a known role "
-                                                   f"or string content; {fix}")
+            return f"has message {str(m)[:120]!r}, which lacks a known role or string content"
     if not any(m["role"] == "assistant" for m in messages):
-        raise PlanError("data.messages_field", f"record {index}: no assistant message (roles "
-                                               f"{[m['role'] for m in messages]}); {fix}")
+        return f"has no assistant message (roles {[m['role'] for m in messages]})"
+    return None
+
+
+def check_messages(messages: Any, index: int, field: str) -> None:
+    """A chat record must be a list of ``{role, content}`` with known roles and at least one assistant turn
+    (:func:`message_problem`); a :class:`PlanError` naming record ``index`` otherwise."""
+    problem = message_problem(messages)
+    if problem:
+        raise PlanError("data.messages_field", f"record {index}: {field!r} {problem}; each record's {field!r} must be "
+                                               "a list of {'role': ..., 'content': ...} messages with roles in "
+                                               f"{list(ROLES)} and at least one 'assistant' turn")
 
 
 def chat_rows(batch: dict[str, list], indices: list[int], *, tokenizer, field: str, seq_len: int,

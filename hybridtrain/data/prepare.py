@@ -20,11 +20,11 @@ from typing import Callable
 
 from hybridtrain.config.choices import Packing
 from hybridtrain.config.schema import DataConfig
-from hybridtrain.data import formats, sources
+from hybridtrain.data import formats, invalid, sources
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 from hybridtrain.errors import PlanError
 
-VERSION = 3
+VERSION = 4
 """Bump when the written samples change for the same inputs (invalidates every cache entry)."""
 
 
@@ -48,6 +48,10 @@ class Prepared:
     """``{"train": {file names..., "num_samples": n}, "val": {...}}`` (``val`` only with validation), with
     what truncation did (``records``, ``dropped_records``, ``truncated_records``, ``cut_tokens``,
     ``split_records``) and for ``documents`` the rows of this run's seed (``num_samples``, ``fill``)."""
+    skipped: dict = field(default_factory=dict)
+    """With ``data.skip_invalid``: per source (``train``: ``data.path``, ``val``: ``data.val_path``) the
+    records left out as invalid (``records``, ``of``, ``why``, ``where``: the first files and record
+    numbers), see :mod:`hybridtrain.data.invalid`; ``{}`` when none was."""
     pad_id: int = 0
     """Token id that pads rows (``documents`` pads when the rows are read)."""
     fingerprint: str = ""
@@ -107,6 +111,8 @@ def options(cfg: DataConfig, seed: int) -> dict:
         opts["seq_len"] = cfg.seq_len
     if cfg.val_fraction > 0:
         opts["seed"] = seed
+    if cfg.skip_invalid:  # other records are kept; without it an invalid record is an error, not a cache entry
+        opts["skip_invalid"] = True
     return opts
 
 
@@ -171,12 +177,6 @@ def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
                                               "give data.chat_template=FILE with a template that wraps assistant "
                                               "content in them (see docs/data.md)")
     return formats.chat_rows, {"field": cfg.messages_field, "seq_len": cfg.seq_len, "pad_id": pad}
-
-
-def _field_keys(cfg: DataConfig) -> list[tuple[str, str]]:
-    return {"text": [(cfg.text_field, "data.text_field")], "chat": [(cfg.messages_field, "data.messages_field")],
-            "prompt_completion": [(cfg.prompt_field, "data.prompt_field"),
-                                  (cfg.completion_field, "data.completion_field")]}[cfg.format]
 
 
 def features(kind: str, seq_len: int, dtype: str):
@@ -251,6 +251,20 @@ def _describe(prepared: Prepared, mode: Packing) -> str:
     return f"[hybridtrain] data      packing {mode}: " + "; ".join(parts) if parts else ""
 
 
+def _tokenized(prepared: Prepared, records: int, seconds: float, num_proc: int, final: Path) -> str:
+    """The ``tokenized N records`` line: the records tokenized (the invalid ones skipped are not among
+    them, and are counted), the empty ``text`` documents a stream skips, the samples per split."""
+    unit = "rows" if prepared.kind == "documents" else "samples"
+    counts = ", ".join(f"{s} {v['num_samples']} {unit}" for s, v in prepared.splits.items())
+    notes = [f"{sum(s['records'] for s in prepared.skipped.values())} invalid skipped" if prepared.skipped else ""]
+    if prepared.kind == "packed":
+        empty = records - sum(v["num_documents"] for v in prepared.splits.values())
+        notes.append(f"{empty} empty document{'s' if empty != 1 else ''} skipped" if empty else "")
+    notes = [n for n in notes if n]
+    return (f"[hybridtrain] data      tokenized {records} records" + (f" ({', '.join(notes)})" if notes else "") +
+            f" in {seconds:.1f}s (num_proc={num_proc}): {counts}; cached in {final}")
+
+
 def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
     """Tokenize ``data`` into samples once (or find them cached); return where they are.
 
@@ -275,6 +289,8 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             _pack_rows(found, seed)
         log(f"[hybridtrain] data      cached tokens found in {final}: tokenization skipped (same source, "
             f"tokenizer and options)")
+        if found.skipped:
+            log(invalid.describe(found.skipped))
         if kind != "packed":
             log(_describe(found, packing_of(cfg)))
         return found
@@ -285,11 +301,16 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
     out.mkdir(parents=True, exist_ok=True)
     try:
         raw = sources.load_raw(cfg, work / "hf")
-        for name, key in _field_keys(cfg):
+        for name, key in invalid.fields_of(cfg):
             _check_field(raw.train, name, key)
             if raw.val is not None:
                 _check_field(raw.val, name, key)
-        train, val = raw.train, raw.val
+        skipped = {}
+        train, skipped["train"] = invalid.screen(raw.train, raw.origins["train"], cfg, "train")
+        val = raw.val
+        if val is not None:
+            val, skipped["val"] = invalid.screen(val, raw.origins["val"], cfg, "val")
+        skipped = {source: s for source, s in skipped.items() if s}
         if cfg.val_fraction > 0:
             try:
                 parts = train.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True,
@@ -317,7 +338,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             if kind == "packed" and splits[split]["num_tokens"] == 0:
                 raise PlanError("data.text_field", f"every {split} document is empty; check data.text_field")
         prepared = Prepared(dir=str(out), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp,
-                            pad_id=_pad_id(tokenizer))
+                            pad_id=_pad_id(tokenizer), skipped=skipped)
         if kind == "documents":
             _pack_rows(prepared, seed)
         prepared.dir = str(final)
@@ -328,10 +349,10 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             pass
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    unit = "rows" if kind == "documents" else "samples"
-    counts = ", ".join(f"{s} {v['num_samples']} {unit}" for s, v in splits.items())
-    log(f"[hybridtrain] data      tokenized {len(train) + (len(val) if val is not None else 0)} records in "
-        f"{time.perf_counter() - t0:.1f}s (num_proc={cfg.num_proc}): {counts}; cached in {final}")
+    log(_tokenized(prepared, len(train) + (len(val) if val is not None else 0), time.perf_counter() - t0,
+                   cfg.num_proc, final))
+    if skipped:
+        log(invalid.describe(skipped))
     if kind != "packed":
         log(_describe(prepared, packing_of(cfg)))
     return prepared

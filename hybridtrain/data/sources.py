@@ -31,6 +31,9 @@ class Raw:
     """``datasets.Dataset`` of validation records given as a separate source, or ``None``."""
     identity: dict
     """What the records depend on (file sizes and mtimes, dataset fingerprints): part of the cache key."""
+    origins: dict
+    """``{"train": [(file or dataset, records), ...], "val": [...]}``: where each record comes from, in
+    order, so that a message can name a record's file and its number there."""
 
 
 def offline() -> None:
@@ -91,12 +94,14 @@ def _stat(files: list[Path]) -> list:
 
 
 def load_files(pattern: str, key: str, cfg: DataConfig, cache: Path):
-    """Records of local files (one builder for all), after the UTF-8 check; and their identity."""
-    from datasets import load_dataset
+    """Records of local files (one builder for all), after the UTF-8 check; their identity; and their
+    origins (each file and its record count, in the order of the records)."""
+    from datasets import concatenate_datasets, load_dataset
 
     files = expand(pattern, key)
     if len(files) == 1 and is_saved_dataset(files[0]):
-        return load_disk(str(files[0]), key, cfg.split)
+        ds, ident = load_disk(str(files[0]), key, cfg.split)
+        return ds, ident, [(str(files[0]), len(ds))]
     folder = next((f for f in files if f.is_dir()), None)
     if folder is not None:
         raise PlanError(key, f"{folder} is a folder; give a glob of its files (e.g. '{folder}/*.jsonl'), "
@@ -116,13 +121,51 @@ def load_files(pattern: str, key: str, cfg: DataConfig, cache: Path):
         for f in files:
             check_utf8(f, key)
     kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
+    names = {f"file{i}": [str(f)] for i, f in enumerate(files)}  # one split per file: its record count
     try:
-        ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(cache), **kwargs)
+        if builder == "json" and len(files) > 1:  # each file's own column types first (see _check_json_types)
+            parts = [load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache)) for f in files]
+            if len({json.dumps(p.features.to_dict(), sort_keys=True) for p in parts}) > 1:
+                _check_json_types(parts, files, cfg, key)
+                parts = None
+        else:
+            parts = None
+        if parts is None:  # HF aligns the files' columns (a column one file lacks is null there)
+            loaded = load_dataset(builder, data_files=names, cache_dir=str(cache), **kwargs)
+            parts = [loaded[name] for name in names]
+    except PlanError:
+        raise
     except Exception as err:  # noqa: BLE001 - malformed JSON/CSV surfaces as DatasetGenerationError
         cause = err.__cause__ or err
         raise PlanError(key, f"could not read the {builder} files {[str(f) for f in files][:5]}: "
                              f"{type(cause).__name__}: {str(cause)[:300]}; fix or remove the file") from None
-    return ds, {"files": _stat(files), "builder": builder, **kwargs}
+    ds = concatenate_datasets(parts)  # the files' records in order, as one split
+    return ds, {"files": _stat(files), "builder": builder, **kwargs}, [(str(f), len(p)) for f, p in zip(files, parts)]
+
+
+def _check_json_types(parts: list, files: list[Path], cfg: DataConfig, key: str) -> None:
+    """Refuse a JSON file whose text field is not text throughout. Given several files at once, HF's
+    ``json`` builder takes the column types from the first file and casts the others to them; a file
+    whose field mixes strings with numbers or lists is read as JSON values and cast to strings by
+    encoding them, so all of that file's text would arrive quoted (``"c"`` as ``'"c"'``). Such records
+    cannot be skipped (``data.skip_invalid``): the file's other records are changed too."""
+    from hybridtrain.data import invalid
+
+    if str(cfg.format) == "chat":
+        return
+    for part, f in zip(parts, files):
+        for name, _ in invalid.fields_of(cfg):
+            feature = part.features.get(name)
+            if feature is None or getattr(feature, "dtype", None) in ("string", "large_string"):
+                continue
+            found = {r: why for r, why in invalid.problems(part, cfg).items() if not why.endswith("missing or null")}
+            if found:  # nulls are kept as nulls (and screened later); other values mangle the file
+                records = sorted(found)
+                raise PlanError(key, f"{len(records)} of the {len(part)} records of {f} are not text "
+                                     f"({'; '.join(sorted(set(found.values())))}): "
+                                     f"{invalid.where(records, [(f.name, len(part))])}; read with the other files, this "
+                                     "file's text would all be turned into JSON strings (quotes included), so these "
+                                     "records cannot be skipped: fix them or remove the file")
 
 
 def load_disk(path: str, key: str, split: str | None):
@@ -182,12 +225,14 @@ def load_embedded():
 def load_raw(cfg: DataConfig, cache: Path) -> Raw:
     """The training (and given validation) records of ``data``; ``cache`` holds HF's intermediate Arrow files."""
     offline()
+    origins: dict = {}
     if cfg.source == "embedded":
         train, ident = load_embedded()
         val, val_ident = None, None
     elif cfg.source == "files":
-        train, ident = load_files(cfg.path, "data.path", cfg, cache)
-        val, val_ident = load_files(cfg.val_path, "data.val_path", cfg, cache) if cfg.val_path else (None, None)
+        train, ident, origins["train"] = load_files(cfg.path, "data.path", cfg, cache)
+        val, val_ident, origins["val"] = (load_files(cfg.val_path, "data.val_path", cfg, cache) if cfg.val_path
+                                          else (None, None, []))
     elif cfg.source == "disk":
         train, ident = load_disk(cfg.path, "data.path", cfg.split)
         if cfg.val_path:
@@ -205,4 +250,8 @@ def load_raw(cfg: DataConfig, cache: Path) -> Raw:
     if val is not None and len(val) == 0:
         raise PlanError("data.val_split" if cfg.source == "hf" else "data.val_path",
                         "the validation dataset holds no records")
-    return Raw(train=train, val=val, identity=json.loads(json.dumps({"train": ident, "val": val_ident})))
+    origins.setdefault("train", [(cfg.path or cfg.name or "the embedded corpus", len(train))])
+    if val is not None:
+        origins.setdefault("val", [(cfg.val_path or cfg.path or cfg.name, len(val))])
+    return Raw(train=train, val=val, identity=json.loads(json.dumps({"train": ident, "val": val_ident})),
+               origins=origins)

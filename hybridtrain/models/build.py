@@ -62,8 +62,8 @@ class ModelBuilder:
         from hybridtrain.models.weights import SafetensorsWeights
 
         folder = weights_dir or cfg.model.pretrained
-        weights = SafetensorsWeights(folder) if folder is not None else None
         family, hf_model = family_of(cfg.model), meta_model(hf_config)
+        weights = SafetensorsWeights(folder).for_model(hf_model) if folder is not None else None
         lora = adapter = None
         if cfg.finetune.method == "lora":
             lora = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)

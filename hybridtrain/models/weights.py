@@ -17,6 +17,45 @@ class CheckpointError(ValueError):
     """A model folder that cannot be loaded; the message names the file and what is wrong."""
 
 
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.bin", "tf_model.h5", "flax_model.msgpack")
+"""Weight files of other formats, which are never loaded (a pickle can run code when loaded)."""
+
+
+def no_weights(folder: Path) -> str:
+    """Why ``folder`` has no weights hybridtrain loads, and how to get them."""
+    found = [name for name in PICKLES if (folder / name).is_file()] + sorted(p.name for p in folder.glob("pytorch_model-*.bin"))[:1]
+    if found:
+        return (f"{folder} holds {found[0]}, not safetensors: hybridtrain loads only model.safetensors (or a sharded "
+                "model.safetensors.index.json), never a pickle, which can run code when loaded; convert it once, "
+                f"where you trust the file: python -c \"from transformers import AutoModelForCausalLM as M; "
+                f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\" and set "
+                f"model.pretrained={folder}-safetensors")
+    return (f"{folder} has config.json but no weights (no model.safetensors or model.safetensors.index.json); "
+            "give the folder written by save_pretrained, with its weights")
+
+
+def stored_names(stored: Iterable[str], model: torch.nn.Module) -> dict[str, str]:
+    """``name in model -> stored name`` for the tensors ``stored`` in a folder, through transformers' own
+    key mapping for ``model`` (what ``from_pretrained`` applies: renamed old names such as GPT-NeoX's
+    ``embed_out`` or ``LayerNorm.gamma``, and the base-model prefix a base-model checkpoint lacks).
+    Names a conversion would have to compute (merged or split tensors) are left out."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without the mapping: the stored names as they are
+        return {name: name for name in stored}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    state = model.state_dict()
+    out: dict[str, str] = {}
+    for key in stored:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if converted is None:
+            out.setdefault(name, key)
+    return out
+
+
 class SafetensorsWeights:
     """HF-named tensors of a local model folder."""
 
@@ -47,20 +86,59 @@ class SafetensorsWeights:
                 with safe_open(str(path), framework="pt") as f:
                     self._file_of.update({name: path for name in f.keys()})
         else:
-            raise CheckpointError(f"{self.folder} has no model.safetensors or model.safetensors.index.json "
-                                  "(only safetensors weights are loaded; re-save with save_pretrained)")
+            raise CheckpointError(no_weights(self.folder))
         self._handles: dict[Path, object] = {}
+        self._stored: dict[str, str] = {}
 
     def names(self) -> Iterable[str]:
+        """The tensor names as stored in the folder."""
         return self._file_of.keys()
 
+    def for_model(self, model: torch.nn.Module) -> "SafetensorsWeights":
+        """Read the tensors of ``model``'s parameters under the names the folder stores them by
+        (:func:`stored_names`: transformers' own renaming of old names and base-model prefixes); ``self``."""
+        self._stored = {name: stored for name, stored in stored_names(self.names(), model).items() if name != stored}
+        return self
+
+    def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``stored name -> (shape, safetensors dtype)`` of every tensor, from the files' headers only
+        (no tensor data is read). ``safe_open`` checks that each header is valid and that the tensors it
+        declares fit the file (a truncated or garbage file fails here); a sharded index naming a file
+        that is missing or does not hold the tensor is an error too."""
+        from safetensors import safe_open
+
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self._file_of.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            if not path.is_file():
+                raise CheckpointError(f"{path} is named by {self.folder / 'model.safetensors.index.json'} but does not "
+                                      "exist; the download or copy is incomplete")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    held = set(f.keys())
+                    for name in names:
+                        if name not in held:
+                            raise CheckpointError(f"{path} does not hold {name!r}, which the index names; the index "
+                                                  "and the shards do not belong together")
+                        view = f.get_slice(name)
+                        out[name] = (tuple(view.get_shape()), str(view.get_dtype()))
+            except CheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise CheckpointError(f"{path} is not a readable safetensors file ({err}); the file may be "
+                                      "truncated or corrupt") from None
+        return out
+
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return self._stored.get(name, name) in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` as float32."""
         from safetensors import safe_open
 
+        name = self._stored.get(name, name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -81,6 +159,7 @@ class SafetensorsWeights:
         indexes. Errors name the file."""
         from safetensors import safe_open
 
+        name = self._stored.get(name, name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")

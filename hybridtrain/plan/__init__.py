@@ -4,7 +4,8 @@ from __future__ import annotations
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
-from hybridtrain.plan.hf import apply_pretrained_defaults, layer_params, model_config, pretrained_config
+from hybridtrain.plan.hf import (apply_pretrained_defaults, check_pretrained_weights, layer_params, model_config,
+                                 pretrained_config)
 from hybridtrain.plan.machine import machine_facts
 from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for
 from hybridtrain.plan.validate import apply_world_size, build_plan, vocab_pad_multiple
@@ -25,6 +26,8 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
 
     machine = planned_machine(cfg.launcher, machine or machine_facts())  # a cluster plans for its nodes
     hf_config = model_config(cfg)
+    if cfg.model.pretrained:  # the weights' headers, before any data is tokenized or rank started
+        check_pretrained_weights(cfg, hf_config)
     cfg.model.vocab_pad_multiple = vocab_pad_multiple(cfg, machine)  # null: 64 on GPUs, 1 on CPU
     cfg.trainer.precision = precision_for(cfg.trainer.precision, cfg.launcher, machine)  # null: bf16 on GPUs
     if str(cfg.model.family or "") == "auto":

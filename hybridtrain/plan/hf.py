@@ -38,6 +38,61 @@ def layer_params(cfg: Config, hf_config) -> list[int]:
     return [count(u) for u in model_units(family, hf_config)]
 
 
+def pretrained_folder(cfg: Config):
+    """The ``model.pretrained`` folder, checked to exist and to hold a ``config.json``."""
+    from pathlib import Path
+
+    folder = Path(cfg.model.pretrained).expanduser()
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.is_file() else f"does not exist (working directory {Path.cwd()})"
+        raise PlanError("model.pretrained", f"{cfg.model.pretrained!r} {what}; give the folder written by save_pretrained")
+    if not (folder / "config.json").is_file():
+        raise PlanError("model.pretrained", f"{folder} is not a HuggingFace model folder (no config.json); "
+                        "give the folder written by save_pretrained")
+    return folder
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+"""safetensors dtypes the weights may be stored in (every one is read as fp32)."""
+
+
+def check_pretrained_weights(cfg: Config, hf_config) -> None:
+    """The ``model.pretrained`` folder's weights against the model its ``config.json`` describes, from
+    the safetensors headers only (no tensor data is read): every file readable and as long as its
+    header says, every parameter of the family's model there (under transformers' own names for old
+    checkpoints) with its shape and a floating-point dtype. One :class:`PlanError` naming the first
+    problems; a folder of pickles only (``pytorch_model.bin``) is refused with how to convert it."""
+    from hybridtrain.models.hf_model import meta_model
+    from hybridtrain.models.weights import CheckpointError, SafetensorsWeights, stored_names
+
+    folder = pretrained_folder(cfg)
+    try:
+        headers = SafetensorsWeights(folder).headers()
+    except CheckpointError as err:
+        raise PlanError("model.pretrained", str(err)) from None
+    family, model = family_of(cfg.model), meta_model(hf_config)
+    stored = stored_names(headers, model)
+    missing, wrong = [], []
+    for name, param in model.named_parameters():  # a tied head shares the embedding's parameter: not listed
+        key = stored.get(name, family.checkpoint_name(name))
+        if key not in headers:
+            missing.append(name)
+        elif headers[key][0] != tuple(param.shape):
+            wrong.append(f"{key} has shape {list(headers[key][0])} but the model expects {list(param.shape)}")
+        elif headers[key][1] not in FLOAT_DTYPES:
+            wrong.append(f"{key} is {headers[key][1]}, not floating point")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise PlanError("model.pretrained", f"{folder}: {len(missing)} of the {hf_config.model_type} model's tensors are "
+                        f"missing from its safetensors files ({', '.join(missing[:3])}{more}; the files hold "
+                        f"{len(headers)} tensors such as {sorted(headers)[:2]}); the weights do not belong to its "
+                        "config.json: re-save the model with save_pretrained")
+    if wrong:
+        more = f" (and {len(wrong) - 2} more)" if len(wrong) > 2 else ""
+        raise PlanError("model.pretrained", f"{folder}: {'; '.join(wrong[:2])}{more}; the weights do not match "
+                        "its config.json: re-save the model with save_pretrained")
+
+
 def pretrained_config(cfg: Config):
     """The HF config of the ``model.pretrained`` folder, checked: it exists, is an HF model of a
     supported family matching ``model.model_type``, and needs no remote code unless allowed."""
@@ -45,13 +100,7 @@ def pretrained_config(cfg: Config):
 
     from transformers import AutoConfig
 
-    folder = Path(cfg.model.pretrained).expanduser()
-    if not folder.is_dir():
-        raise PlanError("model.pretrained", f"{cfg.model.pretrained!r} does not exist or is not a folder; "
-                        "give the folder written by save_pretrained")
-    if not (folder / "config.json").is_file():
-        raise PlanError("model.pretrained", f"{folder} is not a HuggingFace model folder (no config.json); "
-                        "give the folder written by save_pretrained")
+    folder = pretrained_folder(cfg)
     try:
         hf = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.model.trust_remote_code)
     except ValueError as err:  # unknown model_type, or remote code refused
@@ -122,6 +171,10 @@ def model_config(cfg: Config):
     from hybridtrain.data.tokenizer import load_tokenizer
     from hybridtrain.models.hf_model import hf_config_of
 
+    if cfg.model.model_type is None and cfg.model.pretrained:  # the folder's config.json gives it: why did it not?
+        folder = pretrained_folder(cfg)
+        raise PlanError("model.pretrained", f"{folder}/config.json names no model_type (or is not JSON); give the "
+                        "folder written by save_pretrained")
     if cfg.model.model_type is None:
         raise PlanError("model.model_type", "null: the family comes from model.pretrained's config.json, but no "
                         f"model.pretrained is set; set model.pretrained=DIR or model=FAMILY ({sorted(FAMILIES)})")

@@ -99,7 +99,7 @@ def test_export_replaces_an_earlier_export_in_the_same_folder(saved_runs, tmp_pa
 
     run_dir = saved_runs[("gpt_tiny", (1, 1, 1))]
     export(RunDir(run_dir).checkpoints / "step_6", tmp_path / "hf", max_shard_size="1MB")  # sharded, newer
-    export(RunDir(run_dir).checkpoints / "step_3", tmp_path / "hf")                         # single file, older
+    export(RunDir(run_dir).checkpoints / "step_3", tmp_path / "hf", overwrite=True)         # single file, older
     assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert _hf_loss(tmp_path / "hf", *_batch("gpt_tiny", 3)) == pytest.approx(losses(run_dir)[3], rel=1e-5)
 

@@ -23,6 +23,10 @@ def _inputs(d) -> dict[str, list[str]]:
     bad_chat = chat_records(30)
     bad_chat[17] = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "user", "content": "Anyone?"}]}
     write_jsonl(d / "chats.jsonl", bad_chat)
+    holes = (3, 7, 12, 20, 33, 40, 41, 50, 59)  # 9 of 60 records without the text field
+    write_jsonl(d / "holes.jsonl", [{"body": "x"} if i in holes else {"content": c} for i, c in enumerate(chapters(60))])
+    write_jsonl(d / "no_completion.jsonl", [{"prompt": c[:80]} if i == 4 else {"prompt": c[:80], "completion": c[80:200]}
+                                            for i, c in enumerate(chapters(30))])
     return {
         "glob_matches_nothing": [f"data.path={d}/nowhere/*.jsonl"],
         "empty_dataset": [f"data.path={d}/empty.jsonl"],
@@ -35,6 +39,8 @@ def _inputs(d) -> dict[str, list[str]]:
                                         "+model.config.vocab_size=1000"],
         "chat_without_roles": [f"data.path={d}/chats.jsonl", "data.format=chat"],
         "hub_not_cached": ["data=hf", "data.name=nobody/no_such_set"],
+        "records_without_the_field": [f"data.path={d}/holes.jsonl", "data.text_field=content"],
+        "prompt_without_completion": [f"data.path={d}/no_completion.jsonl", "data.format=prompt_completion"],
         "validation_smaller_than_a_batch": [f"data.path={corpus}", "data.text_field=content", "data.packing=false",
                                             "data.val_fraction=0.1"],
     }
@@ -51,6 +57,11 @@ EXPECT = {  # case -> (key, fragments of the message)
     "tokenizer_larger_than_vocab": ("model.config.vocab_size", ["8000 tokens", "only 1000"]),
     "chat_without_roles": ("data.messages_field", ["record 17", "no assistant message", "['user', 'user']"]),
     "hub_not_cached": ("data.name", ["'nobody/no_such_set'", "not in the local HF datasets cache", "load_dataset("]),
+    "records_without_the_field": ("data.text_field", ["9 of 60 train records", "field 'content' missing or null",
+                                                      "holes.jsonl records 3, 7, 12, 20, 33 and 4 more (counting from 0)",
+                                                      "data.skip_invalid=true"]),
+    "prompt_without_completion": ("data.completion_field", ["1 of 30 train records", "field 'completion' missing or null",
+                                                            "no_completion.jsonl record 4 (counting from 0)"]),
     "validation_smaller_than_a_batch": ("data.val_fraction", ["4 samples", "fewer than one global batch of 12"]),
 }
 

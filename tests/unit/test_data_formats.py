@@ -36,10 +36,13 @@ def test_to_row_without_targets_is_dropped():
 
 
 def test_packed_text_appends_eos_and_skips_empty_documents(tok):
-    out = formats.text_stream({"t": ["In the beginning", "", None, "God"]}, [0, 1, 2, 3], tokenizer=tok,
+    out = formats.text_stream({"t": ["In the beginning", "", "God"]}, [0, 1, 2], tokenizer=tok,
                               field="t", eos_id=tok.eos_token_id)
     assert out["ids"] == [tok("In the beginning")["input_ids"] + [tok.eos_token_id],
                           tok("God")["input_ids"] + [tok.eos_token_id]]
+    with pytest.raises(PlanError) as info:  # a missing field is not an empty document (prepare screens it first)
+        formats.text_stream({"t": ["In the beginning", None]}, [0, 1], tokenizer=tok, field="t", eos_id=0)
+    assert "record 1" in str(info.value) and "NoneType, not text" in str(info.value)
 
 
 def test_unpacked_text_every_real_token_is_a_target(tok):

@@ -196,3 +196,148 @@ def test_validation_split_is_a_function_of_the_seed(tmp_path):
     c, _ = split(4, "c3")
     assert a == b and a != c
     assert len(a["val"]) == 10 and len(a["train"]) == 40 and not a["val"] & a["train"]  # documents, not tokens, split
+
+
+# --- invalid records (missing, null, not text) ----------------------------------------------------------
+
+def _with_holes(n: int, holes: tuple[int, ...], make, hole) -> list[dict]:
+    return [hole(i) if i in holes else make(c) for i, c in enumerate(chapters(n))]
+
+
+def test_records_without_their_field_are_an_error_naming_the_files_and_records(tmp_path):
+    """9 of 60 records without the text field: an error naming each file and the records' numbers in
+    it (the first few, then how many more), not 51 documents trained as if they were 60."""
+    recs = _with_holes(60, (3, 7, 12, 20, 33, 40, 41, 50, 59), lambda c: {"text": c}, lambda i: {"body": "x"})
+    write_jsonl(tmp_path / "a.jsonl", recs[:30])
+    write_jsonl(tmp_path / "b.jsonl", recs[30:])
+    with pytest.raises(PlanError) as info:
+        prep.prepare(_cfg(tmp_path, path=f"{tmp_path}/*.jsonl"), 0, log=lambda _: None)
+    msg = str(info.value)
+    assert info.value.key == "data.text_field"
+    assert "9 of 60 train records" in msg and "9: field 'text' missing or null" in msg
+    assert f"{tmp_path}/a.jsonl records 3, 7, 12, 20, {tmp_path}/b.jsonl record 3 and 4 more (counting from 0)" in msg
+    assert "data.skip_invalid=true" in msg
+    assert not list((tmp_path / "cache").glob("data-*"))  # nothing cached
+
+
+@pytest.mark.parametrize("kind", ["prompt_completion_missing", "prompt_null", "completion_int", "text_parquet_null",
+                                  "text_csv_empty", "chat_null", "chat_no_assistant", "disk_null", "val_path_missing"])
+def test_every_format_and_file_kind_refuses_an_invalid_record(tmp_path, kind):
+    import pandas as pd
+    from datasets import Dataset
+
+    docs = chapters(12)
+    pc = [{"prompt": d[:80], "completion": d[80:160]} for d in docs]
+    extra: dict = {}
+    if kind.startswith(("prompt", "completion")):
+        field, key, fmt = {"prompt_completion_missing": ("completion", "data.completion_field", "missing or null"),
+                           "prompt_null": ("prompt", "data.prompt_field", "missing or null"),
+                           "completion_int": ("completion", "data.completion_field", "a int, not text")}[kind]
+        if kind == "prompt_completion_missing":
+            del pc[5]["completion"]
+        else:
+            pc[5][field] = None if kind == "prompt_null" else 17
+        write_jsonl(tmp_path / "d.jsonl", pc)
+        extra = dict(path=str(tmp_path / "d.jsonl"), format="prompt_completion")
+    elif kind == "text_parquet_null":
+        pd.DataFrame({"text": [None if i == 5 else d for i, d in enumerate(docs)]}).to_parquet(tmp_path / "d.parquet")
+        field, key, fmt, extra = "text", "data.text_field", "missing or null", dict(path=str(tmp_path / "d.parquet"))
+    elif kind == "text_csv_empty":
+        pd.DataFrame({"text": [None if i == 5 else d for i, d in enumerate(docs)]}).to_csv(tmp_path / "d.csv", index=False)
+        field, key, fmt, extra = "text", "data.text_field", "missing or null", dict(path=str(tmp_path / "d.csv"))
+    elif kind.startswith("chat"):
+        from helpers.data import chat_records
+
+        chats = chat_records(12)
+        chats[5] = ({"messages": None} if kind == "chat_null" else
+                    {"messages": [{"role": "user", "content": "Hello?"}]})
+        write_jsonl(tmp_path / "d.jsonl", chats)
+        field, key = "messages", "data.messages_field"
+        fmt = "missing or null" if kind == "chat_null" else "has no assistant message (roles ['user'])"
+        extra = dict(path=str(tmp_path / "d.jsonl"), format="chat")
+    elif kind == "disk_null":
+        Dataset.from_dict({"text": [None if i == 5 else d for i, d in enumerate(docs)]}).save_to_disk(str(tmp_path / "d"))
+        field, key, fmt, extra = "text", "data.text_field", "missing or null", dict(source="disk", path=str(tmp_path / "d"))
+    else:
+        write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+        write_jsonl(tmp_path / "d.jsonl", [{"body": d} if i == 5 else {"text": d} for i, d in enumerate(docs)])
+        field, key, fmt = "text", "data.text_field", "missing or null"
+        extra = dict(path=str(tmp_path / "t.jsonl"), val_path=str(tmp_path / "d.jsonl"))
+    with pytest.raises(PlanError) as info:
+        prep.prepare(_cfg(tmp_path, **extra), 0, log=lambda _: None)
+    msg = str(info.value)
+    assert info.value.key == key, msg
+    source = "val" if kind == "val_path_missing" else "train"
+    assert f"1 of 12 {source} records" in msg and f"1: field {field!r} {fmt}" in msg, msg
+    assert f"{tmp_path}/d" in msg and " record 5 (counting from 0)" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion"])
+def test_skip_invalid_trains_on_exactly_the_valid_records_and_counts_the_others(tmp_path, fmt):
+    """``data.skip_invalid=true``: the samples are those of a file without the invalid records, and
+    the skipped ones are counted on the console, in the tokenized line and in data.json (also when
+    the cache is hit)."""
+    holes = (3, 7, 12, 20, 33, 40, 41, 50, 59)
+    make = (lambda c: {"text": c}) if fmt == "text" else (lambda c: {"prompt": c[:60], "completion": c[60:200]})
+    hole = (lambda i: {"body": "x"}) if fmt == "text" else (lambda i: {"prompt": "only a prompt"})
+    recs = _with_holes(60, holes, make, hole)
+    write_jsonl(tmp_path / "bad.jsonl", recs)
+    write_jsonl(tmp_path / "clean" / "good.jsonl", [r for i, r in enumerate(recs) if i not in holes])
+    logs: list[str] = []
+    kw = dict(format=fmt)
+    skipped = prep.prepare(_cfg(tmp_path, path=str(tmp_path / "bad.jsonl"), skip_invalid=True, **kw), 0, log=logs.append)
+    clean = prep.prepare(DataConfig(source="files", path=str(tmp_path / "clean" / "good.jsonl"),
+                                    cache_dir=str(tmp_path / "cache2"), seq_len=16, **kw), 0, log=lambda _: None)
+    column = "ids" if fmt == "text" else "input_ids"
+    ours, theirs = (np.asarray(ArrowColumn(Path(p.dir) / "train", column)) for p in (skipped, clean))
+    assert np.array_equal(ours, theirs)
+    field = "text" if fmt == "text" else "completion"
+    assert skipped.skipped == {"train": {"records": 9, "of": 60, "why": f"9: field {field!r} missing or null",
+                                         "where": f"{tmp_path}/bad.jsonl records 3, 7, 12, 20, 33 and 4 more "
+                                                  "(counting from 0)"}}
+    assert json.loads(skipped.to_json())["skipped"] == skipped.skipped  # the run's data.json
+    tokenized = next(line for line in logs if "tokenized" in line)
+    assert "tokenized 51 records (9 invalid skipped)" in tokenized
+    assert any("skipped as invalid (data.skip_invalid=true): train 9 of 60 records" in line for line in logs)
+    logs.clear()
+    again = prep.prepare(_cfg(tmp_path, path=str(tmp_path / "bad.jsonl"), skip_invalid=True, **kw), 0, log=logs.append)
+    assert again.cached and again.skipped == skipped.skipped
+    assert any("skipped as invalid" in line for line in logs)
+    with pytest.raises(PlanError):  # the cache of a skipping run never serves one that does not skip
+        prep.prepare(_cfg(tmp_path, path=str(tmp_path / "bad.jsonl"), **kw), 0, log=lambda _: None)
+
+
+def test_skip_invalid_with_no_valid_record_left_is_an_error(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"body": "x"}] * 4 + [{"text": None}])
+    with pytest.raises(PlanError) as info:
+        prep.prepare(_cfg(tmp_path, path=str(tmp_path / "d.jsonl"), skip_invalid=True), 0, log=lambda _: None)
+    assert info.value.key == "data.skip_invalid" and "every one of the 5 train records is invalid" in str(info.value)
+
+
+def test_the_tokenized_line_counts_the_empty_documents_a_stream_skips(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "" if i % 4 == 0 else d} for i, d in enumerate(chapters(20))])
+    logs: list[str] = []
+    p = prep.prepare(_cfg(tmp_path, path=str(tmp_path / "d.jsonl")), 0, log=logs.append)
+    assert p.splits["train"]["num_documents"] == 15
+    assert "tokenized 20 records (5 empty documents skipped)" in logs[-1]
+
+
+def test_a_later_json_file_with_values_that_are_not_text_is_refused_not_quoted(tmp_path):
+    """Given several files at once, HF's json builder types the columns by the first file and JSON-encodes
+    a later file's mixed values, so that file's text would train quoted ('"c"'): refused, naming it."""
+    docs = chapters(6)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs[:3]])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": docs[3]}, {"text": 5}, {"text": docs[4]}])
+    for skip in (False, True):
+        with pytest.raises(PlanError) as info:
+            prep.prepare(_cfg(tmp_path, path=f"{tmp_path}/*.jsonl", skip_invalid=skip), 0, log=lambda _: None)
+        msg = str(info.value)
+        assert info.value.key == "data.path" and f"1 of the 3 records of {tmp_path}/b.jsonl are not text" in msg, msg
+        assert "field 'text' a int, not text" in msg and "b.jsonl record 1 (counting from 0)" in msg, msg
+    write_jsonl(tmp_path / "b.jsonl", [{"text": docs[3]}, {"text": None}, {"text": docs[4]}, {"text": None}])
+    p = prep.prepare(_cfg(tmp_path, path=f"{tmp_path}/*.jsonl", skip_invalid=True), 0, log=lambda _: None)
+    assert p.skipped["train"]["records"] == 2 and "b.jsonl records 1, 3" in p.skipped["train"]["where"]
+    one = prep.prepare(DataConfig(source="files", path=str(write_jsonl(tmp_path / "one" / "c.jsonl",
+                                                                      [{"text": d} for d in docs[:5]])),
+                                  cache_dir=str(tmp_path / "c2"), seq_len=16), 0, log=lambda _: None)
+    assert np.array_equal(_stream(p), _stream(one))  # the text arrives as written, unquoted

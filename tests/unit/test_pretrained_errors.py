@@ -87,3 +87,107 @@ def test_weights_with_a_different_shape_are_rejected(hf_llama):
     with pytest.raises(CheckpointError) as info:
         load_unit(wrong, "model.layers.0.self_attn.q_proj", SafetensorsWeights(hf_llama), {})
     assert "shape" in str(info.value) and "does not match the checkpoint" in str(info.value)
+
+
+# --- the weights' headers, checked in the plan (before tokenizing or launching) ---------------------------
+
+def _finetune(folder):
+    return _resolve("+recipe=finetune", f"model.pretrained={folder}")
+
+
+def _broken(hf_llama, tmp_path, name: str = "broken"):
+    import shutil
+
+    return shutil.copytree(hf_llama, tmp_path / name)
+
+
+def test_missing_folder_says_it_does_not_exist_not_that_none_is_set(tmp_path):
+    with pytest.raises(PlanError) as info:
+        _finetune(tmp_path / "nope")  # +recipe=finetune: the family comes from the folder
+    assert info.value.key == "model.pretrained" and "does not exist" in str(info.value)
+    assert "no model.pretrained is set" not in str(info.value)
+
+
+def test_folder_with_only_config_json(hf_llama, tmp_path):
+    (tmp_path / "cfg_only").mkdir()
+    (tmp_path / "cfg_only" / "config.json").write_text((hf_llama / "config.json").read_text())
+    with pytest.raises(PlanError) as info:
+        _finetune(tmp_path / "cfg_only")
+    assert info.value.key == "model.pretrained" and "has config.json but no weights" in str(info.value)
+
+
+def test_pickle_weights_only_are_refused_with_how_to_convert(hf_llama, tmp_path):
+    folder = _broken(hf_llama, tmp_path)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"never unpickled")  # not even a valid pickle: it is never opened
+    with pytest.raises(PlanError) as info:
+        _finetune(folder)
+    msg = str(info.value)
+    assert info.value.key == "model.pretrained" and "holds pytorch_model.bin, not safetensors" in msg
+    assert "never a pickle" in msg and f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')" in msg
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "header_only"])
+def test_truncated_or_garbage_safetensors_is_refused_in_the_plan(hf_llama, tmp_path, damage):
+    import struct
+
+    folder = _broken(hf_llama, tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    (folder / "model.safetensors").write_bytes({"truncated": data[: len(data) - 100], "garbage": b"\x13\x37" * 500,
+                                                "header_only": data[:header]}[damage])
+    with pytest.raises(PlanError) as info:
+        _finetune(folder)
+    msg = str(info.value)
+    assert info.value.key == "model.pretrained" and "model.safetensors is not a readable safetensors file" in msg, msg
+    assert "truncated or corrupt" in msg and "\n" not in msg
+
+
+def test_sharded_index_naming_a_missing_shard(hf_checkpoints, tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(hf_checkpoints["llama"], tmp_path / "sharded")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (folder / shard).unlink()
+    with pytest.raises(PlanError) as info:
+        _finetune(folder)
+    assert info.value.key == "model.pretrained" and f"{shard} is named by" in str(info.value)
+    assert "does not exist" in str(info.value)
+
+
+def test_weights_of_another_shape_or_fewer_layers_are_refused(hf_llama, tmp_path):
+    import json
+
+    folder = _broken(hf_llama, tmp_path, "wide")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    with pytest.raises(PlanError) as info:
+        _finetune(folder)
+    assert "model.layers.0.mlp.gate_proj.weight has shape [192, 96] but the model expects [256, 96]" in str(info.value)
+    folder = _broken(hf_llama, tmp_path, "deep")
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    with pytest.raises(PlanError) as info:
+        _finetune(folder)
+    assert "of the llama model's tensors are missing" in str(info.value)
+    assert "model.layers.4." in str(info.value)
+
+
+def test_a_base_model_checkpoint_without_the_prefix_loads_through_transformers_mapping(hf_llama, tmp_path):
+    """Tensors saved without the ``model.`` prefix (a base-model checkpoint): transformers' key mapping
+    finds them, for the plan's check and for the loader alike."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hybridtrain.models.hf_model import meta_model
+    from hybridtrain.models.weights import SafetensorsWeights
+
+    folder = _broken(hf_llama, tmp_path, "no_prefix")
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    _, hf_config = _finetune(folder)  # the plan accepts it
+    weights = SafetensorsWeights(folder).for_model(meta_model(hf_config))
+    name = "model.layers.3.mlp.down_proj.weight"
+    assert name in weights and torch.equal(weights.get(name), state[name].float())

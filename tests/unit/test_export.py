@@ -1,0 +1,91 @@
+"""``python -m hybridtrain.export`` refuses, in one line and exit 2 with nothing written, a target that is
+not a new or empty folder (unless ``--overwrite``) and a checkpoint whose files are truncated. The
+checkpoint is a hand-made ``step_N`` folder (``hf/`` part, ``config.json``, ``meta.json`` with file sizes)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridtrain.checkpoint.io import CheckpointDir, file_sizes
+from hybridtrain.export import main
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A one-stage checkpoint of a tiny GPT-2 whose meta.json records its files' sizes."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = GPT2LMHeadModel(config)
+    ckpt = CheckpointDir(tmp_path / "step_1")
+    ckpt.hf.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(ckpt.hf_part(0)), metadata={"format": "pt"})
+    config.save_pretrained(str(ckpt.hf))
+    ckpt.meta_file.write_text(json.dumps({"step": 1, "files": file_sizes(ckpt.path)}))
+    return ckpt
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("[hybridtrain] export error: "), err
+    return err
+
+
+def test_a_folder_that_is_not_empty_is_refused_unless_overwrite(checkpoint, tmp_path, capsys):
+    out = tmp_path / "my_model"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    assert main([str(checkpoint.path), str(out)]) == 2
+    err = _one_line_error(capsys)
+    assert f"{out} is not empty (it holds config.json)" in err and "--overwrite" in err
+    assert (out / "config.json").read_text() == '{"mine": true}' and sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert main([str(checkpoint.path), str(out), "--overwrite"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(out)).config.n_layer == 1  # replaced by the export
+
+
+def test_an_empty_folder_or_a_new_path_is_exported_into(checkpoint, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert main([str(checkpoint.path), str(tmp_path / "empty")]) == 0
+    assert main([str(checkpoint.path), str(tmp_path / "new" / "model")]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file() and (tmp_path / "new" / "model" / "config.json").is_file()
+
+
+def test_a_file_as_target_is_refused(checkpoint, tmp_path, capsys):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"keep me")
+    assert main([str(checkpoint.path), str(target), "--overwrite"]) == 2
+    assert f"{target} is a file, not a folder" in _one_line_error(capsys)
+    assert target.read_bytes() == b"keep me"
+
+
+def test_a_truncated_shard_is_refused_and_no_folder_is_left(checkpoint, tmp_path, capsys):
+    part = checkpoint.hf_part(0)
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    err = _one_line_error(capsys)
+    assert f"{part} is {len(data) // 2} bytes but was saved with {len(data)} (meta.json): truncated or corrupt" in err
+    assert not out.exists()
+
+
+def test_an_unreadable_shard_without_recorded_sizes_leaves_no_folder(checkpoint, tmp_path, capsys):
+    checkpoint.meta_file.write_text(json.dumps({"step": 1}))  # a checkpoint saved before sizes were recorded
+    checkpoint.hf_part(0).write_bytes(b"\x00" * 64)
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert "is not a readable safetensors file" in _one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_recorded_sizes_reads_sizes_with_or_without_digests():
+    from hybridtrain.export import recorded_sizes
+
+    assert recorded_sizes({"files": {"hf/a": 3, "ds/b": {"size": 5, "sha256": "00"}}}) == {"hf/a": 3, "ds/b": 5}
+    assert recorded_sizes({"step": 1}) == {}
