@@ -47,13 +47,22 @@ def recorded_sizes(meta: dict) -> dict[str, int]:
 
 def _check_sizes(ckpt, files: list[Path]) -> None:
     """Every file export reads has the size ``meta.json`` recorded at save time (a truncated shard is
-    refused before anything is written)."""
-    sizes = recorded_sizes(ckpt.meta())
+    refused before anything is written) and, where the checkpoint records digests, its sha256 (a file
+    corrupted at the same size would otherwise export as a silently wrong model). A checkpoint saved before
+    digests existed is checked by size only: export is how such a checkpoint is carried forward."""
+    from hybridtrain.checkpoint.io import DIGESTS, sha256
+
+    meta = ckpt.meta()
+    sizes, digests = recorded_sizes(meta), meta.get(DIGESTS) or {}
     for f in files:
-        want = sizes.get(str(f.relative_to(ckpt.path)))
+        rel = str(f.relative_to(ckpt.path))
+        want = sizes.get(rel)
         if want is not None and f.stat().st_size != want:
             raise ExportError(f"{f} is {f.stat().st_size} bytes but was saved with {want} (meta.json): truncated or "
                               "corrupt; export another checkpoint of the run")
+        if rel in digests and sha256(f) != digests[rel]:
+            raise ExportError(f"{f} does not match its sha256 digest in meta.json: corrupt or replaced since the "
+                              "save; export another checkpoint of the run")
 
 
 def _check_target(out: Path, overwrite: bool) -> None:

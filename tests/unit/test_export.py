@@ -84,6 +84,23 @@ def test_an_unreadable_shard_without_recorded_sizes_leaves_no_folder(checkpoint,
     assert not out.exists()
 
 
+def test_a_shard_corrupted_at_the_same_size_is_refused_by_its_digest(checkpoint, tmp_path, capsys):
+    """Same size, other bytes (a flipped byte inside a weight): with digests in meta.json the export refuses it
+    instead of writing a silently wrong model."""
+    from hybridtrain.checkpoint.io import DIGESTS, file_digests
+
+    meta = json.loads(checkpoint.meta_file.read_text())
+    checkpoint.meta_file.write_text(json.dumps({**meta, DIGESTS: file_digests(checkpoint.path)}))
+    part = checkpoint.hf_part(0)
+    data = bytearray(part.read_bytes())
+    data[-5] ^= 0xFF  # the last tensor's bytes: the header still parses
+    part.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert f"{part} does not match its sha256 digest in meta.json" in _one_line_error(capsys)
+    assert not out.exists()
+
+
 def test_recorded_sizes_reads_sizes_with_or_without_digests():
     from hybridtrain.export import recorded_sizes
 
