@@ -113,12 +113,19 @@ GPU_TYPES: tuple[str, ...] = tuple(GPU_SPECS)
 """The values of ``launcher.gpu_type`` (:class:`hybridtrain.config.choices.GpuType`), in table order."""
 
 
+def uses_tf32(precision: str, tf32: bool) -> bool:
+    """Whether a GPU run lets fp32 matmuls use TF32: only an fp32 run with ``trainer.tf32``. A bf16/fp16 run's
+    remaining fp32 matmuls (routers, rotary tables, the loss) keep full fp32: they are the parts a mixed-precision
+    model keeps in fp32 for accuracy (a rotary table computed by a TF32 matmul drifts at long positions)."""
+    return precision == "fp32" and tf32
+
+
 def rate_key(precision: str, tf32: bool = False) -> str:
     """The table column a run's matmuls reach: ``bf16`` (bf16, fp16), ``tf32`` (fp32 with
     ``trainer.tf32``) or ``fp32``."""
     if precision != "fp32":
         return "bf16"
-    return "tf32" if tf32 else "fp32"
+    return "tf32" if uses_tf32(precision, tf32) else "fp32"
 
 
 def gpu_named(device_name: str) -> Gpu | None:

@@ -109,12 +109,14 @@ def run(run_dir: Path) -> int:
 
 def _setup_gpu(cfg) -> None:
     """Bind this rank to its GPU before the process group starts (NCCL creates its communicator on
-    the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let fp32 matmuls
-    use TF32 tensor cores when ``trainer.tf32``."""
+    the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let an fp32 run's
+    matmuls use TF32 tensor cores when ``trainer.tf32`` (:func:`hybridtrain.gpus.uses_tf32`)."""
     import torch
 
+    from hybridtrain.gpus import uses_tf32
+
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if cfg.trainer.tf32:
+    if uses_tf32(cfg.trainer.precision, cfg.trainer.tf32):
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls (cuBLAS); bf16/fp16 unaffected
 
 

@@ -205,7 +205,8 @@ class TrainerConfig:
     machine's CUDA devices with ``launcher=local``, or ``launcher.gpu_type`` on a cluster), else ``fp32``;
     the resolved value is written to ``config.yaml``."""
     tf32: bool = True
-    """On GPUs, let fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``:
+    """On GPUs, an fp32 run lets its matmuls use TF32 tensor cores (bf16 and fp16 runs keep their fp32 parts
+    in full fp32) (``torch.set_float32_matmul_precision("high")``:
     10-bit mantissa products, fp32 accumulation; several times the plain fp32 rate); MFU is then
     measured against the GPU's TF32 peak. False: full fp32 matmuls. No effect on CPU."""
     save_every: int = 0

@@ -36,10 +36,22 @@ def test_deepspeed_hands_fused_to_torch_adamw():
     assert cls is torch.optim.AdamW and opt.defaults["fused"] is True
 
 
-@pytest.mark.parametrize("precision,accum", [("bf16", "fp32"), ("fp32", None), ("fp16", None)])
-def test_gradients_accumulate_in_fp32_in_bf16(precision, accum):
+@pytest.mark.parametrize("precision,accum", [("bf16", "fp32"), ("fp32", None), ("fp16", "fp32")])
+def test_gradients_accumulate_and_reduce_in_fp32(precision, accum):
+    """16-bit runs accumulate gradients in fp32 and DeepSpeed reduces them in fp32 (its default would cast them
+    to the model's dtype before the all-reduce)."""
     conf = _conf(precision)
     assert conf.get("data_types", {}).get("grad_accum_dtype") == accum
+    assert conf["communication_data_type"] == "fp32"
+
+
+@pytest.mark.parametrize("precision, tf32, uses", [("fp32", True, True), ("fp32", False, False),
+                                                   ("bf16", True, False), ("fp16", True, False)])
+def test_tf32_only_for_fp32_runs(precision, tf32, uses):
+    from hybridtrain.gpus import rate_key, uses_tf32
+
+    assert uses_tf32(precision, tf32) is uses
+    assert rate_key(precision, tf32) == ("tf32" if uses else "fp32" if precision == "fp32" else "bf16")
 
 
 def test_device_batches_pass_through_on_cpu():

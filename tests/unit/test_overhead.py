@@ -95,20 +95,6 @@ def test_no_op_gradient_reduction_skipped_only_for_one_replica_all_reducing(layo
     assert reduces_gradients(plan) is not skipped
 
 
-@pytest.mark.parametrize("precision, accum", [("fp32", None), ("bf16", "fp32"), ("fp16", "fp32")])
-def test_gradients_accumulate_and_reduce_in_fp32(precision, accum):
-    """16-bit runs accumulate gradients in fp32 and DeepSpeed reduces them in fp32 (its default would cast them
-    to the model's dtype before the all-reduce)."""
-    from hybridtrain.engine import ds_config
-    from hybridtrain.plan import Machine, resolve
-
-    cfg = compose("+recipe=llama_tiny", "parallel.dp=2", f"trainer.precision={precision}")
-    plan, _ = resolve(cfg, Machine(cpu_cores=8, fp16_supported=True))
-    conf = ds_config(cfg, plan)
-    assert conf["communication_data_type"] == "fp32"
-    assert conf.get("data_types", {}).get("grad_accum_dtype") == accum
-
-
 def test_bench_models_compose_and_plan():
     from bench.models import FAMILIES, MODELS
     from hybridtrain.plan import Machine, resolve
