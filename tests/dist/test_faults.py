@@ -134,3 +134,111 @@ def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
                           f"hydra.sweep.dir={blocker / 'sweep'}"], cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"hydra.sweep.dir: cannot write the output directory {blocker / 'sweep'} ({blocker} is a file" in proc.stderr
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _alive(procs: list) -> list:
+    """The processes of ``procs`` still running (a zombie nobody reaped has ended)."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("preload", ["forked", "own_interpreter"])
+def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
+    """A real 2-rank CPU job (pp=2); once both ranks run, the controller gets SIGKILL: every process it
+    started (the preload process, the ranks) is gone within a few seconds, instead of training on headless.
+    ``launcher.verbose=true``: the ranks write to the console file, not to the controller's pipe, whose
+    closing would kill them only at their next line (SIGPIPE)."""
+    import psutil
+
+    from hybridtrain.launch.ranks import rank_of
+
+    run_dir = tmp_path / "run"
+    env = {"HYBRIDTRAIN_PRELOAD": "0"} if preload == "own_interpreter" else None
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=500",
+                                   "trainer.save_final=false", "trainer.report=false", "launcher.verbose=true"],
+                         env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    started = []
+    try:
+        deadline = time.monotonic() + 240
+        ranks: list = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = _descendants(proc.pid)
+            ranks = []
+            for p in started:
+                try:
+                    if rank_of(p) is not None:
+                        ranks.append(p)
+                except psutil.Error:
+                    pass
+            if len(ranks) == 2:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, f"the ranks never started\n{(tmp_path / 'out.txt').read_text()[-3000:]}"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _alive(started)
+        assert not left, f"still running 10 s after the controller's SIGKILL: {[p.pid for p in left]}"
+    finally:
+        proc.kill()
+        for p in _alive(started):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_a_rank_the_runner_started_dies_with_the_controller(tmp_path):
+    """The ranks of ``launcher=multinode`` are the deepspeed runner's grandchildren: each watches the
+    controller named by ``HYBRIDTRAIN_CONTROLLER`` (``hybridtrain.launch.parent.watch_controller``). A stand-in
+    controller starts a stand-in launcher, which starts the watching rank; the controller is SIGKILLed."""
+    import psutil
+
+    rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import watch_controller\n"
+            "assert watch_controller(os.environ['HYBRIDTRAIN_CONTROLLER'])\nprint('watching', flush=True)\n"
+            "time.sleep(120)\n")
+    launcher = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {rank!r}])\ntime.sleep(120)\n"
+    controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import controller_env\n"
+                  f"subprocess.Popen([sys.executable, '-c', {launcher!r}], env={{**os.environ, **controller_env()}})\n"
+                  "time.sleep(120)\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(REPO)))
+    tree = []
+    try:
+        deadline = time.monotonic() + 60
+        while "watching" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "watching" in out.read_text(), out.read_text()
+        tree = _descendants(proc.pid)
+        watcher = [p for p in tree if p.cmdline()[-1] == rank]
+        assert len(watcher) == 1, tree
+        proc.kill()
+        proc.wait()
+        psutil.wait_procs(watcher, timeout=10)
+        assert not _alive(watcher), "the rank outlived its controller"
+    finally:
+        proc.kill()
+        for p in _alive(tree):
+            p.kill()
