@@ -113,18 +113,32 @@ def test_watchdog_stays_quiet_while_steps_beat_and_when_off():
     assert off.returncode == 0 and "finished" in off.stdout, off.stderr
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+@pytest.mark.parametrize("where", ["under_a_file", "a_file", "proc"])
 def test_unwritable_output_dir_is_a_config_error_before_anything_runs(where, tmp_path):
-    """Tests run as root, so permission bits would not stop a write: a path under a regular file
-    and one under /proc cannot be created by anyone."""
+    """Tests run as root, so permission bits would not stop a write: a path under a regular file, a
+    regular file itself and one under /proc cannot be created by anyone."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    run_dir = blocker / "run" if where == "under_a_file" else Path(f"/proc/hybridtrain-test-{os.getpid()}/run")
+    run_dir = {"under_a_file": blocker / "run", "a_file": blocker,
+               "proc": Path(f"/proc/hybridtrain-test-{os.getpid()}/run")}[where]
     proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=1", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "[hybridtrain] config error: hydra.run.dir: cannot write the output directory" in proc.stderr
     assert str(run_dir) in proc.stderr and "Traceback" not in proc.stderr
     assert "[hybridtrain]" not in proc.stdout  # stopped before the plan summary, data and workers
+
+
+def test_an_empty_run_dir_is_a_config_error_and_writes_nothing(tmp_path):
+    """``hydra.run.dir=`` made Hydra put the whole run into the current folder (the repository root):
+    run from an empty folder, it is refused there, which stays empty (a dry run would write config.yaml)."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = cli.run(None, ["+recipe=gpt_tiny", "launcher.dry_run=true", "hydra.run.dir="], cwd=work, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (f"[hybridtrain] config error: hydra.run.dir: an empty value would write the run into the current folder "
+            f"{work}; give a folder, e.g. hydra.run.dir=runs/my_run") in proc.stderr
+    assert "Traceback" not in proc.stderr and "[hybridtrain]" not in proc.stdout
+    assert list(work.iterdir()) == []
 
 
 def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
