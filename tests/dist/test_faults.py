@@ -173,7 +173,9 @@ def _alive(procs: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("preload", ["forked", "own_interpreter"])
+@pytest.mark.parametrize("preload", ["forked", "own_interpreter",
+                                     # CI keeps the runner's ranks watching the controller (the stand-in test below)
+                                     pytest.param("multinode", marks=pytest.mark.slow)])
 def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
     """A real 2-rank CPU job (pp=2); once both ranks run, the controller gets SIGKILL: every process it
     started (the preload process, the ranks) is gone within a few seconds, instead of training on headless.
@@ -183,10 +185,15 @@ def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
 
     from hybridtrain.launch.ranks import rank_of
 
+    from hybridtrain.ports import free_port
+
     run_dir = tmp_path / "run"
     env = {"HYBRIDTRAIN_PRELOAD": "0"} if preload == "own_interpreter" else None
+    # multinode: the deepspeed runner (no_ssh, one node) -> DeepSpeed's launcher -> the ranks
+    runner = ["launcher=multinode", "launcher.nodes=1", "launcher.no_ssh=true", "launcher.node_rank=0",
+              "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}"] if preload == "multinode" else []
     with open(tmp_path / "out.txt", "w") as out:
-        proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=500",
+        proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=500", *runner,
                                    "trainer.save_final=false", "trainer.report=false", "launcher.verbose=true"],
                          env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     started = []
