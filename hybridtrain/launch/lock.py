@@ -20,8 +20,9 @@ time and command the lock file holds.
 - **A file system without ``flock``** (some Lustre mounts, old NFS): a warning, and the run goes on
   unguarded rather than not at all.
 
-Why by hand: ``fcntl.flock`` is the whole mechanism; the ``filelock`` package (a transitive dependency)
-removes its file on release, which re-opens the race above, and records no holder.
+Why by hand: ``fcntl.flock`` is the whole mechanism (a few lines). The ``filelock`` package (a transitive
+dependency) wraps the same call, but writes no holder into the file for the refusal to name, and where
+``flock`` is missing falls back to a marker file, which a killed holder leaves behind as a stale lock.
 """
 from __future__ import annotations
 
