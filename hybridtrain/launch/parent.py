@@ -15,7 +15,8 @@ headless to the end, writing into a run directory nobody owned any more (:mod:`h
   watches the controller itself (a pidfd, which becomes readable when the process exits) and kills
   itself when it goes; DeepSpeed's launcher then exits as its ranks did. Ranks on other hosts (the ssh
   path of ``launcher=multinode``) are out of reach: they fail at their next collective with the dead
-  ranks (a closed connection; at the latest after ``launcher.timeout_minutes``), which ends them there.
+  ranks (a closed connection; at the latest after ``launcher.timeout_minutes``), which ends them there;
+  when the controller's host runs no rank at all, nothing ends them (pdsh outlives the runner).
 
 SIGKILL, not SIGTERM: a SIGTERM makes a rank save a checkpoint (:mod:`hybridtrain.train.preempt`), which
 needs every rank and, for a large model, minutes; a controller killed hard means the job is killed hard.
