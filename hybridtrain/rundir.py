@@ -18,9 +18,11 @@ here only (the folders inside a checkpoint: :class:`hybridtrain.checkpoint.io.Ch
       job.sbatch           slurm-JOBID.out: launcher=slurm
       hostfile             .deepspeed_env: launcher=multinode
       tensorboard/         logger=tensorboard (default folder)
+      .hybridtrain.lock    the run's lock: who holds the folder (:mod:`hybridtrain.launch.lock`)
 
-The controller (``python -m hybridtrain``) writes the first three before any worker starts, each
-atomically (with ``launcher.no_ssh`` every node's controller writes the same shared files).
+The controller (``python -m hybridtrain``) takes the lock before it writes anything, then writes the
+first three before any worker starts, each atomically (with ``launcher.no_ssh`` every node's controller
+writes the same shared files).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ PLAN = "plan.json"
 """The resolved plan; a checkpoint holds a copy under the same name."""
 RESUME_EVENT = "resume"
 """``metrics.jsonl``'s ``{"event": "resume", "step": N, "checkpoint": PATH}``: a run resumed at step N."""
+LOCK = ".hybridtrain.lock"
+"""The run's lock file (:attr:`RunDir.lock_file`)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,17 @@ class RunDir:
     def tensorboard_dir(self) -> Path:
         """``tensorboard/``: TensorBoard's event files unless ``logger.dir`` is set."""
         return self.path / "tensorboard"
+
+    @property
+    def lock_file(self) -> Path:
+        """``.hybridtrain.lock``: the ``flock`` the controller holds while its run owns the folder, and the
+        holder's pid, host, start time and command (:mod:`hybridtrain.launch.lock`)."""
+        return self.path / LOCK
+
+    def node_lock_file(self, node: int) -> Path:
+        """The lock of node ``node``'s controller: :attr:`lock_file` for node 0, ``.hybridtrain.lock.nodeK``
+        for node ``K`` of a ``launcher.no_ssh`` job (every node runs the controller on the shared folder)."""
+        return self.lock_file if node == 0 else self.path / f"{LOCK}.node{node}"
 
     # -- readers ----------------------------------------------------------------------------------
 

@@ -222,6 +222,10 @@ def run_or_report(run_dir: Path) -> int:
     """:func:`run` as a rank's whole life: an ``srun`` task first takes its place from SLURM's
     variables; any exception is printed and becomes exit code 1 (the launcher then ends every rank)."""
     try:
+        if os.environ.get("HYBRIDTRAIN_CONTROLLER"):  # started by the deepspeed runner: die with the controller
+            from hybridtrain.launch.parent import watch_controller
+
+            watch_controller(os.environ["HYBRIDTRAIN_CONTROLLER"])
         if os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm":  # an srun task: RANK etc. from SLURM's variables
             from hybridtrain.launch import env
 

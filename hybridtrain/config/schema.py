@@ -153,7 +153,8 @@ class DataConfig:
     """A ``tokenizer.json`` file, or a folder holding an HF tokenizer (``tokenizer_config.json`` and
     ``tokenizer.json``, e.g. a pretrained model folder); ``null``: the embedded BPE tokenizer."""
     cache_dir: Optional[str] = None
-    """Where tokenized data is cached; ``null``: ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``."""
+    """Where tokenized data is cached; ``null``: ``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``. Moves
+    the tokenized data only; every other cache stays under ``$HYBRIDTRAIN_CACHE`` (:mod:`hybridtrain.cache`)."""
 
 
 @dataclass

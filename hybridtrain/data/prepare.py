@@ -29,9 +29,10 @@ VERSION = 4
 
 
 def cache_root(cfg: DataConfig) -> Path:
-    """``data.cache_dir``, else ``$HYBRIDTRAIN_CACHE``, else ``~/.cache/hybridtrain``."""
-    root = cfg.cache_dir or os.environ.get("HYBRIDTRAIN_CACHE") or Path.home() / ".cache" / "hybridtrain"
-    return Path(root).expanduser()
+    """``data.cache_dir``, else ``$HYBRIDTRAIN_CACHE``, else ``~/.cache/hybridtrain`` (:class:`hybridtrain.cache.CacheDir`)."""
+    from hybridtrain.cache import CacheDir
+
+    return CacheDir.from_env().data(cfg.cache_dir)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 from hybridtrain.config.schema import MultinodeLauncherConfig
 from hybridtrain.launch.local import report_stop, threads_per_rank
 from hybridtrain.launch.output import Output
+from hybridtrain.launch.parent import controller_env, parent_death
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.rundir import RunDir
@@ -68,8 +69,9 @@ def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine
     if launcher.hostfile is None:
         hostfile.write_text("".join(f"{h} slots={s}\n" for h, s in found))
     threads = threads_per_rank(launcher, plan, machine)
+    # CONTROLLER_ENV: the ranks on this host die with this process (hybridtrain.launch.parent.watch_controller)
     extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found)}
+             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env()}
     # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file
     env_file = RunDir(run_dir).deepspeed_env
     env_file.write_text("".join(f"{k}={v}\n" for k, v in extra.items()))
@@ -86,8 +88,8 @@ def run_runner(cmd: list[str], env: dict, run_dir: Path, verbose: bool = True) -
     and SIGTERM (:func:`forwarder`); return its exit code as :func:`report_stop` reads it. Its
     stdout, which the ranks share, goes through :class:`~hybridtrain.launch.output.Output`."""
     out = Output(run_dir, verbose, cmd)
-    try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out.stdout)
+    try:  # the runner dies with the controller (its ranks watch the controller themselves)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out.stdout, preexec_fn=parent_death())
     finally:
         out.started()
     old = {s: signal.signal(s, forwarder(proc)) for s in (signal.SIGINT, signal.SIGTERM)}

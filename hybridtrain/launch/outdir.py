@@ -1,10 +1,18 @@
-"""The output directory must be writable before anything else happens.
+"""The output directory must be given, writable and not in use before anything else happens.
 
 Hydra creates the run directory (``hydra.run.dir``, or ``hydra.sweep.dir`` for ``-m``) before it
 calls hybridtrain, and fails there with a bare ``NotADirectoryError`` traceback when it cannot. A
-Hydra callback (registered under ``hydra.callbacks`` in ``conf/config.yaml``) runs first: it
-creates the folder and writes a probe file into it, and on failure prints a config error naming
-the key and exits with code 2, before data preparation and before any worker starts.
+Hydra callback (registered under ``hydra.callbacks`` in ``conf/config.yaml``) runs first: it refuses
+an empty value (which would put the run into the current folder), creates the folder, writes a probe
+file into it and takes the folder's lock (:mod:`hybridtrain.launch.lock`; refused while another run
+holds it), each failure a config error naming the key (exit code 2) before Hydra writes ``.hydra/``,
+before data preparation and before any worker starts. The lock is held until the run ends (this
+process exits, its forked ranks with it).
+
+Which lock file: ``RUN_DIR/.hybridtrain.lock``; under ``launcher=multinode launcher.no_ssh=true``
+every node's controller runs the same command on the shared folder, so node ``K > 0`` takes
+``.hybridtrain.lock.nodeK`` (its own slot) and node 0 the folder's. A sweep (``-m``) locks
+``hydra.sweep.dir`` for the whole sweep and each job's folder while the job runs.
 """
 from __future__ import annotations
 
@@ -15,6 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+from hybridtrain.launch.lock import DirInUse, RunLock
+from hybridtrain.rundir import RunDir
+
+
+def check_given(path: str | os.PathLike | None, key: str) -> str | None:
+    """``None`` when ``path`` names a folder, else the config error message: an empty value would make
+    Hydra write the run into the current folder (``.`` says so explicitly)."""
+    if path is None or not str(path).strip():
+        return (f"{key}: an empty value would write the run into the current folder {Path.cwd()}; give a folder, "
+                f"e.g. {key}=runs/my_run ({key}=. if the current folder is meant)")
+    return None
 
 
 def check_writable(path: str | os.PathLike, key: str) -> str | None:
@@ -35,18 +56,73 @@ def check_writable(path: str | os.PathLike, key: str) -> str | None:
     return None
 
 
+def lock_node(config: Any) -> int:
+    """The node whose lock slot this controller takes: ``launcher.node_rank`` under ``launcher=multinode``
+    with ``launcher.no_ssh`` (every node runs the controller), else 0."""
+    if OmegaConf.select(config, "launcher.name") == "multinode" and OmegaConf.select(config, "launcher.no_ssh"):
+        return int(OmegaConf.select(config, "launcher.node_rank") or 0)
+    return 0
+
+
 class CheckOutputDir(Callback):
-    """Hydra callback: a config error (exit code 2) when the run or sweep directory is not writable."""
+    """Hydra callback: a config error (exit code 2) when the run or sweep directory is empty, not
+    writable or held by another run; otherwise it holds the folder's lock until the run ends."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Path, RunLock] = {}
+        """The run's or the sweep's folder: held until the run or sweep ends."""
+        self._job_locks: dict[Path, RunLock] = {}
+        """A sweep job's folder: held until the job ends."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        self._check(config.hydra.run.dir, "hydra.run.dir")
+        folder = self._check(config.hydra.run.dir, "hydra.run.dir")
+        self._locks[folder] = self._take(folder, "hydra.run.dir", lock_node(config))
+
+    def on_run_end(self, config: Any, **kwargs: Any) -> None:
+        self._release_all()
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+        folder = self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+        self._locks[folder] = self._take(folder, "hydra.sweep.dir", 0)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        self._release_all()
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        """A sweep's job: its own folder (a single run's is already held since :meth:`on_run_start`)."""
+        folder = Path(config.hydra.runtime.output_dir).resolve()
+        if folder not in self._locks:
+            self._job_locks[folder] = self._take(folder, "hydra.sweep.dir", lock_node(config))
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        lock = self._job_locks.pop(Path(config.hydra.runtime.output_dir).resolve(), None)
+        if lock is not None:
+            lock.release()
 
     @staticmethod
-    def _check(path: str, key: str) -> None:
-        message = check_writable(path, key)
+    def _check(path: str, key: str) -> Path:
+        message = check_given(path, key) or check_writable(path, key)
         if message is not None:
-            print(f"[hybridtrain] config error: {message}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            _refuse(message)
+        return Path(path).expanduser().resolve()
+
+    @staticmethod
+    def _take(folder: Path, key: str, node: int) -> RunLock:
+        try:
+            lock = RunLock.acquire(RunDir(folder).node_lock_file(node))
+        except DirInUse as err:
+            _refuse(f"{key}: {folder} is {err}; wait {err.wait} or choose another folder, e.g. {key}=runs/my_run_2")
+        if lock.warning:
+            print(f"[hybridtrain] warning: {lock.warning}", file=sys.stderr, flush=True)
+        return lock
+
+    def _release_all(self) -> None:
+        for lock in [*self._job_locks.values(), *self._locks.values()]:
+            lock.release()
+        self._locks.clear()
+        self._job_locks.clear()
+
+
+def _refuse(message: str) -> None:
+    print(f"[hybridtrain] config error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)

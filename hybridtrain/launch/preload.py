@@ -18,7 +18,8 @@ would do the forking, but its children are its own ``Process`` objects, not proc
 environment, session and exit code that :class:`~hybridtrain.launch.ranks.Ranks` supervises like the
 GPU path's ``Popen`` ranks; DeepSpeed's and torch's launchers start each rank as a new interpreter.
 
-Only CPU ranks are forked (:func:`hybridtrain.launch.local.launch`): nothing here has initialised
+The preload process dies with the controller and each forked rank with the preload process, whatever
+kills them (:mod:`hybridtrain.launch.parent`). Only CPU ranks are forked (:func:`hybridtrain.launch.local.launch`): nothing here has initialised
 CUDA, but a forked GPU rank has never been run. ``HYBRIDTRAIN_PRELOAD=0`` starts every rank as its
 own interpreter instead.
 """
@@ -86,10 +87,12 @@ def _name(name: str) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(15, name.encode(), 0, 0, 0)  # 15: PR_SET_NAME
 
 
-def _child(run_dir: Path, env: dict[str, str], report: int) -> None:
-    """In a forked child: become rank ``env["RANK"]`` and run it; never returns."""
+def _child(run_dir: Path, env: dict[str, str], report: int, die_with_parent) -> None:
+    """In a forked child: become rank ``env["RANK"]`` and run it (killed when this process's parent,
+    the preload process, exits: ``die_with_parent``); never returns."""
     code = 1
     try:
+        die_with_parent()
         os.close(report)
         os.setsid()  # its own process group, like a Popen rank with start_new_session
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -124,11 +127,14 @@ def serve(run_dir: Path, envs: list[dict[str, str]], report: int) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
+    from hybridtrain.launch.parent import parent_death
+
+    die_with_parent = parent_death()  # forks on this (the main) thread: the signal follows the forking thread
     pids = []
     for env in envs:
         pid = os.fork()
         if pid == 0:
-            _child(run_dir, env, report)
+            _child(run_dir, env, report, die_with_parent)
         pids.append(pid)
         os.write(report, f"{pid}\n".encode())
     left = set(pids)
@@ -203,12 +209,16 @@ def fork_preloader() -> Preloader | None:
 
     if torch.cuda.is_available():
         return None
+    from hybridtrain.launch.parent import parent_death
+
+    die_with_controller = parent_death()  # the controller forks on its main thread (Hydra runs the job there)
     mine, its = socket.socketpair()
     gc.freeze()  # the controller's collections then leave the pages it shares with the fork alone
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        die_with_controller()  # and with it the ranks, which die with this process
         mine.close()
         _preloader(its)
     its.close()

@@ -12,7 +12,8 @@ already running:
   after :data:`GRACE_S` (the launcher's ``terminate_process_tree``); the job's code is that rank's;
 - Ctrl-C (SIGINT) reaches every rank's process group at once; SIGTERM reaches every rank, which
   checkpoint and exit (:mod:`hybridtrain.train.preempt`) in their own time, where the launcher
-  would kill them 30 s later.
+  would kill them 30 s later;
+- a controller that dies (SIGKILL included) takes every rank with it (:mod:`hybridtrain.launch.parent`).
 
 CPU ranks are forked from one process that imported their libraries once (:meth:`Ranks.fork`,
 :mod:`hybridtrain.launch.preload`); GPU ranks are each a new interpreter (:meth:`Ranks.start`).
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
     from hybridtrain.launch.preload import Preloader
@@ -58,11 +59,17 @@ def rank_of(process) -> Optional[int]:
     return None
 
 
-def _default_sigint() -> None:
-    """In each rank before it starts: SIGINT's default action. A shell starts a background job (``cmd &``,
-    ``nohup``, many CI runners) with SIGINT ignored, children inherit that, and Python then installs no
-    KeyboardInterrupt handler: the Ctrl-C the controller forwards (:meth:`Ranks.forward`) would be lost."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _in_rank(die_with_controller: Callable[[], None]) -> Callable[[], None]:
+    """What each rank started as its own interpreter runs between fork and exec: it dies with the
+    controller (:func:`hybridtrain.launch.parent.parent_death`), and SIGINT gets its default action. A
+    shell starts a background job (``cmd &``, ``nohup``, many CI runners) with SIGINT ignored, children
+    inherit that, and Python then installs no KeyboardInterrupt handler: the Ctrl-C the controller
+    forwards (:meth:`Ranks.forward`) would be lost."""
+    def preexec() -> None:
+        die_with_controller()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return preexec
 
 
 class Forked:
@@ -99,10 +106,13 @@ class Ranks:
 
     def start(self, cmd: list[str], envs: Sequence[dict], stdout=None) -> None:
         """Start one process per environment (install :meth:`forward` as the signal handler first)."""
+        from hybridtrain.launch.parent import parent_death
+
+        preexec = _in_rank(parent_death())  # on this (the main) thread: the signal follows the forking thread
         try:
             for env in envs:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, start_new_session=True,
-                                                   preexec_fn=_default_sigint))
+                                                   preexec_fn=preexec))
         except BaseException:
             self.terminate(grace=0)
             raise

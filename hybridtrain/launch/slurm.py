@@ -144,6 +144,9 @@ def submit(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig) -> int:
               f"[hybridtrain] job script {path}; fix the launcher keys it came from (launcher.partition, "
               "launcher.account, launcher.qos, launcher.time, launcher.constraint, launcher.sbatch)", file=sys.stderr)
         return 1
+    from hybridtrain.launch.lock import record_job
+
+    record_job(RunDir(run_dir).lock_file, job_id)  # the folder stays the job's while SLURM lists it
     log = RunDir(run_dir).slurm_log(job_id)
     print(f"[hybridtrain] submitted job {job_id}; log {log}; metrics {RunDir(run_dir).metrics_file}", flush=True)
     if not launcher.wait:

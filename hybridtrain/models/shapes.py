@@ -7,7 +7,7 @@ HF modeling code: ``transformers.modeling_utils`` with its loss utilities (scipy
 masking, a noticeable part of the controller's start-up before any rank starts (``docs/benchmarks.md``;
 ``bench/startup_ab.py`` measures the whole start-up). So the numbers of
 a config that was built once are kept in ``$HYBRIDTRAIN_CACHE/shapes/<key>.json`` (or
-``~/.cache/hybridtrain``), keyed by the config's full JSON, its attention kernel, the family's paths and
+``~/.cache/hybridtrain``; :mod:`hybridtrain.cache`), keyed by the config's full JSON, its attention kernel, the family's paths and
 the transformers version; the same model trained again, resumed or swept over other keys is not
 built again. An entry is written only after the build succeeded, so it also stands for transformers'
 own validation of that config (:func:`hybridtrain.plan.hf.model_config`).
@@ -46,9 +46,10 @@ class BlockShapes:
 
 
 def cache_dir() -> Path:
-    """``$HYBRIDTRAIN_CACHE/shapes``, or ``~/.cache/hybridtrain/shapes``."""
-    root = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain")
-    return Path(root) / "shapes"
+    """``$HYBRIDTRAIN_CACHE/shapes``, or ``~/.cache/hybridtrain/shapes`` (:class:`hybridtrain.cache.CacheDir`)."""
+    from hybridtrain.cache import CacheDir
+
+    return CacheDir.from_env().shapes
 
 
 def cache_key(family, hf_config) -> str:

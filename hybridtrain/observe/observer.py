@@ -60,7 +60,7 @@ class Observer:
 
         peak, flops = None, 0.0
         if is_rank0:
-            from hybridtrain.data.prepare import cache_root
+            from hybridtrain.cache import CacheDir
             from hybridtrain.models.families import family_of
             from hybridtrain.plan import model_config
             from hybridtrain.plan.flops import model_flops_per_token
@@ -70,7 +70,7 @@ class Observer:
             device = built.engine.device
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None
             peak = resolve_peak(cfg.trainer.peak_tflops, plan.precision, name,
-                                cache_root(cfg.data) / "peak_tflops.json", torch.get_num_threads(),
+                                CacheDir.from_env().peak_file, torch.get_num_threads(),
                                 tf32=cfg.trainer.tf32)
             print("[hybridtrain] MFU peak: "
                   + (f"{peak.tflops:.3g} TFLOP/s per device ({peak.source})" if peak.tflops else peak.source)

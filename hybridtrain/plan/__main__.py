@@ -57,10 +57,11 @@ if __name__ == "__main__":
     from hybridtrain.versions import require_tested_versions
 
     require_tested_versions()
-    # no run directory: the plan command writes nothing
+    # no run directory: the plan command writes nothing, so it neither checks nor locks one (the callback)
     given = {a.split("=", 1)[0].lstrip("+") for a in sys.argv[1:]}
     sys.argv += [a for a in ("hydra.output_subdir=null", "hydra/job_logging=disabled",
-                             "hydra/hydra_logging=disabled", "hydra.run.dir=.") if a.split("=", 1)[0] not in given]
+                             "hydra/hydra_logging=disabled", "hydra.run.dir=.", "~hydra.callbacks.output_dir")
+                 if a.split("=", 1)[0] not in given]
     from hybridtrain.config.explain import run_hydra
 
     run_hydra(_hydra_main)

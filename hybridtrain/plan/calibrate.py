@@ -63,9 +63,10 @@ class Rates:
 
 
 def cache_dir() -> Path:
-    """``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``, ``/calibration``."""
-    root = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain")
-    return Path(root) / "calibration"
+    """``$HYBRIDTRAIN_CACHE`` or ``~/.cache/hybridtrain``, ``/calibration`` (:class:`hybridtrain.cache.CacheDir`)."""
+    from hybridtrain.cache import CacheDir
+
+    return CacheDir.from_env().calibration
 
 
 def matmul_flops(threads: int, device: str = "cpu", shape: tuple[int, int] = (512, 512),

@@ -9,8 +9,9 @@ import math
 import pytest
 
 from helpers.data import chat_records, text_corpus, write_jsonl
+from hybridtrain import cli
 from hybridtrain.rundir import RunDir
-from helpers.launch import metrics, run_cli
+from helpers.launch import REPO, metrics, run_cli
 
 
 def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -98,3 +99,19 @@ def test_masked_loss_is_the_mean_over_the_global_batch_tokens(chat_runs):
     oracle = reference_run(compose(*chat_runs["common"]))
     for o, w in zip(oracle, want_train, strict=True):
         assert o["loss"] == pytest.approx(w["loss"], rel=1e-5), (o, w)
+
+
+def test_data_cache_dir_moves_the_tokens_only_and_every_other_cache_follows_hybridtrain_cache(tmp_path):
+    """One cache root: with ``HYBRIDTRAIN_CACHE=ROOT`` and ``data.cache_dir=DATA``, DATA receives the
+    tokenized data alone; the planner's shapes and the MFU peak probe go to ROOT (the peak had followed
+    ``data.cache_dir``, the shapes not), and nothing to ``~/.cache``."""
+    root, data = tmp_path / "root", tmp_path / "data"
+    corpus = text_corpus(tmp_path / "corpus.jsonl", n=20)
+    proc = cli.run(tmp_path / "run", ["+recipe=gpt_tiny", "data=files", f"data.path={corpus}", "data.text_field=content",
+                                      f"data.cache_dir={data}", "trainer.max_steps=1", "optim.warmup_steps=1",
+                                      "trainer.save_final=false", "trainer.report=false"],
+                   env={"HYBRIDTRAIN_CACHE": str(root)}, cwd=REPO, timeout=300, check=True)
+    assert {p.name[:5] for p in data.iterdir()} == {"data-"}, sorted(p.name for p in data.iterdir())
+    assert (root / "shapes").is_dir() and (root / "peak_tflops.json").is_file(), sorted(p.name for p in root.iterdir())
+    assert not any(p.name.startswith("data-") for p in root.iterdir())
+    assert f"cached in {root / 'peak_tflops.json'}" in proc.stdout

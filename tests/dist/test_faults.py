@@ -120,18 +120,32 @@ def test_watchdog_stays_quiet_while_steps_beat_and_when_off():
     assert off.returncode == 0 and "finished" in off.stdout, off.stderr
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+@pytest.mark.parametrize("where", ["under_a_file", "a_file", "proc"])
 def test_unwritable_output_dir_is_a_config_error_before_anything_runs(where, tmp_path):
-    """Tests run as root, so permission bits would not stop a write: a path under a regular file
-    and one under /proc cannot be created by anyone."""
+    """Tests run as root, so permission bits would not stop a write: a path under a regular file, a
+    regular file itself and one under /proc cannot be created by anyone."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    run_dir = blocker / "run" if where == "under_a_file" else Path(f"/proc/hybridtrain-test-{os.getpid()}/run")
+    run_dir = {"under_a_file": blocker / "run", "a_file": blocker,
+               "proc": Path(f"/proc/hybridtrain-test-{os.getpid()}/run")}[where]
     proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=1", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "[hybridtrain] config error: hydra.run.dir: cannot write the output directory" in proc.stderr
     assert str(run_dir) in proc.stderr and "Traceback" not in proc.stderr
     assert "[hybridtrain]" not in proc.stdout  # stopped before the plan summary, data and workers
+
+
+def test_an_empty_run_dir_is_a_config_error_and_writes_nothing(tmp_path):
+    """``hydra.run.dir=`` made Hydra put the whole run into the current folder (the repository root):
+    run from an empty folder, it is refused there, which stays empty (a dry run would write config.yaml)."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = cli.run(None, ["+recipe=gpt_tiny", "launcher.dry_run=true", "hydra.run.dir="], cwd=work, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (f"[hybridtrain] config error: hydra.run.dir: an empty value would write the run into the current folder "
+            f"{work}; give a folder, e.g. hydra.run.dir=runs/my_run") in proc.stderr
+    assert "Traceback" not in proc.stderr and "[hybridtrain]" not in proc.stdout
+    assert list(work.iterdir()) == []
 
 
 def test_unwritable_sweep_dir_is_a_config_error(tmp_path):
@@ -190,3 +204,118 @@ def test_full_disk_during_a_save_names_the_device_and_leaves_no_partial_folder(t
     assert f"[hybridtrain] rank 0: cannot save {ckpts / 'step_2'}: no space left on {ckpts} (needs 0.0" in stderr
     assert seen["ls2"].split() == ["latest", "step_1"]
     assert "Traceback" not in stderr and "unexpected pos" not in stderr
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _alive(procs: list) -> list:
+    """The processes of ``procs`` still running (a zombie nobody reaped has ended)."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("preload", ["forked", "own_interpreter",
+                                     # CI keeps the runner's ranks watching the controller (the stand-in test below)
+                                     pytest.param("multinode", marks=pytest.mark.slow)])
+def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
+    """A real 2-rank CPU job (pp=2); once both ranks run, the controller gets SIGKILL: every process it
+    started (the preload process, the ranks) is gone within a few seconds, instead of training on headless.
+    ``launcher.verbose=true``: the ranks write to the console file, not to the controller's pipe, whose
+    closing would kill them only at their next line (SIGPIPE)."""
+    import psutil
+
+    from hybridtrain.launch.ranks import rank_of
+
+    from hybridtrain.ports import free_port
+
+    run_dir = tmp_path / "run"
+    env = {"HYBRIDTRAIN_PRELOAD": "0"} if preload == "own_interpreter" else None
+    # multinode: the deepspeed runner (no_ssh, one node) -> DeepSpeed's launcher -> the ranks
+    runner = ["launcher=multinode", "launcher.nodes=1", "launcher.no_ssh=true", "launcher.node_rank=0",
+              "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}"] if preload == "multinode" else []
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = cli.start(run_dir, ["+recipe=gpt_tiny", "parallel.pp=2", "trainer.max_steps=500", *runner,
+                                   "trainer.save_final=false", "trainer.report=false", "launcher.verbose=true"],
+                         env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    started = []
+    try:
+        deadline = time.monotonic() + 240
+        ranks: list = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = _descendants(proc.pid)
+            ranks = []
+            for p in started:
+                try:
+                    if rank_of(p) is not None:
+                        ranks.append(p)
+                except psutil.Error:
+                    pass
+            if len(ranks) == 2:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, f"the ranks never started\n{(tmp_path / 'out.txt').read_text()[-3000:]}"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _alive(started)
+        assert not left, f"still running 10 s after the controller's SIGKILL: {[p.pid for p in left]}"
+    finally:
+        proc.kill()
+        for p in _alive(started):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_a_rank_the_runner_started_dies_with_the_controller(tmp_path):
+    """The ranks of ``launcher=multinode`` are the deepspeed runner's grandchildren: each watches the
+    controller named by ``HYBRIDTRAIN_CONTROLLER`` (``hybridtrain.launch.parent.watch_controller``). A stand-in
+    controller starts a stand-in launcher, which starts the watching rank; the controller is SIGKILLed."""
+    import psutil
+
+    rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import watch_controller\n"
+            "assert watch_controller(os.environ['HYBRIDTRAIN_CONTROLLER'])\nprint('watching', flush=True)\n"
+            "time.sleep(120)\n")
+    launcher = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {rank!r}])\ntime.sleep(120)\n"
+    controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import controller_env\n"
+                  f"subprocess.Popen([sys.executable, '-c', {launcher!r}], env={{**os.environ, **controller_env()}})\n"
+                  "time.sleep(120)\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(REPO)))
+    tree = []
+    try:
+        deadline = time.monotonic() + 60
+        while "watching" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "watching" in out.read_text(), out.read_text()
+        tree = _descendants(proc.pid)
+        watcher = [p for p in tree if p.cmdline()[-1] == rank]
+        assert len(watcher) == 1, tree
+        proc.kill()
+        proc.wait()
+        psutil.wait_procs(watcher, timeout=10)
+        assert not _alive(watcher), "the rank outlived its controller"
+    finally:
+        proc.kill()
+        for p in _alive(tree):
+            p.kill()

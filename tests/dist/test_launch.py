@@ -1,16 +1,18 @@
 """Launch behaviour: a bad plan starts nothing, sweeps, the console script, the local launcher's limits,
-how the local launcher starts CPU ranks and what rank 0 says when it is ready.
+how the local launcher starts CPU ranks and what rank 0 says when it is ready, one run per run directory.
 
 A dead or hung rank: ``tests/dist/test_faults.py``."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 
 from hybridtrain import cli
 from hybridtrain.cli import Background
 from hybridtrain.rundir import RunDir
-from helpers.launch import REPO, run_cli
+from helpers.launch import NO_REPORT, REPO, metrics, run_cli
 
 
 def test_bad_plan_launches_nothing(tmp_path):
@@ -64,3 +66,33 @@ def test_cpu_ranks_fork_from_one_import_unless_preload_is_off(tmp_path):
         assert ("forked after one import" in proc.stdout) != own, proc.stdout[-3000:]
         assert "[hybridtrain] rank 0 ready in " in proc.stdout, proc.stdout[-3000:]
         assert "freed host memory kept for reuse" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_second_run_in_a_busy_run_directory_is_refused_and_the_folder_resumes_after(tmp_path):
+    """Run A trains; run B, given the same ``hydra.run.dir``, exits 2 naming A's controller and writes
+    nothing (A's config.yaml, plan.json and Hydra's files stay A's); A ends as if alone; a resume into
+    the folder once A is gone takes the lock A left behind."""
+    run_dir, files = tmp_path / "run", RunDir(tmp_path / "run")
+    common = ["+recipe=gpt_tiny", "optim.warmup_steps=1", NO_REPORT]
+    with open(tmp_path / "a.txt", "w") as out:
+        first = cli.start(run_dir, [*common, "trainer.max_steps=3"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not files.plan_file.is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert files.plan_file.is_file(), (tmp_path / "a.txt").read_text()[-3000:]
+        theirs = {f: f.read_bytes() for f in (files.config_file, files.plan_file, run_dir / ".hydra" / "overrides.yaml")}
+        second = run_cli(run_dir, *common, "parallel.pp=2", "trainer.max_steps=3", check=False, timeout=120)
+        assert second.returncode == 2, second.stdout[-3000:] + second.stderr[-3000:]
+        assert first.poll() is None, "run A ended before run B tried: the refusal was not tested"
+        assert (f"[hybridtrain] config error: hydra.run.dir: {run_dir} is in use by another run (pid {first.pid} on "
+                "host ") in second.stderr and "Traceback" not in second.stderr
+        assert "[hybridtrain]" not in second.stdout  # refused before the plan
+        assert json.loads(files.lock_file.read_text())["pid"] == first.pid  # B did not even touch the record
+        assert first.wait(timeout=300) == 0, (tmp_path / "a.txt").read_text()[-3000:]
+    finally:
+        first.kill()
+    assert {f: f.read_bytes() for f in theirs} == theirs, "run B wrote into run A's folder"
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+    resumed = run_cli(run_dir, *common, "trainer.max_steps=4", "trainer.resume=auto", timeout=300)
+    assert "resumed from" in resumed.stdout and [m["step"] for m in metrics(run_dir)][-1] == 4

@@ -150,6 +150,29 @@ def test_rejected_submission_shows_slurms_message(slurm_cluster, tmp_path):
     assert "launcher.partition" in proc.stderr
 
 
+def test_a_submitted_jobs_folder_is_refused_to_another_run_until_the_job_ends(slurm_cluster, tmp_path):
+    """The controller exits after ``sbatch``; the folder's lock file names the job, and a second command
+    into the folder exits 2 while ``squeue`` lists the job; once it is cancelled the folder is free."""
+    run_dir = tmp_path / "run"
+    submitted = run_cli(run_dir, *PLAN, *[o for o in SLURM if not o.startswith("launcher.wait=")], "launcher.wait=false",
+                        timeout=300)
+    job = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    try:
+        second = run_cli(run_dir, *PLAN, check=False, timeout=120)
+        assert second.returncode == 2, second.stdout[-3000:] + second.stderr[-3000:]
+        assert f"hydra.run.dir: {run_dir} is in use by SLURM job {job} (" in second.stderr, second.stderr
+        assert f"scancel {job} ends it" in second.stderr
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    deadline = time.monotonic() + 120
+    while True:  # CANCELLED, then no longer listed: the folder is free
+        again = run_cli(run_dir, *PLAN, "launcher.dry_run=true", check=False, timeout=120)
+        if again.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
 @pytest.mark.slow  # CI keeps real sbatch/srun jobs (a failing rank, a rejected submission) and the local SIGTERM checkpoint
 def test_signal_checkpoint_requeue_resume_matches_an_uninterrupted_run(slurm_cluster, reference, tmp_path):
     """A two-node SLURM job, stopped by SLURM's signal, requeued and resumed: together it trains exactly

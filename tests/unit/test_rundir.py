@@ -2,7 +2,10 @@
 file names users and docs rely on, and every reader against what the writers of the run write."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import socket
 from dataclasses import dataclass, replace
 
 import pytest
@@ -12,6 +15,9 @@ from hybridtrain.checkpoint.io import (DIGESTS, CheckpointDir, file_digests, fil
                                       step_dir, tmp_dir)
 from hybridtrain.observe import timeline
 from hybridtrain.plan import Machine, resolve
+from hybridtrain.launch import lock as run_lock
+from hybridtrain.launch.lock import DirInUse, RunLock, record_job
+from hybridtrain.launch.outdir import check_given, lock_node
 from hybridtrain.rundir import CONFIG, PLAN, RunDir
 from hybridtrain.train.preempt import take_marker, write_marker
 
@@ -22,6 +28,7 @@ NAMES = {
     "timeline_summary": "timeline_summary.json", "report_file": "report.md", "report_dir": "report",
     "checkpoints": "checkpoints", "hf_dir": "hf", "stop_marker": "stopped.json", "job_script": "job.sbatch",
     "hostfile": "hostfile", "deepspeed_env": ".deepspeed_env", "tensorboard_dir": "tensorboard",
+    "lock_file": ".hybridtrain.lock",
 }
 """The names docs/training.md, docs/observability.md, docs/checkpoints.md and docs/slurm.md document."""
 
@@ -31,6 +38,7 @@ def test_every_file_of_a_run_has_its_documented_name(tmp_path):
     for attr, name in NAMES.items():
         assert getattr(files, attr) == tmp_path / name, attr
     assert files.slurm_log("123") == tmp_path / "slurm-123.out"
+    assert files.node_lock_file(0) == files.lock_file and files.node_lock_file(2) == tmp_path / ".hybridtrain.lock.node2"
     assert (CONFIG, PLAN) == ("config.yaml", "plan.json")
     assert not any(tmp_path.iterdir()), "naming a file must not create it"
 
@@ -137,3 +145,67 @@ def test_checkpoint_folder_names_and_the_newest_complete_one(tmp_path):
     finalize(ckpt.path, final, keep_last=None)
     assert latest_checkpoint(tmp_path) == final and CheckpointDir(final).meta()["step"] == 3
     assert (final.parent / "latest").read_text() == "step_3"
+
+
+def test_a_run_directory_has_one_owner_until_it_lets_go(tmp_path):
+    """Two open files of one lock conflict as two processes would (an flock belongs to the open file)."""
+    files = RunDir(tmp_path)
+    first = RunLock.acquire(files.lock_file)
+    record = json.loads(files.lock_file.read_text())
+    assert (record["pid"], record["host"]) == (os.getpid(), socket.gethostname())
+    assert record["started"].endswith(" UTC") and record["command"].startswith("python -m hybridtrain")
+    with pytest.raises(DirInUse, match=rf"^in use by another run \(pid {os.getpid()} on host {socket.gethostname()} since "):
+        RunLock.acquire(files.lock_file)
+    first.release()
+    RunLock.acquire(files.lock_file).release()  # let go: the next run (a resume into the folder) takes it
+    assert files.lock_file.is_file()  # the file stays: never replaced under a holder
+
+
+def test_a_lock_file_left_behind_by_a_dead_run_does_not_block(tmp_path):
+    files = RunDir(tmp_path)
+    files.lock_file.write_text(json.dumps({"pid": 4_000_000, "host": "gone", "started": "long ago"}))
+    lock = RunLock.acquire(files.lock_file)  # no process holds its flock: stale, taken over
+    assert json.loads(files.lock_file.read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_folder_stays_its_slurm_jobs_while_squeue_lists_the_job(tmp_path):
+    path = RunDir(tmp_path).lock_file
+    controller = RunLock.acquire(path)
+    record_job(path, "42")  # after sbatch; then the controller exits
+    controller.release()
+    assert json.loads(path.read_text())["slurm_job"] == "42"
+    with pytest.raises(DirInUse, match=r"^in use by SLURM job 42 \(PENDING\)$") as err:
+        RunLock.acquire(path, job_state=lambda job: "PENDING" if job == "42" else None)
+    assert err.value.wait == "for job 42 to end (scancel 42 ends it)"
+    for state in ("COMPLETED", None):  # ended, or no longer listed (or no squeue)
+        RunLock.acquire(path, job_state=lambda job: state).release()
+
+
+def test_a_file_system_without_flock_warns_and_runs_unguarded(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    lock = RunLock.acquire(RunDir(tmp_path).lock_file)
+    assert lock.fd is None and "has no flock, so a second run in this folder is not refused" in lock.warning
+    lock.release()
+
+
+def test_which_lock_a_controller_takes():
+    from omegaconf import OmegaConf
+
+    def cfg(**launcher):
+        return OmegaConf.create({"launcher": launcher})
+
+    assert lock_node(cfg(name="local")) == 0
+    assert lock_node(cfg(name="multinode", no_ssh=False, node_rank=0)) == 0  # one controller reaches every host
+    assert lock_node(cfg(name="multinode", no_ssh=True, node_rank=3)) == 3  # every node runs one: its own slot
+
+
+def test_an_empty_run_directory_is_refused():
+    for empty in ("", "  ", None):
+        message = check_given(empty, "hydra.run.dir")
+        assert message.startswith("hydra.run.dir: an empty value would write the run into the current folder ")
+        assert "e.g. hydra.run.dir=runs/my_run" in message
+    assert check_given("runs/a", "hydra.run.dir") is None and check_given(".", "hydra.run.dir") is None

@@ -136,6 +136,25 @@ def test_cache_root_falls_back_to_the_environment(monkeypatch, tmp_path):
     assert prepare.cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
 
 
+def test_one_cache_root_that_every_cache_honours(monkeypatch, tmp_path):
+    """``$HYBRIDTRAIN_CACHE`` is the root of every cache; ``data.cache_dir`` moves the tokenized data only
+    (``hybridtrain/cache.py``); without the variable, ``~/.cache/hybridtrain``."""
+    from hybridtrain.cache import CacheDir
+    from hybridtrain.models import shapes
+    from hybridtrain.plan import calibrate
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path / "env"))
+    caches = CacheDir.from_env()
+    assert (caches.shapes, caches.calibration, caches.peak_file) == (
+        tmp_path / "env" / "shapes", tmp_path / "env" / "calibration", tmp_path / "env" / "peak_tflops.json")
+    assert shapes.cache_dir() == caches.shapes and calibrate.cache_dir() == caches.calibration
+    assert prepare.cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == caches.data(str(tmp_path / "cfg"))
+    monkeypatch.delenv("HYBRIDTRAIN_CACHE")
+    home = Path.home() / ".cache" / "hybridtrain"
+    assert CacheDir.from_env().root == home and shapes.cache_dir() == home / "shapes"
+    assert CacheDir.from_env({"HYBRIDTRAIN_CACHE": "~/c"}).root == Path.home() / "c"
+
+
 def test_embedded_corpus_is_cached_with_documents_separated(monkeypatch, tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
     prepared = prepare.prepare(cfg, seed=1234)
