@@ -223,6 +223,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs
     from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.moe import loss_of
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.groups import pipeline_groups, sequential_groups
     from hybridtrain.parallel.layers import VocabParallelLoss
@@ -230,7 +231,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     dims = plan.dims
     tp = TPContext()
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
-    loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
+    loss_fn = loss_of(VocabParallelLoss(plan.padded_vocab_size, tp), builder.family, hf_config)  # + MoE aux term
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.dims.pp > 1:

@@ -122,16 +122,19 @@ class ModelBuilder:
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
-        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.sharded("weight"))
+        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.reads_shards())
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         read = None
         if self.weights is not None:  # pretrained: read only this rank's shard of each split module
-            from hybridtrain.models.weights import read_shard
+            from hybridtrain.models.weights import read_experts_shard, read_shard
 
             def read(path: str, dim: int | None, fused) -> torch.Tensor:
                 if dim is None:  # replicated (a row-parallel bias)
                     return self.weights.get(f"{prefix}.{path}")
+                if self.family.moe is not None and path.startswith(f"{self.family.moe.experts}."):
+                    return read_experts_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank,
+                                              self.tp.size, self.family.model_type)
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
         shard_block(block, self.family, self.hf_config, self.tp, read)
         if self.lora is not None:

@@ -99,9 +99,60 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
 
     def cut(view):
         ranges = shard_ranges(view.get_shape()[dim], fused, rank, size)
-        return [view[lo:hi] if dim == 0 else view[:, lo:hi] for lo, hi in ranges]
+        return [view[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in ranges]  # any dim (3-D experts: 1, 2)
 
     return torch.cat(weights.sliced(name, cut), dim=dim).float()
+
+
+def read_experts_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int,
+                       model_type: str) -> torch.Tensor:
+    """This rank's part of a fused 3-D experts tensor ``name`` (``...mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``), split along ``dim`` (1 or 2; ``fused`` blocks): read as it is where the folder
+    holds it fused (hybridtrain's own checkpoints), else from the per-expert 2-D tensors ``save_pretrained``
+    and the published checkpoints hold (``mlp.experts.3.gate_proj.weight`` ...), by transformers' own
+    conversion for ``model_type`` (``transformers.conversion_mapping``: ``MergeModulelist(dim=0)`` over the
+    experts, then ``Concatenate(dim=1)`` of gate and up). Each per-expert tensor is read as its slice only."""
+    if name in weights:
+        return read_shard(weights, name, dim, fused, rank, size)
+    sources = _expert_sources(name, model_type)
+    if sources is None or fused not in (1, len(sources)):
+        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint, and transformers' "
+                              f"conversion for {model_type!r} gives no per-expert tensors it is made of")
+    parts = []
+    for pattern in sources:  # gate, then up (Concatenate(dim=1) of the merged lists)
+        experts = []
+        e = 0
+        while pattern.replace("*", str(e)) in weights:
+            experts.append(read_shard(weights, pattern.replace("*", str(e)), dim - 1, 1, rank, size))
+            e += 1
+        if not experts:
+            raise CheckpointError(f"{weights.folder}: neither {name!r} nor its per-expert tensors "
+                                  f"{pattern.replace('*', '0')!r}, ... are in the checkpoint")
+        parts.append(torch.stack(experts))  # MergeModulelist(dim=0): [E, ...]
+    return torch.cat(parts, dim=1)
+
+
+def _expert_sources(name: str, model_type: str) -> list[str] | None:
+    """The per-expert source names (``*`` = expert index) of fused tensor ``name`` in transformers'
+    conversion mapping of ``model_type``, with its renamings undone; ``None`` where it has none."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    rules = get_checkpoint_conversion_mapping(model_type) or []
+    for rule in rules:
+        targets = list(getattr(rule, "target_patterns", None) or [])
+        ops = [type(op).__name__ for op in getattr(rule, "operations", None) or []]
+        if len(targets) != 1 or not name.endswith(targets[0]) or ops[:1] != ["MergeModulelist"]:
+            continue
+        if any(op not in ("MergeModulelist", "Concatenate") for op in ops):
+            return None
+        stem = name[: len(name) - len(targets[0])]
+        for renaming in rules:  # e.g. Mixtral's ".block_sparse_moe." -> ".mlp." (a checkpoint has the former)
+            if type(renaming).__name__ == "WeightRenaming":
+                src, dst = renaming.source_patterns[0], renaming.target_patterns[0]
+                stem = stem.replace(dst, src)
+        return [stem + pattern.lstrip(".") if stem.endswith(".") else stem + pattern
+                for pattern in rule.source_patterns]
+    return None
 
 
 def read_rows(weights: SafetensorsWeights, name: str, lo: int, hi: int) -> tuple[torch.Tensor, tuple]:
