@@ -19,6 +19,7 @@ from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
+from hybridtrain.plan.moe import check_moe
 from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -116,6 +117,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
+    check_moe(cfg, family, hf_config)  # parallel.ep and what mixture-of-experts models cannot do yet
     check_packing_kernel(cfg.data, cfg.model.attn_implementation)
     tr.precision = precision_for(tr.precision, lau, machine)  # null resolved: bf16 on GPUs, fp32 on CPUs
     _need(0 <= cfg.plan.memory_headroom < 1, "plan.memory_headroom",

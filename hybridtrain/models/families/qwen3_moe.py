@@ -21,6 +21,12 @@ def dense_layers(hf_config) -> list[int]:
             if i in hf_config.mlp_only_layers or not (hf_config.num_experts > 0 and (i + 1) % step == 0)]
 
 
+def variants(hf_config) -> list[str]:
+    """Each block's variant: ``moe`` (routed experts) or ``dense`` (a plain MLP, :func:`dense_layers`)."""
+    dense = set(dense_layers(hf_config))
+    return ["dense" if i in dense else "moe" for i in range(int(hf_config.num_hidden_layers))]
+
+
 FAMILY = Family(
     model_type="qwen3_moe",
     embed="model.embed_tokens",
@@ -39,5 +45,6 @@ FAMILY = Family(
     },
     input_copy=("self_attn",),
     moe=MoE(dense_layers=dense_layers),
+    block_variants=variants,
     dropout_keys=("attention_dropout",),
 )
