@@ -3,9 +3,59 @@ satisfy before anything starts, each a :class:`~hybridtrain.errors.PlanError` na
 Imports neither torch nor deepspeed."""
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from hybridtrain.errors import PlanError
+
+
+@dataclass(frozen=True)
+class ExpertFacts:
+    """The routed experts of an MoE model as the plan command shows them."""
+
+    num_experts: int
+    """Routed experts per MoE block (``E``)."""
+    top_k: int
+    """Experts each token runs."""
+    moe_blocks: int
+    """Blocks with routed experts (of all the model's blocks)."""
+    width: int
+    """One expert's MLP width (``I``)."""
+    per_rank_experts: int
+    """Experts one rank holds in each MoE block (``E / ep``)."""
+    per_rank_width: int
+    """Of each of them, the width one tensor-parallel rank holds (``I / tp``)."""
+    expert_params: int
+    """Parameters of every routed expert of the model (all blocks)."""
+    total_params: int
+    """Parameters of the whole model (a tied head once)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through: all but the ``E - top_k`` experts it is not routed to."""
+        return self.total_params - self.expert_params * (self.num_experts - self.top_k) // self.num_experts
+
+
+def expert_facts(family: Any, hf_config: Any, dims: Any, total_params: int) -> Optional[ExpertFacts]:
+    """The :class:`ExpertFacts` of ``hf_config`` under ``dims`` (``None`` for a dense model); ``total_params``:
+    the model's parameters (:meth:`~hybridtrain.plan.costs.ModelFacts.total_params`)."""
+    moe = family.moe
+    if moe is None:
+        return None
+    from hybridtrain.models.shapes import block_shapes
+    from hybridtrain.models.units import block_variants
+
+    shapes = block_shapes(family, hf_config)
+    per_variant = {v: sum(math.prod(s) for name, s in b.items() if name.startswith(f"{moe.experts}."))
+                   for v, b in shapes.blocks.items()}
+    variants = block_variants(family, hf_config)
+    layers = int(getattr(hf_config, family.n_layers))
+    experts, width = int(getattr(hf_config, moe.num_experts)), int(getattr(hf_config, moe.width))
+    return ExpertFacts(num_experts=experts, top_k=int(getattr(hf_config, moe.top_k)),
+                       moe_blocks=layers - len(moe.dense_blocks(hf_config)), width=width,
+                       per_rank_experts=experts // getattr(dims, "ep", 1), per_rank_width=width // dims.tp,
+                       expert_params=sum(per_variant[v] for v in variants), total_params=total_params)
 
 
 def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:

@@ -6,8 +6,11 @@ A tiny ``save_pretrained`` MoE twin (``tests/helpers/moe.py``: routers with a cl
 step by step with the one-process oracle (transformers' ``from_pretrained`` + torch AdamW,
 :func:`hybridtrain.reference.reference_run`, whose step takes the aux term as the mean over the step's eight
 micro-batches, as hybridtrain does): losses within 1e-4, gradient norms within 1e-3. The CI layout
-(tp = 2 x pp = 2) carries the router sums across a stage boundary and splits the experts over TP; the
-slow tier adds dp = 2, tp = 2 and pp = 2 alone and all three together, and activation checkpointing.
+(tp = 2 x pp = 2) carries the router sums across a stage boundary and splits the experts over TP, and its
+checkpoint (fused 3-D expert tensors in ``hf/``) exports to an HF folder whose transformers logits equal
+hybridtrain's (``trainer.save_logits``, 1e-5); the plan's model-state estimate is within 10% of what rank 0
+measured. The slow tier adds dp = 2, tp = 2 and pp = 2 alone and all three together, activation
+checkpointing, and a resume under another layout (the fused expert tensors read back and re-split).
 """
 from __future__ import annotations
 
@@ -55,7 +58,17 @@ def _check(layout, folder, oracle, run_dir, *extra: str) -> None:
 
 
 def test_moe_layout_equals_transformers(qwen3_moe, oracle, tmp_path):
-    _check(CI_LAYOUT, qwen3_moe, oracle, tmp_path)
+    from hybridtrain.export import check_logits, export
+    from hybridtrain.plan.estimate import estimate_for_run
+
+    _check(CI_LAYOUT, qwen3_moe, oracle, tmp_path, f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true")
+    checkpoint = tmp_path / "checkpoints" / f"step_{STEPS - 1}"
+    export(checkpoint, tmp_path / "hf_export")
+    diff, scale = check_logits(checkpoint, tmp_path / "hf_export")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"export logits differ by {diff}"
+    measured = metrics(tmp_path)[0]["model_state_bytes"]["total"]
+    estimated = estimate_for_run(tmp_path, stage=0).model_state
+    assert abs(estimated - measured) <= 0.1 * measured, f"estimate {estimated} vs measured {measured}"
 
 
 @pytest.mark.slow
@@ -67,3 +80,20 @@ def test_every_moe_layout_equals_transformers(layout, qwen3_moe, oracle, tmp_pat
 @pytest.mark.slow
 def test_moe_with_activation_checkpointing_equals_transformers(qwen3_moe, oracle, tmp_path):
     _check((1, 2, 2), qwen3_moe, oracle, tmp_path, "parallel.activation_checkpointing=true")
+
+
+@pytest.mark.slow
+def test_moe_resume_under_another_layout_continues_the_losses(qwen3_moe, tmp_path):
+    """Steps 1-2 at tp = 2 x pp = 2, a checkpoint, steps 3-4 at dp = 2: the oracle's four losses."""
+    common = [*_common(qwen3_moe), "trainer.max_steps=4"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run_cli(first, *common, "parallel.tp=2", "parallel.pp=2", "trainer.save_every=2")
+    run_cli(resumed, *common, "parallel.dp=2", f"trainer.resume={first / 'checkpoints' / 'step_2'}")
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    cfg = compose(*common)
+    apply_pretrained_defaults(cfg)
+    want = [r["loss"] for r in reference_run(cfg)]
+    got = [m["loss"] for m in metrics(first)][:2] + [m["loss"] for m in metrics(resumed)]
+    assert got == pytest.approx(want, rel=1e-4)

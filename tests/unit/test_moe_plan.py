@@ -50,3 +50,41 @@ def test_moe_rule_names_the_key(case):
 def test_an_moe_model_plans():
     plan, hf_config = resolve(compose(*TINY_MOE, "parallel.tp=2", "parallel.pp=2"), CPU)
     assert plan.dims.tp == 2 and plan.dims.pp == 2 and hf_config.num_experts == 8
+
+
+def _tiny_moe_config():
+    from helpers.moe import moe_config
+
+    config = moe_config("qwen3_moe")
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def test_block_flops_count_the_router_and_the_top_k_experts_only(tmp_path, monkeypatch):
+    """An MoE block's linear FLOPs per token: attention's linears, the router (2 H E) and top_k of the E
+    experts (2 x 2I x H + 2 x H x I each), by hand; a dense count of all E experts would be 4x that."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.shapes import block_shapes
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path))
+    cfg = _tiny_moe_config()
+    h, heads, kv, hd, e, k, i = 64, 8, 4, 16, 8, 2, 32
+    attention = 2 * h * (heads * hd) + 2 * 2 * h * (kv * hd) + 2 * (heads * hd) * h  # q, k, v, o
+    want = attention + 2 * h * e + k * (2 * (2 * i) * h + 2 * h * i)
+    assert block_shapes(get_family("qwen3_moe"), cfg).linear_flops == {"moe": float(want)}
+
+
+def test_the_plan_command_shows_the_experts_per_rank():
+    from hybridtrain.plan.report import build_report, format_report
+
+    cfg = compose(*TINY_MOE, "parallel.tp=2")
+    plan, hf_config = resolve(cfg, CPU)
+    report = build_report(cfg, plan, hf_config, device_memory=0)
+    e = report.experts
+    assert (e.num_experts, e.top_k, e.moe_blocks, e.per_rank_experts, e.per_rank_width) == (8, 2, 2, 8, 16)
+    assert e.expert_params == 2 * 8 * (2 * 32 * 64 + 64 * 32)
+    assert e.active_params == e.total_params - e.expert_params * 6 // 8
+    assert "8 routed experts in each of 2 MoE blocks, top-2, width 32; per rank 8 experts x width 16" in format_report(report)
+    dense = compose("+recipe=llama_tiny")
+    plan, hf_config = resolve(dense, CPU)
+    assert build_report(dense, plan, hf_config, device_memory=0).experts is None
