@@ -183,6 +183,10 @@ class DecoderBlock(nn.Module):
             self.rotary = rotary_cls(config=builder.hf_config)
         self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
         moe_spec = builder.family.moe
+        if builder.ep.size > 1 and index not in moe_spec.dense_blocks(builder.hf_config):  # experts split over ep
+            from hybridtrain.parallel.experts import expert_marker
+
+            self.moe_marker = expert_marker(int(getattr(builder.hf_config, moe_spec.num_experts)), builder.ep.size)
         self.tap = None  # an MoE block of a model with its aux loss on: the router's logits, per forward
         if moe.carries_aux(builder.family, builder.hf_config) and index not in moe_spec.dense_blocks(builder.hf_config):
             self.tap = moe.RouterTap(self.block.get_submodule(moe_spec.router))

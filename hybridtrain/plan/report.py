@@ -17,9 +17,10 @@ from hybridtrain.plan.costs import (
     layer_time_costs,
     model_facts,
     stage_flops,
+    stage_params,
 )
 from hybridtrain.plan.lora import lora_memory
-from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
+from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory
 from hybridtrain.plan.moe import ExpertFacts, expert_facts
 from hybridtrain.plan.partition import partition_advice
 from hybridtrain.parallel.dims import AXES
@@ -82,7 +83,8 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
                           lora=lora, **attention_flags(cfg))
-        stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.dims.tp)),
+        stages.append(StageReport(s, facts.names[a:b], stage_params(facts, plan.stage_bounds, s, plan.dims.tp,
+                                                                plan.dims.ep),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]
     imbalance = max(times) / (sum(times) / len(times)) - 1 if plan.dims.pp > 1 else 0.0

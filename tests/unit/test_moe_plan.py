@@ -8,6 +8,7 @@ from helpers.config import compose
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
+NO_SAVE = ("trainer.save_final=false",)
 
 TINY_MOE = ("+recipe=llama_tiny", "model=qwen3_moe", "model.config.hidden_size=64", "model.config.num_hidden_layers=2",
             "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", "+model.config.head_dim=16",
@@ -26,8 +27,18 @@ def _error(*overrides: str) -> PlanError:
 CASES = {  # id -> (overrides, key, fragments of the message)
     "ep_on_a_dense_model": (("+recipe=llama_tiny", "parallel.dp=2", "parallel.ep=2"), "parallel.ep",
                             ["parallel.ep=2: llama is a dense model", "use parallel.ep=1"]),
-    "ep_not_supported_yet": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2"), "parallel.ep",
-                             ["expert parallelism is not supported yet"]),
+    "ep_not_dividing_dp": ((*TINY_MOE, "parallel.dp=3", "parallel.ep=2", "trainer.global_batch_size=12",
+                            *NO_SAVE), "parallel.ep", ["parallel.ep=2 must divide the data-parallel degree dp=3",
+                                                       "use ep in [1]"]),
+    "ep_not_dividing_experts": ((*TINY_MOE, "parallel.dp=4", "parallel.ep=4", "model.config.num_experts=6",
+                                 *NO_SAVE), "parallel.ep", ["must divide the 6 experts", "use ep in [1, 2]"]),
+    "ep_with_zero2": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", *NO_SAVE),
+                      "parallel.zero_stage", ["zero_stage=2 with parallel.ep=2", "use parallel.zero_stage=1"]),
+    "ep_saving_checkpoints": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2"), "trainer.save_final",
+                              ["checkpoints of expert-parallel runs are not supported yet"]),
+    "ep_stage_without_experts": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                  "parallel.stage_layers=[3,2]", *NO_SAVE), "parallel.stage_layers",
+                                 ["stage 1 (final_norm, head) holds no MoE block", "parallel.zero_stage=0"]),
     "ep_below_one": ((*TINY_MOE, "parallel.ep=0"), "parallel.ep", ["must be >= 1, got 0"]),
     "dense_blocks": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]"), "model.config.mlp_only_layers",
                      ["blocks [0] of this qwen3_moe model have a dense MLP", "not supported yet"]),
@@ -88,3 +99,23 @@ def test_the_plan_command_shows_the_experts_per_rank():
     dense = compose("+recipe=llama_tiny")
     plan, hf_config = resolve(dense, CPU)
     assert build_report(dense, plan, hf_config, device_memory=0).experts is None
+
+
+def test_expert_parallel_memory_counts_experts_per_rank():
+    """At ep = 2 a rank holds half the experts (and ZeRO-1 partitions their state over dp / ep = 2 ranks), the
+    rest of the model as at ep = 1; the plan shows the layout with its expert view."""
+    from hybridtrain.plan.costs import model_facts, stage_params
+    from hybridtrain.plan.memory import rank_memory
+    from hybridtrain.models.families import get_family
+
+    plans = {ep: resolve(compose(*TINY_MOE, "parallel.dp=4", f"parallel.ep={ep}", "parallel.zero_stage=0",
+                                 *NO_SAVE), CPU) for ep in (1, 2)}
+    (p1, hf), (p2, _) = plans[1], plans[2]
+    assert p2.dims.ep == 2 and p2.dims.product() == "dp=4 x tp=1 x pp=1 (experts over ep=2 of the dp ranks)"
+    facts = model_facts(get_family("qwen3_moe"), hf, p1.seq_len)
+    experts = 2 * 8 * (2 * 32 * 64 + 64 * 32)  # 2 blocks x 8 experts x (gate_up + down)
+    assert stage_params(facts, p1.stage_bounds, 0, 1, 1) - stage_params(facts, p2.stage_bounds, 0, 1, 2) == experts // 2
+    mem = {ep: rank_memory(facts, p.stage_bounds, 0, p.dims, zero=0, precision="fp32", micro_batch=1, micro_batches=3,
+                           checkpointing=False) for ep, (p, _) in plans.items()}
+    assert mem[1].params - mem[2].params == 4 * experts // 2  # fp32 weights of the experts this rank no longer holds
+    assert mem[1].optim - mem[2].optim == 8 * experts // 2
