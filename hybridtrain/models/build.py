@@ -61,11 +61,12 @@ class ModelBuilder:
         adapters (``finetune.method=lora``) from ``adapter_dir`` (a checkpoint's ``adapter/``), else from
         ``finetune.lora.init_from``, else fresh."""
         from hybridtrain.models.families import family_of
-        from hybridtrain.models.weights import SafetensorsWeights
+        from hybridtrain.models.weights import SafetensorsWeights, checkpoint_renames
 
         folder = weights_dir or cfg.model.pretrained
-        weights = SafetensorsWeights(folder) if folder is not None else None
         family, hf_model = family_of(cfg.model), meta_model(hf_config)
+        renames = checkpoint_renames(family.model_type) if family.moe is not None else ()  # Mixtral's legacy names
+        weights = SafetensorsWeights(folder, renames) if folder is not None else None
         lora = adapter = None
         if cfg.finetune.method == "lora":
             lora = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)

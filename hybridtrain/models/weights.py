@@ -20,8 +20,11 @@ class CheckpointError(ValueError):
 class SafetensorsWeights:
     """HF-named tensors of a local model folder."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, renames: tuple[tuple[str, str], ...] = ()):
         self.folder = Path(folder)
+        self.renames = tuple(renames)
+        """``(model's name part, checkpoint's)`` pairs tried for a name the folder lacks (Mixtral's ``.mlp.`` is
+        ``.block_sparse_moe.`` in its published checkpoints: :func:`checkpoint_renames`)."""
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
@@ -54,13 +57,23 @@ class SafetensorsWeights:
     def names(self) -> Iterable[str]:
         return self._file_of.keys()
 
+    def _stored(self, name: str) -> str:
+        """The name tensor ``name`` has in the folder: itself, or itself under :attr:`renames`."""
+        if name in self._file_of:
+            return name
+        for ours, theirs in self.renames:
+            if ours in name and name.replace(ours, theirs) in self._file_of:
+                return name.replace(ours, theirs)
+        return name
+
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return self._stored(name) in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` as float32."""
         from safetensors import safe_open
 
+        name = self._stored(name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -81,6 +94,7 @@ class SafetensorsWeights:
         indexes. Errors name the file."""
         from safetensors import safe_open
 
+        name = self._stored(name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -130,6 +144,17 @@ def read_experts_shard(weights: SafetensorsWeights, name: str, dim: int, fused: 
                                   f"{pattern.replace('*', '0')!r}, ... are in the checkpoint")
         parts.append(torch.stack(experts))  # MergeModulelist(dim=0): [E, ...]
     return torch.cat(parts, dim=1)
+
+
+def checkpoint_renames(model_type: str) -> tuple[tuple[str, str], ...]:
+    """transformers' renamings of ``model_type``'s checkpoint names (``WeightRenaming`` of its conversion table,
+    e.g. Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``) as ``(model's, checkpoint's)`` pairs."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return tuple((rule.target_patterns[0], rule.source_patterns[0])
+                 for rule in get_checkpoint_conversion_mapping(model_type) or []
+                 if type(rule).__name__ == "WeightRenaming" and len(rule.source_patterns) == 1
+                 and "\\" not in rule.source_patterns[0] and "^" not in rule.source_patterns[0])
 
 
 def _expert_sources(name: str, model_type: str) -> list[str] | None:

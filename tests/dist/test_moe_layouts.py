@@ -24,16 +24,31 @@ import pytest
 from helpers.families import SEQ
 from helpers.config import compose
 from helpers.launch import metrics, run_cli
-from helpers.moe import make_moe_checkpoint
+from helpers.moe import MOE_TINY, make_moe_checkpoint
 
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
+CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2)}
+"""One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    return make_moe_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
+def moe_twins(tmp_path_factory):
+    """Each MoE family's tiny checkpoint, made on first use."""
+    root, made = tmp_path_factory.mktemp("moe"), {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = make_moe_checkpoint(root / family, family)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(moe_twins):
+    return moe_twins("qwen3_moe")
 
 
 def _common(folder) -> list[str]:
@@ -129,3 +144,41 @@ def test_expert_parallel_layout_equals_transformers(qwen3_moe, oracle, tmp_path)
 def test_every_expert_parallel_layout_equals_transformers(case, qwen3_moe, oracle, tmp_path):
     layout, extra = EP_SLOW[case]
     _check(layout, qwen3_moe, oracle, tmp_path, *extra, *NO_SAVE)
+
+
+@pytest.fixture(scope="module")
+def family_oracle(moe_twins):
+    """The one-process transformers + AdamW records of each MoE family, computed once."""
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    cache: dict[str, list[dict]] = {}
+
+    def get(family: str) -> list[dict]:
+        if family not in cache:
+            cfg = compose(*_common(moe_twins(family)))
+            apply_pretrained_defaults(cfg)
+            cache[family] = reference_run(cfg)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", sorted(CI_FAMILY_LAYOUT))
+def test_moe_family_layout_equals_transformers(family, moe_twins, family_oracle, tmp_path):
+    """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded) and
+    Qwen2-MoE (the gated shared expert split over tp), with their export logits."""
+    from hybridtrain.export import check_logits, export
+
+    _check(CI_FAMILY_LAYOUT[family], moe_twins(family), family_oracle(family), tmp_path,
+           f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true")
+    checkpoint = tmp_path / "checkpoints" / f"step_{STEPS - 1}"
+    export(checkpoint, tmp_path / "hf_export")
+    diff, scale = check_logits(checkpoint, tmp_path / "hf_export")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"{family}: export logits differ by {diff}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(CI_FAMILY_LAYOUT))
+def test_moe_family_expert_parallel_equals_transformers(family, moe_twins, family_oracle, tmp_path):
+    _check((2, 1, 1), moe_twins(family), family_oracle(family), tmp_path, "parallel.ep=2", *NO_SAVE)

@@ -13,8 +13,20 @@ MOE_TINY: dict[str, dict] = {
                       intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                       max_position_embeddings=128, norm_topk_prob=True, output_router_logits=True,
                       router_aux_loss_coef=0.02),
+    "mixtral": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                    sliding_window=8, output_router_logits=True, router_aux_loss_coef=0.02),
+    "olmoe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                  output_router_logits=True, router_aux_loss_coef=0.02, pad_token_id=1),
+    "qwen2_moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=128,
+                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, output_router_logits=True,
+                      router_aux_loss_coef=0.02),
 }
-"""``model.config`` of each MoE family's twin (HF names): 8 experts, top-2, widths divisible by 4."""
+"""``model.config`` of each MoE family's twin (HF names): 8 experts, top-2, widths divisible by 4; Qwen3-MoE
+renormalises the top-k weights (``norm_topk_prob``), OLMoE and Qwen2-MoE do not (their default), Mixtral always
+does; Mixtral with a sliding window, Qwen2-MoE with its gated shared expert."""
 
 ROUTER_SCALE = 4.0
 """The routers' weights are multiplied by this after the noise: router logits spread over about one unit

@@ -10,15 +10,18 @@ import pytest
 import torch
 
 from helpers.families import SEQ, VOCAB, one_process_model_of
-from helpers.moe import make_moe_checkpoint, router_margin
+from helpers.moe import MOE_TINY, make_moe_checkpoint, router_margin
+
+TWINS = {"norm": ("qwen3_moe", {}), "no_norm": ("qwen3_moe", {"norm_topk_prob": False}),
+         **{family: (family, {}) for family in sorted(MOE_TINY) if family != "qwen3_moe"}}
+"""Each MoE family's twin, and Qwen3-MoE's with ``norm_topk_prob`` on (``norm``) and off."""
 
 
 @pytest.fixture(scope="module")
 def moe_folders(tmp_path_factory):
-    """Qwen3-MoE twins with ``norm_topk_prob`` on and off (read only)."""
+    """The :data:`TWINS` as ``save_pretrained`` folders (read only)."""
     root = tmp_path_factory.mktemp("moe")
-    return {"norm": make_moe_checkpoint(root / "norm", "qwen3_moe"),
-            "no_norm": make_moe_checkpoint(root / "no_norm", "qwen3_moe", norm_topk_prob=False)}
+    return {name: make_moe_checkpoint(root / name, family, **extra) for name, (family, extra) in TWINS.items()}
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +39,7 @@ def _positions(ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[1]).expand_as(ids)
 
 
-@pytest.mark.parametrize("which", ["norm", "no_norm"])
+@pytest.mark.parametrize("which", list(TWINS))
 def test_logits_equal_transformers(which, moe_folders):
     ids, _ = _batch()
     assert router_margin(moe_folders[which], ids) > 1e-4  # no top-k choice near a tie
@@ -48,22 +51,30 @@ def test_logits_equal_transformers(which, moe_folders):
     assert (got - want).abs().max().item() <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("overrides", [(), ("parallel.activation_checkpointing=true",)], ids=["plain", "checkpointed"])
-def test_loss_and_router_grads_include_the_aux_loss(overrides, moe_folders):
+LOSS_CASES = {"norm": (), "norm_checkpointed": ("parallel.activation_checkpointing=true",),
+              **{family: () for family in TWINS if family not in ("norm", "no_norm")}}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_and_router_grads_include_the_aux_loss(case, moe_folders):
     """transformers' ``loss`` (cross-entropy + 0.02 x aux) and the gradients it gives every router and expert."""
+    overrides, which = LOSS_CASES[case], case.split("_checkpointed")[0]
     ids, labels = _batch()
-    hf = _transformers(moe_folders["norm"]).train()
+    hf = _transformers(moe_folders[which]).train()
     out = hf(input_ids=ids, labels=labels, shift_labels=labels)
     assert out.aux_loss is not None and out.aux_loss.item() > 1.0  # the term is there and not negligible
     out.loss.backward()
-    ours = one_process_model_of(moe_folders["norm"], *overrides).train()
+    ours = one_process_model_of(moe_folders[which], *overrides).train()
     loss = ours((ids, _positions(ids)), labels)
     loss.backward()
     assert loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
     grads = {n: p.grad for n, p in hf.named_parameters()}
     got = {name: p.grad for layer in ours.layers[1:-1] for name, p, _ in layer.hf_params()}
-    for name in ("model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
-                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.self_attn.q_proj.weight"):
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
+             "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.self_attn.q_proj.weight"]
+    if which == "qwen2_moe":  # the gated shared expert
+        names += ["model.layers.0.mlp.shared_expert_gate.weight", "model.layers.2.mlp.shared_expert.down_proj.weight"]
+    for name in names:
         scale = grads[name].abs().max().item()
         assert (got[name] - grads[name]).abs().max().item() <= 1e-5 * scale, name
 

@@ -64,6 +64,8 @@ class MoE:
     """HF config key: experts each token is routed to."""
     width: str = "moe_intermediate_size"
     """HF config key: one expert's MLP width (``I``), split over tensor parallelism."""
+    shared_width: Optional[str] = None
+    """HF config key of the shared expert's MLP width (Qwen2-MoE), split over tensor parallelism; ``None``: none."""
     aux_coef: str = "router_aux_loss_coef"
     """HF config key: the coefficient of the load-balancing loss in the training loss."""
     aux_on: str = "output_router_logits"
@@ -222,10 +224,12 @@ def fused_sizes(rule: TPRule, family: Family, hf_config: Any, length: Optional[i
 def tp_divisible(family: Family, hf_config: Any) -> dict[str, int]:
     """``config key -> value`` of every size tp must divide (heads, KV heads, MLP width)."""
     out = {family.heads: int(getattr(hf_config, family.heads))}
-    if family.moe is not None:  # the experts' width; the dense MLP's only where a block has one
+    if family.moe is not None:  # the experts' width (and a shared expert's); the dense MLP's only where a block has one
         out[family.moe.width] = int(getattr(hf_config, family.moe.width))
+        if family.moe.shared_width:
+            out[family.moe.shared_width] = int(getattr(hf_config, family.moe.shared_width))
     if family.moe is None or family.moe.dense_blocks(hf_config):
-        out[family.mlp_width] = mlp_width_of(family, hf_config)
+        out.setdefault(family.mlp_width, mlp_width_of(family, hf_config))
     if family.kv_heads and getattr(hf_config, family.kv_heads, None):
         out[family.kv_heads] = int(getattr(hf_config, family.kv_heads))
     return out
