@@ -60,10 +60,12 @@ def reference_run(cfg: Config, steps: int | None = None, adapters: dict | None =
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros(())
         tokens = int((labels != -100).sum())  # the step's loss is the mean over all its loss tokens
-        for x, y in _batches(input_ids, labels, positions, plan.global_batch_size // plan.micro_batch_size):
+        micro_batches = list(_batches(input_ids, labels, positions, plan.global_batch_size // plan.micro_batch_size))
+        for x, y in micro_batches:
             # labels are already shifted (labels[t] = token t+1): HF's ``shift_labels``; transformers
             # divides the summed token loss by ``num_items_in_batch`` (its gradient-accumulation fix)
-            micro = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
+            out = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens)
+            micro = out.loss - _aux_excess(out, hf_config, len(micro_batches))
             micro.backward()  # summed gradients
             loss += micro.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
@@ -77,6 +79,19 @@ def reference_run(cfg: Config, steps: int | None = None, adapters: dict | None =
 
         adapters.update({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()})
     return records
+
+
+def _aux_excess(out, hf_config, micro_batches: int):
+    """What a mixture-of-experts model's loss holds beyond the step's definition of its router aux term.
+
+    transformers adds ``router_aux_loss_coef x aux_loss`` to every forward's loss (so summing micro-batch
+    losses, as its Trainer does, scales the term with their number); hybridtrain's step takes the **mean**
+    over the step's micro-batches (:mod:`hybridtrain.models.moe`, ``docs/moe.md``): each micro-batch keeps
+    ``1 / micro_batches`` of its term. 0 for a dense model."""
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    return float(hf_config.router_aux_loss_coef) * aux * (1.0 - 1.0 / micro_batches)
 
 
 def _batches(input_ids, labels, positions, chunks: int):

@@ -67,6 +67,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages (DeepSpeed PipelineModule, 1F1B schedule). ``pp>1`` with one
     micro-batch per step is naive model parallelism."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (``docs/moe.md``): its routed experts split
+    over ``ep`` ranks carved from the data-parallel ones. 1: every rank holds every expert (split over tp)."""
     micro_batch_size: int = 1
     """Samples per micro-batch on each data-parallel replica."""
     zero_stage: Optional[int] = None

@@ -42,7 +42,9 @@ def param_groups(named_params, weight_decay: float) -> list[dict[str, Any]]:
         if p.requires_grad:
             ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.ndim
             (decay if ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # named: DeepSpeed splits named groups into their expert and non-expert parts (an MoE model at ep > 1)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
 
 
@@ -233,22 +235,24 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     from hybridtrain.engine.pipeline import HybridPipelineModule, layer_specs
     from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
-    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.models.moe import loss_of
+    from hybridtrain.parallel.context import EPContext, TPContext
     from hybridtrain.parallel.groups import pipeline_groups, sequential_groups
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     dims = plan.dims
     tp = TPContext()
-    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir)
-    loss_fn = VocabParallelLoss(plan.padded_vocab_size, tp)
+    ep = EPContext(rank=dims.expert_rank(torch.distributed.get_rank()), size=dims.ep)  # group bound with the groups
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir, ep)
+    loss_fn = loss_of(VocabParallelLoss(plan.padded_vocab_size, tp), builder.family, hf_config)  # + MoE aux term
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.dims.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), dims=dims, loss_fn=loss_fn,
                                          tp=tp, stage_bounds=plan.stage_bounds)
-            groups, mpu = pipeline_groups(dims, model, tp), None  # the pipeline engine takes its grid from the module
+            groups, mpu = pipeline_groups(dims, model, tp, ep), None  # the pipeline engine takes its grid from the module
         else:
-            groups = sequential_groups(dims, tp)  # before the layers are built: they read the TP group
+            groups = sequential_groups(dims, tp, ep)  # before the layers are built: they read the TP group
             partition = None
             if plan.zero_stage == 3 and builder.lora is None:  # LoRA: DeepSpeed partitions the frozen model whole
                 partition = zero3_partitioner(ds_config(cfg, plan), groups, plan.precision)
@@ -273,7 +277,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
     if _own_clipping(plan):
-        install_fp32_clipping(engine, tp.rank, groups.model_group, cfg.optim.grad_clip)
+        install_fp32_clipping(engine, tp.rank, groups.model_group, cfg.optim.grad_clip, groups.ep.group)
     guard_empty_norm(engine.optimizer, engine.device)
     built.watch_model_state()
     return built

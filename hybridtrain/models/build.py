@@ -22,7 +22,7 @@ from hybridtrain.models.families import Family, TPRule, fused_sizes
 from hybridtrain.models.hf_model import meta_model
 from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, lora_spec, peft_name
 from hybridtrain.models.seeded_init import Keep, init_unit, unit_seed
-from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.context import EPContext, TPContext
 from hybridtrain.parallel.layers import copy_to_tp
 from hybridtrain.parallel.slicing import Fused, local_part
 
@@ -47,23 +47,26 @@ class ModelBuilder:
     adapter: Any = None
     """A ``SafetensorsWeights`` of peft-named adapter tensors to start the adapters from (``finetune.lora.init_from``,
     or a checkpoint's ``adapter/``), or ``None`` for fresh ones (seeded ``A``, zero ``B``)."""
+    ep: EPContext = field(default_factory=EPContext)
+    """This rank's expert-parallel slice and group (``parallel.ep``; size 1: every expert here)."""
     stage_shared: dict = field(default_factory=dict)
     """Modules the layers built from this builder (one rank's stage) share, by name
     (:class:`~hybridtrain.models.stages.BlockInputs`)."""
 
     @classmethod
     def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None,
-                adapter_dir: str | None = None) -> "ModelBuilder":
+                adapter_dir: str | None = None, ep: EPContext | None = None) -> "ModelBuilder":
         """The builder of a run's rank: weights from ``weights_dir`` (HF names, e.g. a checkpoint's
         ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``); LoRA
         adapters (``finetune.method=lora``) from ``adapter_dir`` (a checkpoint's ``adapter/``), else from
         ``finetune.lora.init_from``, else fresh."""
         from hybridtrain.models.families import family_of
-        from hybridtrain.models.weights import SafetensorsWeights
+        from hybridtrain.models.weights import SafetensorsWeights, checkpoint_renames
 
         folder = weights_dir or cfg.model.pretrained
         family, hf_model = family_of(cfg.model), meta_model(hf_config)
-        weights = SafetensorsWeights(folder).for_model(hf_model) if folder is not None else None
+        renames = checkpoint_renames(family.model_type) if family.moe is not None else ()  # Mixtral's legacy names
+        weights = SafetensorsWeights(folder, renames).for_model(hf_model) if folder is not None else None
         lora = adapter = None
         if cfg.finetune.method == "lora":
             lora = lora_spec(cfg.finetune.lora, family, hf_config, hf_model)
@@ -72,7 +75,7 @@ class ModelBuilder:
         return cls(family=family, hf_config=hf_config, hf_model=hf_model,
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
-                   lora=lora, adapter=adapter)
+                   lora=lora, adapter=adapter, ep=ep or EPContext())
 
     @property
     def vocab_size(self) -> int:
@@ -122,18 +125,25 @@ class ModelBuilder:
     def block(self, index: int) -> nn.Module:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
         prefix = f"{self.family.blocks}.{index}"
-        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.sharded("weight"))
+        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.reads_shards())
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         read = None
         if self.weights is not None:  # pretrained: read only this rank's shard of each split module
-            from hybridtrain.models.weights import read_shard
+            from hybridtrain.models.weights import read_experts_shard, read_shard
 
             def read(path: str, dim: int | None, fused) -> torch.Tensor:
                 if dim is None:  # replicated (a row-parallel bias)
                     return self.weights.get(f"{prefix}.{path}")
+                if self.family.moe is not None and path.startswith(f"{self.family.moe.experts}."):
+                    return read_experts_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank,
+                                              self.tp.size, self.family.model_type)
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
         shard_block(block, self.family, self.hf_config, self.tp, read)
+        if self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config):
+            from hybridtrain.parallel.experts import split_experts_over_ep
+
+            split_experts_over_ep(block.get_submodule(self.family.moe.experts), self.ep)
         if self.lora is not None:
             add_lora(block, prefix, self.family, self.hf_config, self.tp, self.lora, self.seed, self.adapter)
         return block

@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 Shapes = Dict[str, Tuple[int, ...]]
 """HF parameter name relative to its module (``attn.c_attn.weight``) -> shape."""
 
-VERSION = 2
+VERSION = 3
 """Bumped when what an entry holds changes: older entries are then never read."""
 
 
@@ -88,17 +88,30 @@ def block_shapes(family, hf_config) -> BlockShapes:
     return shapes
 
 
-def linear_flops(block) -> float:
+def linear_flops(block, moe=None, hf_config=None) -> float:
     """Forward matmul FLOPs per token of every linear of ``block`` (an unsharded HF module, usually on
     the meta device): ``2 x in x out`` for each ``nn.Linear`` and HF ``Conv1D`` (weight ``[in, out]``).
     Read from the module itself, so fused, gated, biased and grouped-query projections of every
-    family count as they are."""
+    family count as they are (a shared expert, made of ``nn.Linear``, among them).
+
+    A mixture-of-experts block (``moe``: the family's :class:`~hybridtrain.models.families.MoE`) counts its
+    *active* work: the router (``2 x H x E``) and, of the fused 3-D experts (``[E, out, in]`` each), the
+    ``top_k`` experts a token runs (``top_k x 2 x out x in`` per 3-D weight), not all ``E``."""
     total = 0
     for module in block.modules():
         weight = getattr(module, "weight", None)
         kind = type(module).__name__
         if weight is not None and weight.dim() == 2 and (kind == "Conv1D" or hasattr(module, "in_features")):
             total += 2 * weight.shape[0] * weight.shape[1]
+    if moe is not None:
+        try:
+            router, experts = block.get_submodule(moe.router), block.get_submodule(moe.experts)
+        except AttributeError:  # a dense block of an MoE model
+            return float(total)
+        top_k = int(getattr(hf_config, moe.top_k))
+        if not hasattr(router, "in_features"):  # an nn.Linear router is counted above already
+            total += 2 * router.weight.shape[0] * router.weight.shape[1]  # [E, H]
+        total += sum(top_k * 2 * p.shape[1] * p.shape[2] for p in experts.parameters(recurse=False) if p.dim() == 3)
     return float(total)
 
 
@@ -122,7 +135,7 @@ def built_shapes(family, hf_config) -> BlockShapes:
     for i, variant in enumerate(block_variants(family, hf_config)):
         block = model.get_submodule(f"{family.blocks}.{i}")
         if variant not in blocks:
-            blocks[variant], flops[variant], first[variant] = shapes(block), linear_flops(block), i
+            blocks[variant], flops[variant], first[variant] = shapes(block), linear_flops(block, family.moe, hf_config), i
         elif shapes(block) != blocks[variant]:
             raise PlanError("model.family", f"{family.model_type}: blocks {first[variant]} and {i} are both "
                             f"variant {variant!r} but transformers builds them with different parameters; the "

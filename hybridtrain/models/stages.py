@@ -1,4 +1,6 @@
-"""Pipeline layers: the HF model cut into pieces that pass ``(hidden, position_ids)`` between them.
+"""Pipeline layers: the HF model cut into pieces that pass ``(hidden, position_ids)`` between them
+(a mixture-of-experts model with its router loss on: ``(hidden, position_ids, P, C)``, the partial sums of
+the load-balancing loss, :mod:`hybridtrain.models.moe`).
 
 DeepSpeed's pipeline may only send tensors (or tuples of tensors) across a stage boundary, and every
 float tensor received gets ``requires_grad`` and must send a gradient back; integer tensors travel
@@ -17,6 +19,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridtrain.checkpoint.hf_state import block_params
+from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
@@ -45,6 +48,7 @@ class TokenEmbedding(VocabParallelEmbedding):
         self.drop = (nn.Dropout(float(getattr(hf, family.embed_dropout)))
                      if family.embed_dropout and not family.position_embed else None)
         self.hf_name = family.checkpoint_name(f"{family.embed}.weight")
+        self.aux = (family, hf) if moe.carries_aux(family, hf) else None
 
     def hf_params(self, include_replicas: bool = False):
         if not include_replicas and getattr(self.weight, "ds_pipe_replicated", False):  # tied copy, last stage
@@ -52,13 +56,22 @@ class TokenEmbedding(VocabParallelEmbedding):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
     def forward(self, x: tuple[torch.Tensor, torch.Tensor], as_head: bool = False):
-        """``(input_ids, position_ids)`` -> ``(hidden [B, S, H], position_ids)``; as the tied head
-        ``(hidden, position_ids)`` -> logits ``[B, S, V_pad/tp]``."""
+        """``(input_ids, position_ids)`` -> ``(hidden [B, S, H], position_ids)`` (and the zero router sums
+        ``(P, C)`` of an MoE model's aux loss); as the tied head ``(hidden, position_ids, ...)`` -> logits
+        ``[B, S, V_pad/tp]`` (with the carried ``(P, C)`` after them)."""
         if as_head:
-            return super().forward(x[0], True)
+            return _with_sums(super().forward(x[0], True), x)
         input_ids, positions = x
         out = super().forward(input_ids, False)
-        return (self.drop(out) if self.drop is not None else out), positions
+        out = self.drop(out) if self.drop is not None else out
+        if self.aux is None:
+            return out, positions
+        return (out, positions, *moe.start_sums(*self.aux, out.device))
+
+
+def _with_sums(logits: torch.Tensor, x: tuple):
+    """The head's output: ``logits``, or ``(logits, P, C)`` where the layers carry the router sums."""
+    return logits if len(x) == 2 else (logits, *x[2:])
 
 
 def _softcap(builder: ModelBuilder) -> float | None:
@@ -85,9 +98,9 @@ class PositionEmbedding(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.wpe.weight, Split())]
 
-    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, positions = x  # [B, S, H], [B, S]: each record of a packed row starts at position 0
-        return self.drop(hidden + self.wpe(positions)), positions
+    def forward(self, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, positions, *sums = x  # [B, S, H], [B, S]: each record of a packed row starts at position 0
+        return self.drop(hidden + self.wpe(positions)), positions, *sums
 
 
 class BlockInputs:
@@ -169,6 +182,15 @@ class DecoderBlock(nn.Module):
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
         self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
+        moe_spec = builder.family.moe
+        if builder.ep.size > 1 and index not in moe_spec.dense_blocks(builder.hf_config):  # experts split over ep
+            from hybridtrain.parallel.experts import expert_marker
+
+            self.moe_marker = expert_marker(int(getattr(builder.hf_config, moe_spec.num_experts)), builder.ep.size)
+        self.tap = None  # an MoE block of a model with its aux loss on: the router's logits, per forward
+        if moe.carries_aux(builder.family, builder.hf_config) and index not in moe_spec.dense_blocks(builder.hf_config):
+            self.tap = moe.RouterTap(self.block.get_submodule(moe_spec.router))
+            self.top_k = int(getattr(builder.hf_config, moe_spec.top_k))
 
     def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
@@ -180,11 +202,24 @@ class DecoderBlock(nn.Module):
             return self.block(hidden, **args)
         return self.block(hidden, position_ids=pos, position_embeddings=cos_sin, **args)
 
-    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, pos = x  # [B, S, H], [B, S]
+    def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The block and its router's ``(P, C)`` of this forward (recomputed alike under checkpointing)."""
+        with self.tap.capture() as logits:
+            out = self._run(hidden, pos)
+        assert len(logits) == 1, f"{self.hf_prefix}: the router ran {len(logits)} times in one forward"
+        return (out, *moe.layer_sums(logits[0], self.top_k))
+
+    def forward(self, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, pos, *sums = x  # [B, S, H], [B, S] (, P [E], C [E])
+        run = self._run_routed if self.tap is not None else self._run
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._run, hidden, pos, use_reentrant=False), pos
-        return self._run(hidden, pos), pos
+            out = checkpoint(run, hidden, pos, use_reentrant=False)
+        else:
+            out = run(hidden, pos)
+        if self.tap is None:
+            return out, pos, *sums
+        out, p_sum, counts = out
+        return out, pos, sums[0] + p_sum, sums[1] + counts
 
 
 def varlen_kwargs(pos: torch.Tensor) -> dict:
@@ -211,9 +246,9 @@ class FinalNorm(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return [(f"{self.hf_prefix}.{n}", p, Split()) for n, p in self.norm.named_parameters()]
 
-    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, positions = x
-        return self.norm(hidden), positions
+    def forward(self, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, *rest = x  # rest: position ids (and an MoE model's router sums)
+        return self.norm(hidden), *rest
 
 
 class LMHead(VocabParallelHead):
@@ -227,8 +262,8 @@ class LMHead(VocabParallelHead):
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
-    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # (hidden, positions) -> logits
-        return super().forward(x[0])
+    def forward(self, x: tuple[torch.Tensor, ...]):  # (hidden, positions) -> logits (, P, C)
+        return _with_sums(super().forward(x[0]), x)
 
 
 class SequentialLM(nn.Module):
@@ -248,6 +283,11 @@ class SequentialLM(nn.Module):
     def logits(self, inputs) -> torch.Tensor:
         """This tensor-parallel rank's vocabulary shard of the logits ``[B, S, V / tp]`` of
         ``(input_ids, position_ids)``, or of ``input_ids`` alone (one sequence per row)."""
+        out = self.outputs(inputs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def outputs(self, inputs):
+        """What the head gives the loss: the logits shard, or ``(logits, P, C)`` (an MoE model's router sums)."""
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs, torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs))
         x = inputs
@@ -256,7 +296,7 @@ class SequentialLM(nn.Module):
         return self.layers[0](x, as_head=True) if self.head is None else self.head(x)
 
     def forward(self, inputs, labels) -> torch.Tensor:
-        return self.loss_fn(self.logits(inputs), labels)
+        return self.loss_fn(self.outputs(inputs), labels)
 
 
 def one_process_model(cfg, hf_config) -> "SequentialLM":
@@ -267,7 +307,8 @@ def one_process_model(cfg, hf_config) -> "SequentialLM":
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     tp, padded = TPContext(), padded_vocab(int(hf_config.vocab_size), 1)
-    return sequential_model(ModelBuilder.for_run(cfg, hf_config, tp, padded), VocabParallelLoss(padded, tp))
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, padded)
+    return sequential_model(builder, moe.loss_of(VocabParallelLoss(padded, tp), builder.family, hf_config))
 
 
 def sequential_model(builder: ModelBuilder, loss_fn, partition: Callable[[nn.Module], None] | None = None) -> nn.Module:

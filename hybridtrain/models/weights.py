@@ -59,8 +59,11 @@ def stored_names(stored: Iterable[str], model: torch.nn.Module) -> dict[str, str
 class SafetensorsWeights:
     """HF-named tensors of a local model folder."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, renames: tuple[tuple[str, str], ...] = ()):
         self.folder = Path(folder)
+        self.renames = tuple(renames)
+        """``(model's name part, checkpoint's)`` pairs tried for a name the folder lacks (Mixtral's ``.mlp.`` is
+        ``.block_sparse_moe.`` in its published checkpoints: :func:`checkpoint_renames`)."""
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
@@ -88,7 +91,7 @@ class SafetensorsWeights:
         else:
             raise CheckpointError(no_weights(self.folder))
         self._handles: dict[Path, object] = {}
-        self._stored: dict[str, str] = {}
+        self._renamed: dict[str, str] = {}
 
     def names(self) -> Iterable[str]:
         """The tensor names as stored in the folder."""
@@ -97,7 +100,7 @@ class SafetensorsWeights:
     def for_model(self, model: torch.nn.Module) -> "SafetensorsWeights":
         """Read the tensors of ``model``'s parameters under the names the folder stores them by
         (:func:`stored_names`: transformers' own renaming of old names and base-model prefixes); ``self``."""
-        self._stored = {name: stored for name, stored in stored_names(self.names(), model).items() if name != stored}
+        self._renamed = {name: stored for name, stored in stored_names(self.names(), model).items() if name != stored}
         return self
 
     def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -131,14 +134,26 @@ class SafetensorsWeights:
                                       "truncated or corrupt") from None
         return out
 
+
+    def _stored(self, name: str) -> str:
+        """The name tensor ``name`` has in the folder: itself, its name under transformers' renaming
+        (:meth:`for_model`), or itself under :attr:`renames`."""
+        name = self._renamed.get(name, name)
+        if name in self._file_of:
+            return name
+        for ours, theirs in self.renames:
+            if ours in name and name.replace(ours, theirs) in self._file_of:
+                return name.replace(ours, theirs)
+        return name
+
     def __contains__(self, name: str) -> bool:
-        return self._stored.get(name, name) in self._file_of
+        return self._stored(name) in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` as float32."""
         from safetensors import safe_open
 
-        name = self._stored.get(name, name)
+        name = self._stored(name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -159,7 +174,7 @@ class SafetensorsWeights:
         indexes. Errors name the file."""
         from safetensors import safe_open
 
-        name = self._stored.get(name, name)
+        name = self._stored(name)
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -178,9 +193,71 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
 
     def cut(view):
         ranges = shard_ranges(view.get_shape()[dim], fused, rank, size)
-        return [view[lo:hi] if dim == 0 else view[:, lo:hi] for lo, hi in ranges]
+        return [view[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in ranges]  # any dim (3-D experts: 1, 2)
 
     return torch.cat(weights.sliced(name, cut), dim=dim).float()
+
+
+def read_experts_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int,
+                       model_type: str) -> torch.Tensor:
+    """This rank's part of a fused 3-D experts tensor ``name`` (``...mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``), split along ``dim`` (1 or 2; ``fused`` blocks): read as it is where the folder
+    holds it fused (hybridtrain's own checkpoints), else from the per-expert 2-D tensors ``save_pretrained``
+    and the published checkpoints hold (``mlp.experts.3.gate_proj.weight`` ...), by transformers' own
+    conversion for ``model_type`` (``transformers.conversion_mapping``: ``MergeModulelist(dim=0)`` over the
+    experts, then ``Concatenate(dim=1)`` of gate and up). Each per-expert tensor is read as its slice only."""
+    if name in weights:
+        return read_shard(weights, name, dim, fused, rank, size)
+    sources = _expert_sources(name, model_type)
+    if sources is None or fused not in (1, len(sources)):
+        raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint, and transformers' "
+                              f"conversion for {model_type!r} gives no per-expert tensors it is made of")
+    parts = []
+    for pattern in sources:  # gate, then up (Concatenate(dim=1) of the merged lists)
+        experts = []
+        e = 0
+        while pattern.replace("*", str(e)) in weights:
+            experts.append(read_shard(weights, pattern.replace("*", str(e)), dim - 1, 1, rank, size))
+            e += 1
+        if not experts:
+            raise CheckpointError(f"{weights.folder}: neither {name!r} nor its per-expert tensors "
+                                  f"{pattern.replace('*', '0')!r}, ... are in the checkpoint")
+        parts.append(torch.stack(experts))  # MergeModulelist(dim=0): [E, ...]
+    return torch.cat(parts, dim=1)
+
+
+def checkpoint_renames(model_type: str) -> tuple[tuple[str, str], ...]:
+    """transformers' renamings of ``model_type``'s checkpoint names (``WeightRenaming`` of its conversion table,
+    e.g. Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``) as ``(model's, checkpoint's)`` pairs."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return tuple((rule.target_patterns[0], rule.source_patterns[0])
+                 for rule in get_checkpoint_conversion_mapping(model_type) or []
+                 if type(rule).__name__ == "WeightRenaming" and len(rule.source_patterns) == 1
+                 and "\\" not in rule.source_patterns[0] and "^" not in rule.source_patterns[0])
+
+
+def _expert_sources(name: str, model_type: str) -> list[str] | None:
+    """The per-expert source names (``*`` = expert index) of fused tensor ``name`` in transformers'
+    conversion mapping of ``model_type``, with its renamings undone; ``None`` where it has none."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    rules = get_checkpoint_conversion_mapping(model_type) or []
+    for rule in rules:
+        targets = list(getattr(rule, "target_patterns", None) or [])
+        ops = [type(op).__name__ for op in getattr(rule, "operations", None) or []]
+        if len(targets) != 1 or not name.endswith(targets[0]) or ops[:1] != ["MergeModulelist"]:
+            continue
+        if any(op not in ("MergeModulelist", "Concatenate") for op in ops):
+            return None
+        stem = name[: len(name) - len(targets[0])]
+        for renaming in rules:  # e.g. Mixtral's ".block_sparse_moe." -> ".mlp." (a checkpoint has the former)
+            if type(renaming).__name__ == "WeightRenaming":
+                src, dst = renaming.source_patterns[0], renaming.target_patterns[0]
+                stem = stem.replace(dst, src)
+        return [stem + pattern.lstrip(".") if stem.endswith(".") else stem + pattern
+                for pattern in rule.source_patterns]
+    return None
 
 
 def read_rows(weights: SafetensorsWeights, name: str, lo: int, hi: int) -> tuple[torch.Tensor, tuple]:

@@ -72,3 +72,38 @@ def barrier(device: Any = None, group: Any = None) -> None:
         dist.barrier(group=group, device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
     else:
         dist.barrier(group=group)
+
+
+def all_to_all_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """Exchange one count per rank of ``group`` (``counts[j]``: what this rank sends rank ``j``); returns what
+    each rank sends this one, on ``counts``' device (an expert-parallel dispatch's split sizes)."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven (possibly empty) splits, differentiable: the backward sends
+    the gradients back the way the rows came (the splits swapped). Written here because torch's public
+    autograd wrapper (``torch.distributed.nn.functional.all_to_all_single``) is deprecated and the
+    functional-collectives one is private."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """Send ``rows`` ``[sum(in_splits), ...]`` (``in_splits[j]`` rows to rank ``j`` of ``group``, in rank order)
+    and receive ``[sum(out_splits), ...]``; autograd sends the gradients back (:class:`_AllToAll`)."""
+    return _AllToAll.apply(rows, list(out_splits), list(in_splits), group)

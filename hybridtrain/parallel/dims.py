@@ -78,8 +78,10 @@ class ParallelDims:
         return [axis for axis in SHOWN if axis in ALWAYS_SHOWN or getattr(self, axis) > 1]
 
     def product(self) -> str:
-        """The layout as the start-up lines print it: ``dp=2 x tp=2 x pp=2`` (the :meth:`shown_axes`)."""
-        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in self.shown_axes())
+        """The layout as the start-up lines print it: ``dp=2 x tp=2 x pp=2`` (the :meth:`shown_axes`; the expert
+        view after them when ``ep`` > 1)."""
+        out = " x ".join(f"{axis}={getattr(self, axis)}" for axis in self.shown_axes())
+        return out + (f" (experts over ep={self.ep} of the dp ranks)" if self.ep > 1 else "")
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` of every rank axis, in :data:`AXES` order."""
@@ -153,6 +155,10 @@ class ParallelDims:
             experts += runs
             replicas += [[run[j] for run in runs] for j in range(self.ep)]
         return sorted(experts), sorted(replicas)
+
+    def expert_rank(self, rank: int) -> int:
+        """``rank``'s place in its expert-parallel group (:meth:`expert_groups`): which slice of the experts it holds."""
+        return self.data_group_of(rank).index(rank) % self.ep
 
     def crossing(self, nodes: int) -> list[str]:
         """The axes (innermost first: ``tp``, ``cp``, ``dp``, ``pp``) whose groups span more than one of

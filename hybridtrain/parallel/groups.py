@@ -5,7 +5,10 @@ DeepSpeed's pipeline engine builds its groups itself (``PipelineModule`` makes a
 the topology it is given, :meth:`ParallelDims.topology`), so the groups of DeepSpeed's three axes
 (``pipe``, ``data = dp x cp``, ``model``) and the pipe x model group are taken from that grid, made once; at
 pp = 1 this module makes the same grid of one stage. An axis DeepSpeed's grid does not know (``cp``) gets its
-groups here with ``new_group``, over :meth:`ParallelDims.groups`, only when its degree is > 1.
+groups here with ``new_group``, over :meth:`ParallelDims.groups`, only when its degree is > 1. So do the
+expert-parallel and expert-data-parallel groups of ``parallel.ep`` > 1 (:meth:`ParallelDims.expert_groups`),
+which are also filed in DeepSpeed's expert-group registry (``deepspeed.utils.groups``, the one process-wide
+state involved: DeepSpeed's engine, ZeRO and gradient norm look the groups up there by name).
 
 :class:`ParallelGroups` is what the loop, the evaluator, the gradient clipper and ZeRO-3's partitioner
 take; at pp = 1 it is the ``mpu`` DeepSpeed gets. Nothing outside :mod:`hybridtrain.parallel` touches
@@ -16,7 +19,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.context import EPContext, TPContext
 from hybridtrain.parallel.dims import AXES, Coords, ParallelDims
 
 GRID_AXES = ("pp", "dp", "tp")
@@ -32,7 +35,7 @@ class ParallelGroups:
     Built by :func:`sequential_groups` (pp = 1) or :func:`pipeline_groups` (pp > 1).
     """
 
-    def __init__(self, dims: ParallelDims, grid: Any, tp: TPContext, rank: int):
+    def __init__(self, dims: ParallelDims, grid: Any, tp: TPContext, rank: int, ep: EPContext | None = None):
         self.dims = dims
         """The run's degrees."""
         self.coords: Coords = dims.coords(rank)
@@ -43,6 +46,12 @@ class ParallelGroups:
         self.axis_groups: dict[str, Any] = {axis: _axis_group(dims, axis, rank) for axis in AXES
                                             if axis not in GRID_AXES}
         """This rank's group of each axis DeepSpeed's grid does not know (``None`` at degree 1)."""
+        self.ep = ep or EPContext(rank=dims.expert_rank(rank), size=dims.ep)
+        """This rank's :class:`~hybridtrain.parallel.context.EPContext` (bound to its expert-parallel group)."""
+        self.expert_data_group: Any = None
+        """The ranks holding the same experts as this one (``dp / ep`` of them; ``None`` at ep = 1)."""
+        if dims.ep > 1:
+            self.ep.group, self.expert_data_group = _expert_groups(dims, rank)
 
     # -- the groups hybridtrain reads ------------------------------------------------------------------
 
@@ -157,7 +166,29 @@ def _axis_group(dims: ParallelDims, axis: str, rank: int) -> Any:
     return mine
 
 
-def sequential_groups(dims: ParallelDims, tp: TPContext) -> ParallelGroups:
+def _expert_groups(dims: ParallelDims, rank: int) -> tuple[Any, Any]:
+    """``rank``'s expert-parallel and expert-data-parallel groups (every group made by every rank, in order),
+    filed in DeepSpeed's registry under :func:`~hybridtrain.parallel.experts.expert_group_name` as its own
+    ``_create_expert_data_and_model_parallel`` would (the same ranks: ``tests/unit/test_units_dims.py``)."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups as ds_groups
+
+    from hybridtrain.parallel.experts import expert_group_name
+
+    mine: dict[str, tuple[Any, list[int]]] = {}
+    for kind, all_groups in zip(("ep", "edp"), dims.expert_groups()):
+        for ranks in all_groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = (group, list(ranks))
+    name = expert_group_name(dims.ep)
+    ds_groups._EXPERT_PARALLEL_GROUP[name], ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = mine["ep"]
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name], ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = mine["edp"]
+    ds_groups.expert_tensor_parallel_world_size = dims.tp  # experts are split over tp too (its gradient norm)
+    return mine["ep"][0], mine["edp"][0]
+
+
+def sequential_groups(dims: ParallelDims, tp: TPContext, ep: EPContext | None = None) -> ParallelGroups:
     """The groups of a pp = 1 run: DeepSpeed's ``PipelineParallelGrid`` of one stage over
     :meth:`ParallelDims.topology` (so both engines use the same rank layout); binds ``tp`` to its TP group
     before any layer is built (the layers read it)."""
@@ -166,7 +197,7 @@ def sequential_groups(dims: ParallelDims, tp: TPContext) -> ParallelGroups:
 
     grid = PipelineParallelGrid(topology=dims.topology())
     tp.bind_grid(grid)
-    return ParallelGroups(dims, grid, tp, dist.get_rank())
+    return ParallelGroups(dims, grid, tp, dist.get_rank(), ep)
 
 
 def bind_pipeline_tp(module: Any, tp: TPContext) -> None:
@@ -175,8 +206,9 @@ def bind_pipeline_tp(module: Any, tp: TPContext) -> None:
     tp.bind_grid(module.mpu())
 
 
-def pipeline_groups(dims: ParallelDims, module: Any, tp: TPContext) -> ParallelGroups:
-    """The groups of a pp > 1 run, from the grid its ``PipelineModule`` made (``tp`` already bound to it)."""
+def pipeline_groups(dims: ParallelDims, module: Any, tp: TPContext, ep: EPContext | None = None) -> ParallelGroups:
+    """The groups of a pp > 1 run, from the grid its ``PipelineModule`` made (``tp`` already bound to it);
+    ``ep`` (the layers' expert-parallel context) is bound to the expert groups made here."""
     import torch.distributed as dist
 
-    return ParallelGroups(dims, module.mpu(), tp, dist.get_rank())
+    return ParallelGroups(dims, module.mpu(), tp, dist.get_rank(), ep)

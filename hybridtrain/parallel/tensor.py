@@ -52,6 +52,11 @@ class TPStyle:
         """Whether a rank holds only a part of parameter ``leaf`` (the cost model's sharded bytes)."""
         return self.split(leaf).dim is not None
 
+    def reads_shards(self) -> bool:
+        """Whether :meth:`shard` reads this module's split parameters itself (from a checkpoint, with
+        ``read``), so loading the whole unit skips them."""
+        return self.sharded("weight")
+
     def keep(self, module: "nn.Module", conv1d: bool, fused: Fused, rank: int, size: int) -> dict:
         """``leaf -> (HF dim, [lo, hi) ranges)`` of the parameters of ``module`` (full, HF layout) that
         rank ``rank`` of ``size`` keeps; parameters kept whole are not named."""
@@ -205,7 +210,33 @@ class GradSum(TPStyle):
         return module
 
 
-STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum())}
+class Experts(TPStyle):
+    """``experts``: transformers' fused 3-D experts module (``*Experts``: ``gate_up_proj [E, 2I, H]``, gate |
+    up fused along dim 1, ``down_proj [E, H, I]``) split over every expert's MLP width ``I``: ``gate_up_proj``
+    column-wise, its gate and up halves each on their own (dim 1, two fused blocks), ``down_proj`` row-wise
+    (dim 2). The module keeps its HF forward (``config._experts_implementation``) on the slices; Megatron's
+    "f" goes on its two float inputs (the routed hidden states and the top-k weights, both with partial
+    gradients on each rank) and "g" (one all-reduce) on its output (:mod:`hybridtrain.parallel.experts`).
+    transformers' own plan for it is ``packed_colwise`` / ``rowwise`` / ``moe_tp_experts``."""
+
+    name = "experts"
+    LEAVES = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+    """Parameter -> (split dimension, fused blocks) in HF layout (the local layout is HF's)."""
+
+    def split(self, leaf, conv1d=False, fused=1):
+        dim, blocks = self.LEAVES.get(leaf, (None, 1))
+        return Split(dim=dim, fused=blocks)
+
+    def reads_shards(self) -> bool:
+        return True
+
+    def shard(self, module, rule, fused, tp, read=None):
+        from hybridtrain.parallel.experts import shard_experts
+
+        return shard_experts(module, {leaf: self.split(leaf) for leaf in self.LEAVES}, tp, read)
+
+
+STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Experts())}
 """Every tensor-parallel style by its name in a ``TPRule``."""
 
 

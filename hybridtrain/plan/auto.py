@@ -127,7 +127,7 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     worst_mem, dp_comm, optim = 0, 0.0, 0.0
     for st in range(dims.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
-        params = sum(stage_param_sizes(units, dims.tp))
+        params = sum(stage_param_sizes(units, dims.tp)) + sum(n for u in units for n in u.expert_sizes(dims.tp, dims.ep))
         dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, dims.data, dp_link))
         share = params if c.zero_stage == 0 else params / dims.data
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)

@@ -36,6 +36,9 @@ class UnitFacts:
     """Element-wise work per token (elements touched), for time only (see :data:`ELEMENTWISE_COST`)."""
     fixed_elementwise: float = 0.0
     """Element-wise work per micro-batch independent of tokens (the embedding's dense gradient)."""
+    experts: tuple[int, ...] = ()
+    """Element counts of the routed experts' parameters (an MoE block): split over tp and over ep, and
+    data-parallel over ``dp / ep`` ranks only."""
 
     @property
     def name(self) -> str:
@@ -50,13 +53,17 @@ class UnitFacts:
         """A tied LM head: the embedding's weight again (a copy on the last stage when pp > 1)."""
         return self.unit.tied
 
-    def params(self, tp: int) -> int:
-        """Parameters this layer puts on one TP rank."""
-        return sum(n // tp for n in self.sharded) + sum(self.replicated)
+    def params(self, tp: int, ep: int = 1) -> int:
+        """Parameters this layer puts on one rank of tp (and ep)."""
+        return sum(n // tp for n in self.sharded) + sum(self.replicated) + sum(self.expert_sizes(tp, ep))
 
     def param_sizes(self, tp: int) -> list[int]:
-        """Element counts of each parameter tensor on one TP rank."""
+        """Element counts of each parameter tensor on one TP rank, but the routed experts' (:meth:`expert_sizes`)."""
         return [n // tp for n in self.sharded] + list(self.replicated)
+
+    def expert_sizes(self, tp: int, ep: int = 1) -> list[int]:
+        """Element counts of the routed experts' parameter tensors on one rank of tp and ep."""
+        return [n // (tp * ep) for n in self.experts]
 
     def time_cost(self, tokens: int, tp: int) -> float:
         """FLOP-equivalents of forward + backward of ``tokens`` tokens on one TP rank."""
@@ -85,15 +92,17 @@ class ModelFacts:
         return sum(u.params(1) for u in self.units if not u.tied)
 
 
-def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Parameter element counts of one HF block (name -> shape): (TP-sharded, replicated), by the family's TP plan."""
-    sharded, replicated = [], []
+def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
+    """Parameter element counts of one HF block (name -> shape): (TP-sharded, replicated, routed experts), by the
+    family's TP plan (an MoE family's experts module: split over tp and ep)."""
+    sharded, replicated, experts = [], [], []
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         rule = family.tp_plan.get(module)
         split = rule is not None and rule.tp_style.sharded(leaf)
-        (sharded if split else replicated).append(math.prod(shape))
-    return sharded, replicated
+        expert = family.moe is not None and module == family.moe.experts and split
+        (experts if expert else sharded if split else replicated).append(math.prod(shape))
+    return sharded, replicated, experts
 
 
 def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1,
@@ -117,8 +126,9 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             n_pos = int(getattr(hf_config, family.max_positions))
             units.append(UnitFacts(unit, (), (n_pos * hidden,), 0.0, 2 * hidden))
         elif unit.kind is Kind.BLOCK:
-            sharded, replicated = split[unit.variant]
-            units.append(UnitFacts(unit, tuple(sharded), tuple(replicated), TRAIN_FACTOR * fwd, 12 * hidden))
+            sharded, replicated, experts = split[unit.variant]
+            units.append(UnitFacts(unit, tuple(sharded), tuple(replicated), TRAIN_FACTOR * fwd, 12 * hidden,
+                                   experts=tuple(experts)))
         elif unit.kind is Kind.FINAL_NORM:
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
@@ -127,12 +137,12 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
                       num_layers=layers, seq_len=seq_len, padded_vocab=vocab, units=units)
 
 
-def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int) -> int:
-    """Parameters one TP rank of ``stage`` holds (a tied head on a stage that has the embedding
-    is the same tensor; on another stage it is a copy)."""
+def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int, ep: int = 1) -> int:
+    """Parameters one rank of ``stage`` holds at ``tp`` (and ``ep``) (a tied head on a stage that has the
+    embedding is the same tensor; on another stage it is a copy)."""
     units = facts.units[bounds[stage]:bounds[stage + 1]]
     has_embed = any(u.kind is Kind.EMBED for u in units)
-    return sum(u.params(tp) for u in units if not (u.tied and has_embed))
+    return sum(u.params(tp, ep) for u in units if not (u.tied and has_embed))
 
 
 def stage_flops(facts: ModelFacts, bounds: list[int], stage: int) -> float:

@@ -14,7 +14,8 @@ def check_hf_overrides(model_type: str, overrides: dict) -> None:
     """Reject ``model.config`` keys the HF config class does not have (typos would be silently kept)."""
     from transformers import AutoConfig
 
-    known = set(AutoConfig.for_model(model_type).to_dict())
+    defaults = AutoConfig.for_model(model_type)
+    known = set(defaults.to_dict()) | set(getattr(defaults, "attribute_map", {}))  # aliases: Qwen3-MoE's num_experts
     known |= {"tie_word_embeddings", "vocab_size", "n_inner", "head_dim", "attention_bias", "mlp_bias"}
     for key in overrides:
         if key not in known:

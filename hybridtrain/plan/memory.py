@@ -187,10 +187,14 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
     if lora is None:
         trained = stage_param_sizes(units, dims.tp)
         params, grads, optim = model_state(trained, zero, dims.data, precision)
+        experts = [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
+        if experts:  # E / ep experts per rank; ZeRO partitions their state over the dp / ep ranks holding them
+            more = model_state(experts, zero, dims.data // dims.ep, precision)
+            params, grads, optim = params + more[0], grads + more[1], optim + more[2]
     else:
         trained = [n for u in units for n in lora(u.name)]
-        params, grads, optim = model_state(trained, zero, dims.data, precision,
-                                           frozen=stage_param_sizes(units, dims.tp))
+        frozen = stage_param_sizes(units, dims.tp) + [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
+        params, grads, optim = model_state(trained, zero, dims.data, precision, frozen=frozen)
     act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask)
     return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
                       reduction_buffer(sum(trained), zero, dims.data, precision))

@@ -7,6 +7,7 @@ the GPU headroom); no process group, no weights (a meta model).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from hybridtrain.config.schema import Config
 from hybridtrain.models.families import family_of
@@ -16,9 +17,11 @@ from hybridtrain.plan.costs import (
     layer_time_costs,
     model_facts,
     stage_flops,
+    stage_params,
 )
 from hybridtrain.plan.lora import lora_memory
-from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory, stage_param_sizes
+from hybridtrain.plan.memory import GiB, RankMemory, attention_flags, rank_memory
+from hybridtrain.plan.moe import ExpertFacts, expert_facts
 from hybridtrain.plan.partition import partition_advice
 from hybridtrain.parallel.dims import AXES
 from hybridtrain.plan.types import Plan
@@ -58,6 +61,8 @@ class PlanReport:
     warnings: list[str] = field(default_factory=list)
     ranks_per_node: int = 0
     """Devices per node (``launcher.gpus_per_node``); 0: the ranks spread evenly over the nodes."""
+    experts: Optional[ExpertFacts] = None
+    """A mixture-of-experts model's routed experts (:mod:`hybridtrain.plan.moe`), ``None`` for a dense one."""
 
     def rank_map(self) -> list[dict[str, int]]:
         """Every rank's node and coordinates on every axis (:data:`~hybridtrain.parallel.dims.AXES`, ``tp`` fastest)."""
@@ -78,13 +83,15 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
                           lora=lora, **attention_flags(cfg))
-        stages.append(StageReport(s, facts.names[a:b], sum(stage_param_sizes(facts.units[a:b], plan.dims.tp)),
+        stages.append(StageReport(s, facts.names[a:b], stage_params(facts, plan.stage_bounds, s, plan.dims.tp,
+                                                                plan.dims.ep),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))
     times = [st.time_cost for st in stages]
     imbalance = max(times) / (sum(times) / len(times)) - 1 if plan.dims.pp > 1 else 0.0
     bubble = plan.bubble
     report = PlanReport(plan, facts, stages, device_memory, bubble, imbalance,
-                        ranks_per_node=cfg.launcher.gpus_per_node or 0)
+                        ranks_per_node=cfg.launcher.gpus_per_node or 0,
+                        experts=expert_facts(facts.family, hf_config, plan.dims, facts.total_params()))
     if imbalance > IMBALANCE_WARN:
         slow = max(stages, key=lambda st: st.time_cost).stage
         how = partition_advice(plan.partition_method, plan.stage_bounds, measured=False)
@@ -117,6 +124,15 @@ def _layers(names: list[str]) -> str:
     return ", ".join(out)
 
 
+def _experts_lines(e: Optional[ExpertFacts]) -> list[str]:
+    """The plan command's lines on a mixture-of-experts model's routed experts (none for a dense model)."""
+    if e is None:
+        return []
+    return [f"experts   {e.num_experts} routed experts in each of {e.moe_blocks} MoE blocks, top-{e.top_k}, width "
+            f"{e.width}; per rank {e.per_rank_experts} experts x width {e.per_rank_width}; active parameters per "
+            f"token {e.active_params / 1e6:,.2f}M of {e.total_params / 1e6:,.2f}M"]
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:8.3f}"
 
@@ -133,7 +149,7 @@ def format_report(report: PlanReport) -> str:
              f"x dp {p.dims.dp}; tokens per step {p.tokens_per_step:,} ({p.global_batch_size} x {p.seq_len})",
              f"pipeline  bubble (pp-1)/(m+pp-1) = ({p.dims.pp}-1)/({p.grad_accum}+{p.dims.pp}-1) = {report.bubble:.1%}"
              + (f"; stage imbalance {report.imbalance:.1%} (slowest stage over the mean)" if p.dims.pp > 1 else ""),
-             "", "rank map (DeepSpeed topology: tp fastest, then dp, then pp)",
+             *_experts_lines(report.experts), "", "rank map (DeepSpeed topology: tp fastest, then dp, then pp)",
              f"  {'rank':>5} {'node':>5} " + " ".join(f"{axis:>4}" for axis in shown)]
     ranks = report.rank_map()
     for r in ranks[:MAX_RANK_ROWS]:

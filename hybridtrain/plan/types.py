@@ -81,13 +81,13 @@ class Plan:
         """``plan.json``'s content: the fields, with the degrees of :attr:`dims` as top-level keys."""
         out = asdict(self)
         dims = out.pop("dims")
-        return {**{axis: dims[axis] for axis in AXES}, **out}
+        return {**{axis: dims[axis] for axis in AXES}, "ep": dims["ep"], **out}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         """The plan of a ``plan.json`` (an axis a file predating it lacks has degree 1)."""
         data = dict(data)
-        dims = ParallelDims(**{axis: int(data.pop(axis, 1)) for axis in AXES})
+        dims = ParallelDims(**{axis: int(data.pop(axis, 1)) for axis in (*AXES, "ep")})
         return cls(dims=dims, **data)
 
 

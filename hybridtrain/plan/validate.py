@@ -19,6 +19,7 @@ from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
+from hybridtrain.plan.moe import check_expert_parallel, check_expert_stages, check_moe
 from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -116,6 +117,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
+    check_moe(cfg, family, hf_config)  # parallel.ep and what mixture-of-experts models cannot do yet
     check_packing_kernel(cfg.data, cfg.model.attn_implementation)
     tr.precision = precision_for(tr.precision, lau, machine)  # null resolved: bf16 on GPUs, fp32 on CPUs
     _need(0 <= cfg.plan.memory_headroom < 1, "plan.memory_headroom",
@@ -143,7 +145,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     here = (machine.gpus_per_node or None) if lau.name == "local" else None
     per_node = lau.gpus_per_node if lau.gpus_per_node is not None else here
     dp = data_parallel_degree(par.dp, par.tp, par.pp, per_node, lau.nodes)
-    dims = ParallelDims(pp=par.pp, dp=dp, tp=par.tp)  # the one place a run's degrees are put together
+    ep = check_expert_parallel(cfg, family, hf_config, dp, zero_stage_for(par.zero_stage, dp, tr.precision))
+    dims = ParallelDims(pp=par.pp, dp=dp, tp=par.tp, ep=ep)  # the one place a run's degrees are put together
     model_ranks = dims.model_ranks
     world = dims.world
     if lau.name != "local" and per_node is not None:  # srun / the runner start one rank per device
@@ -248,6 +251,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         _need(why is None, key, f"stage {s}: {why}; " + (
             "change parallel.stage_layers" if par.stage_layers is not None
             else f"use parallel.partition=balanced or blocks instead of {par.partition}"))
+    check_expert_stages(family, hf_config, dims, zero, names, bounds,
+                        "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition")
     return Plan(
         dims=dims, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,

@@ -31,6 +31,8 @@ def micro_batch_logits(built, plan, inputs, labels):
             engine.train()  # eval_batch leaves the module in eval mode
         if built.stage != plan.dims.pp - 1:
             return None
+        if isinstance(shard, tuple):  # an MoE model's last stage also gives the router sums (models/moe.py)
+            shard = shard[0]
     else:
         module = engine.module
         module.eval()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers.families import TINY
+from helpers.moe import MOE_TINY
 from hybridtrain.models.families import FAMILIES, get_family
 from hybridtrain.models.shapes import block_shapes, built_shapes, cache_dir, cache_key
 from hybridtrain.models.units import block_variants
@@ -18,7 +19,7 @@ from hybridtrain.models.units import block_variants
 def _config(model_type: str):
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model(model_type, **TINY[model_type])
+    cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE_TINY}[model_type])
     cfg._attn_implementation = get_family(model_type).attn_implementations[0]
     return cfg
 

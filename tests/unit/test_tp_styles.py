@@ -14,7 +14,7 @@ from hybridtrain.parallel.tensor import STYLES, hf_dim, style_of
 
 def test_a_rule_names_its_style_object():
     assert TPRule("row").tp_style is STYLES["row"] is style_of("row")
-    assert sorted(STYLES) == ["column", "grad_sum", "norm", "row"]
+    assert sorted(STYLES) == ["column", "experts", "grad_sum", "norm", "row"]
     with pytest.raises(ValueError, match="unknown tensor-parallel style 'rowwise'; use one of"):
         style_of("rowwise")
 
@@ -36,8 +36,22 @@ def test_keep_follows_the_checkpoint_split(conv1d):
 
 
 def test_sharded_leaves():
-    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False]
-    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False]
+    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False]
+    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False]
+    assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, True]
+    assert STYLES["experts"].sharded("gate_up_proj") and STYLES["experts"].sharded("down_proj")
+
+
+def test_experts_keep_gate_and_up_halves_and_down_columns():
+    """The 3-D experts: ``gate_up_proj [E, 2I, H]`` keeps rank r's slice of gate and of up (dim 1),
+    ``down_proj [E, H, I]`` rank r's columns (dim 2), every expert alike."""
+    import torch
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.zeros(4, 2 * 8, 6))  # E = 4, I = 8, H = 6
+    experts.down_proj = nn.Parameter(torch.zeros(4, 6, 8))
+    keep = STYLES["experts"].keep(experts, False, 1, rank=1, size=2)
+    assert keep == {"gate_up_proj": (1, [(4, 8), (12, 16)]), "down_proj": (2, [(4, 8)])}
 
 
 def test_lora_counts_match_the_lora_splits():

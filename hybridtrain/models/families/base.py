@@ -49,6 +49,41 @@ class TPRule:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """Where a mixture-of-experts family's routed experts live and which HF config keys size them
+    (``docs/moe.md``). Every path is relative to a decoder block."""
+
+    router: str = "mlp.gate"
+    """The router module (transformers' ``*TopKRouter``, whose output 0 is the router logits ``[T, E]``,
+    what transformers' ``OutputRecorder`` records for ``load_balancing_loss_func``)."""
+    experts: str = "mlp.experts"
+    """The experts module (fused 3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
+    num_experts: str = "num_experts"
+    """HF config key: routed experts per MoE layer."""
+    top_k: str = "num_experts_per_tok"
+    """HF config key: experts each token is routed to."""
+    width: str = "moe_intermediate_size"
+    """HF config key: one expert's MLP width (``I``), split over tensor parallelism."""
+    shared_width: Optional[str] = None
+    """HF config key of the shared expert's MLP width (Qwen2-MoE), split over tensor parallelism; ``None``: none."""
+    aux_coef: str = "router_aux_loss_coef"
+    """HF config key: the coefficient of the load-balancing loss in the training loss."""
+    aux_on: str = "output_router_logits"
+    """HF config key that switches the load-balancing loss on (transformers adds it to the loss only then)."""
+    dense_layers: Optional[Callable[[Any], Sequence[int]]] = field(default=None, compare=False)
+    """HF config -> indices of the blocks with a dense MLP instead of experts (``None``: every block routes).
+    Not supported yet: a config that has any is refused by the plan (``docs/moe.md``)."""
+
+    def dense_blocks(self, hf_config: Any) -> list[int]:
+        """The blocks of ``hf_config`` whose MLP is dense (no experts)."""
+        return sorted(int(i) for i in self.dense_layers(hf_config)) if self.dense_layers else []
+
+    def aux_enabled(self, hf_config: Any) -> bool:
+        """Whether the model's loss includes the router's load-balancing term (transformers' rule)."""
+        return bool(getattr(hf_config, self.aux_on, False))
+
+
+@dataclass(frozen=True)
 class Family:
     """The adapter of one HF ``model_type``: module paths, the block's TP plan, model-level operations."""
 
@@ -99,6 +134,8 @@ class Family:
     """HF config -> each decoder block's variant (:func:`hybridtrain.models.units.block_variants`), for models
     whose blocks differ beyond transformers' ``layer_types`` (an MoE model's leading dense blocks); ``None``:
     ``layer_types``, else all blocks alike."""
+    moe: Optional[MoE] = None
+    """Mixture-of-experts families: where the router and the experts are (:class:`MoE`); ``None``: dense."""
     n_layers: str = "num_hidden_layers"
     hidden: str = "hidden_size"
     heads: str = "num_attention_heads"
@@ -124,6 +161,8 @@ class Family:
         """HF config keys that fix tensor shapes (a pretrained model's may not be overridden)."""
         keys = (self.n_layers, self.hidden, self.heads, self.kv_heads, self.mlp_width, self.max_positions,
                 "head_dim", "vocab_size", "tie_word_embeddings")
+        if self.moe is not None:
+            keys += (self.moe.num_experts, self.moe.width)
         return tuple(k for k in keys if k)
 
 
@@ -184,7 +223,13 @@ def fused_sizes(rule: TPRule, family: Family, hf_config: Any, length: Optional[i
 
 def tp_divisible(family: Family, hf_config: Any) -> dict[str, int]:
     """``config key -> value`` of every size tp must divide (heads, KV heads, MLP width)."""
-    out = {family.heads: int(getattr(hf_config, family.heads)), family.mlp_width: mlp_width_of(family, hf_config)}
+    out = {family.heads: int(getattr(hf_config, family.heads))}
+    if family.moe is not None:  # the experts' width (and a shared expert's); the dense MLP's only where a block has one
+        out[family.moe.width] = int(getattr(hf_config, family.moe.width))
+        if family.moe.shared_width:
+            out[family.moe.shared_width] = int(getattr(hf_config, family.moe.shared_width))
+    if family.moe is None or family.moe.dense_blocks(hf_config):
+        out.setdefault(family.mlp_width, mlp_width_of(family, hf_config))
     if family.kv_heads and getattr(hf_config, family.kv_heads, None):
         out[family.kv_heads] = int(getattr(hf_config, family.kv_heads))
     return out

@@ -1,0 +1,38 @@
+"""Qwen2-MoE (``Qwen2MoeForCausalLM``: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (biases on q,
+k, v; optional sliding-window layers) with a mixture-of-experts MLP: a softmax top-k router (renormalised
+when ``norm_topk_prob``), fused 3-D routed experts, and a **shared expert** every token runs, scaled by
+``sigmoid(shared_expert_gate(x))``.
+
+The routed experts as Qwen3-MoE's (:mod:`hybridtrain.models.families.qwen3_moe`). The shared expert is a
+plain SwiGLU MLP split Megatron-style (gate and up column-wise, down row-wise), with its own "f" on its
+input; its gate (``Linear(H, 1)``) stays replicated outside the tensor-parallel region, like the router
+(transformers' plan has no entries for either). Blocks with a dense MLP (``mlp_only_layers``,
+``decoder_sparse_step`` > 1) are not supported yet.
+"""
+from hybridtrain.models.families.base import Family, MoE, TPRule
+from hybridtrain.models.families.qwen3_moe import dense_layers, variants
+
+FAMILY = Family(
+    model_type="qwen2_moe",
+    embed="model.embed_tokens",
+    blocks="model.layers",
+    final_norm="model.norm",
+    rotary_embed="model.rotary_emb",
+    head="lm_head",
+    hf_config_class="Qwen2MoeConfig",
+    tp_rules={
+        "mlp.experts": TPRule("experts"),
+        "mlp.experts.gate_up_proj": None,
+        "mlp.experts.down_proj": None,
+        "mlp.gate_proj": None,
+        "mlp.up_proj": None,
+        "mlp.down_proj": None,
+        "mlp.shared_expert.gate_proj": TPRule("column"),
+        "mlp.shared_expert.up_proj": TPRule("column"),
+        "mlp.shared_expert.down_proj": TPRule("row"),
+    },
+    input_copy=("self_attn", "mlp.shared_expert"),
+    moe=MoE(dense_layers=dense_layers, shared_width="shared_expert_intermediate_size"),
+    block_variants=variants,
+    dropout_keys=("attention_dropout",),
+)

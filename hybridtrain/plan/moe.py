@@ -1,0 +1,134 @@
+"""The plan's rules for mixture-of-experts models (``docs/moe.md``): what the model and the layout must
+satisfy before anything starts, each a :class:`~hybridtrain.errors.PlanError` naming the key and the fix.
+Imports neither torch nor deepspeed."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hybridtrain.errors import PlanError
+
+
+@dataclass(frozen=True)
+class ExpertFacts:
+    """The routed experts of an MoE model as the plan command shows them."""
+
+    num_experts: int
+    """Routed experts per MoE block (``E``)."""
+    top_k: int
+    """Experts each token runs."""
+    moe_blocks: int
+    """Blocks with routed experts (of all the model's blocks)."""
+    width: int
+    """One expert's MLP width (``I``)."""
+    per_rank_experts: int
+    """Experts one rank holds in each MoE block (``E / ep``)."""
+    per_rank_width: int
+    """Of each of them, the width one tensor-parallel rank holds (``I / tp``)."""
+    expert_params: int
+    """Parameters of every routed expert of the model (all blocks)."""
+    total_params: int
+    """Parameters of the whole model (a tied head once)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through: all but the ``E - top_k`` experts it is not routed to."""
+        return self.total_params - self.expert_params * (self.num_experts - self.top_k) // self.num_experts
+
+
+def expert_facts(family: Any, hf_config: Any, dims: Any, total_params: int) -> Optional[ExpertFacts]:
+    """The :class:`ExpertFacts` of ``hf_config`` under ``dims`` (``None`` for a dense model); ``total_params``:
+    the model's parameters (:meth:`~hybridtrain.plan.costs.ModelFacts.total_params`)."""
+    moe = family.moe
+    if moe is None:
+        return None
+    from hybridtrain.models.shapes import block_shapes
+    from hybridtrain.models.units import block_variants
+
+    shapes = block_shapes(family, hf_config)
+    per_variant = {v: sum(math.prod(s) for name, s in b.items() if name.startswith(f"{moe.experts}."))
+                   for v, b in shapes.blocks.items()}
+    variants = block_variants(family, hf_config)
+    layers = int(getattr(hf_config, family.n_layers))
+    experts, width = int(getattr(hf_config, moe.num_experts)), int(getattr(hf_config, moe.width))
+    return ExpertFacts(num_experts=experts, top_k=int(getattr(hf_config, moe.top_k)),
+                       moe_blocks=layers - len(moe.dense_blocks(hf_config)), width=width,
+                       per_rank_experts=experts // getattr(dims, "ep", 1), per_rank_width=width // dims.tp,
+                       expert_params=sum(per_variant[v] for v in variants), total_params=total_params)
+
+
+def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
+    """Refuse what an MoE run (or ``parallel.ep`` on a dense one) cannot do yet."""
+    ep = int(cfg.parallel.ep)
+    if ep < 1:
+        raise PlanError("parallel.ep", f"must be >= 1, got {ep}")
+    moe = family.moe
+    if moe is None:
+        if ep > 1:
+            raise PlanError("parallel.ep", f"parallel.ep={ep}: {family.model_type} is a dense model (no experts "
+                            "to split); use parallel.ep=1")
+        return
+    dense = moe.dense_blocks(hf_config)
+    if dense:
+        key = "mlp_only_layers" if getattr(hf_config, "mlp_only_layers", None) else "decoder_sparse_step"
+        raise PlanError(f"model.config.{key}", f"blocks {dense} of this {family.model_type} model have a dense MLP; "
+                        "models mixing dense and MoE blocks are not supported yet (docs/moe.md)")
+    if moe.aux_enabled(hf_config) and cfg.data.packing == "documents":
+        raise PlanError("data.packing", "data.packing=documents with the router aux loss on "
+                        f"(model.config.{moe.aux_on}=true): transformers weights a packed row's router statistics "
+                        "by an attention mask hybridtrain does not build; use unpacked rows, or "
+                        f"model.config.{moe.aux_on}=false")
+
+
+def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
+    """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
+    divide dp and the experts, and what expert parallelism cannot do yet is refused."""
+    ep = int(cfg.parallel.ep)
+    if ep == 1:
+        return ep
+    experts = int(getattr(hf_config, family.moe.num_experts))
+    if dp % ep:
+        fits = [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]
+        raise PlanError("parallel.ep", f"parallel.ep={ep} must divide the data-parallel degree dp={dp} (experts are "
+                        f"split over ranks carved from dp); use ep in {fits}, or a dp that ep divides")
+    if experts % ep:
+        fits = [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]
+        raise PlanError("parallel.ep", f"parallel.ep={ep} must divide the {experts} experts of each MoE layer "
+                        f"(model.config.{family.moe.num_experts}); use ep in {fits}")
+    if zero >= 2:
+        raise PlanError("parallel.zero_stage", f"zero_stage={zero} with parallel.ep={ep}: expert parallelism runs "
+                        "with ZeRO 0 or 1 in this version (DeepSpeed refuses its MoE groups under ZeRO-3); use "
+                        "parallel.zero_stage=1")
+    if cfg.trainer.precision != "fp32":
+        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision} with parallel.ep={ep}: "
+                        "expert parallelism is verified in fp32 only in this version; use trainer.precision=fp32 or "
+                        "parallel.ep=1")
+    if cfg.finetune.method == "lora":
+        raise PlanError("finetune.method", f"LoRA with parallel.ep={ep} is not supported yet; use parallel.ep=1")
+    tr = cfg.trainer
+    saving = [k for k, on in (("trainer.save_every", tr.save_every), ("trainer.save_final", tr.save_final),
+                              ("trainer.save_logits", tr.save_logits), ("trainer.resume", tr.resume)) if on]
+    if saving:
+        raise PlanError(saving[0], f"{saving[0]} with parallel.ep={ep}: checkpoints of expert-parallel runs are not "
+                        "supported yet (each rank holds other experts); use parallel.ep=1 to save, or "
+                        "trainer.save_final=false and trainer.save_every=0")
+    return ep
+
+
+def check_expert_stages(family: Any, hf_config: Any, dims: Any, zero: int, names: list[str], bounds: list[int],
+                        key: str) -> None:
+    """With ``parallel.ep`` > 1, ZeRO-1 and pp > 1 every pipeline stage must hold an MoE block: DeepSpeed's
+    ZeRO-1 all-reduces one gradient norm per parameter group over the pipe x tensor ranks, and a stage
+    without experts has fewer groups than one with them (the ranks would wait on each other forever)."""
+    if dims.ep == 1 or dims.pp == 1 or zero == 0:
+        return
+    from hybridtrain.models.units import block_index, kind_of, Kind
+
+    dense = set(family.moe.dense_blocks(hf_config))
+    for s in range(dims.pp):
+        stage = names[bounds[s]:bounds[s + 1]]
+        if not any(kind_of(n) is Kind.BLOCK and block_index(n) not in dense for n in stage):
+            raise PlanError(key, f"stage {s} ({', '.join(stage)}) holds no MoE block, which DeepSpeed's ZeRO-1 "
+                            f"with parallel.ep={dims.ep} cannot run at pp > 1 (its gradient norm would hang); put an "
+                            "MoE block on every stage (parallel.stage_layers) or use parallel.zero_stage=0")

@@ -1,0 +1,78 @@
+"""Tiny mixture-of-experts twins for the MoE tests: ``save_pretrained`` folders of random models whose
+routers have a clear margin between every token's k-th and (k+1)-th expert, so that the rounding of
+another layout (about 1e-7 relative in fp32) cannot flip a choice, and with the router load-balancing
+loss on (``output_router_logits``) so that the loss carries it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers.families import VOCAB
+
+MOE_TINY: dict[str, dict] = {
+    "qwen3_moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      max_position_embeddings=128, norm_topk_prob=True, output_router_logits=True,
+                      router_aux_loss_coef=0.02),
+    "mixtral": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                    sliding_window=8, output_router_logits=True, router_aux_loss_coef=0.02),
+    "olmoe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                  output_router_logits=True, router_aux_loss_coef=0.02, pad_token_id=1),
+    "qwen2_moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=128,
+                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, output_router_logits=True,
+                      router_aux_loss_coef=0.02),
+}
+"""``model.config`` of each MoE family's twin (HF names): 8 experts, top-2, widths divisible by 4; Qwen3-MoE
+renormalises the top-k weights (``norm_topk_prob``), OLMoE and Qwen2-MoE do not (their default), Mixtral always
+does; Mixtral with a sliding window, Qwen2-MoE with its gated shared expert."""
+
+ROUTER_SCALE = 4.0
+"""The routers' weights are multiplied by this after the noise: router logits spread over about one unit
+(random routers at HF's init route almost uniformly, which would hide a wrong dispatch)."""
+
+
+def moe_config(family: str, **extra):
+    """The tiny HF config of MoE ``family`` with the embedded tokenizer's vocabulary and EOS id."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+                                **{**MOE_TINY[family], **extra})
+
+
+def make_moe_checkpoint(folder: Path, family: str, seed: int = 7, **extra) -> Path:
+    """``save_pretrained`` of a random tiny MoE ``family`` model (perturbed weights, scaled routers) plus the
+    embedded tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers.finetune import save_tokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(family, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+    model.save_pretrained(str(folder))
+    save_tokenizer(folder)
+    return folder
+
+
+def router_margin(folder: Path, ids) -> float:
+    """The smallest gap, over every token and MoE layer of transformers' forward of ``ids``, between the
+    k-th and (k+1)-th router logit, relative to the largest router logit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    k = int(model.config.num_experts_per_tok)
+    gaps = []
+    for logits in out.router_logits:  # [T, E]; softmax keeps the order, so the choice is the logits' top-k
+        top = torch.topk(logits.float(), k + 1, dim=-1).values  # [T, k + 1]
+        gaps.append((top[:, k - 1] - top[:, k]).min() / logits.abs().max())
+    return float(torch.stack(gaps).min())

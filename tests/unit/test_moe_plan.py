@@ -1,0 +1,121 @@
+"""The plan's mixture-of-experts rules (``hybridtrain/plan/moe.py``): ``parallel.ep`` and what MoE models
+cannot do yet are refused before anything starts, each naming its key."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.config import compose
+from hybridtrain.plan import Machine, PlanError, resolve
+
+CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
+NO_SAVE = ("trainer.save_final=false",)
+
+TINY_MOE = ("+recipe=llama_tiny", "model=qwen3_moe", "model.config.hidden_size=64", "model.config.num_hidden_layers=2",
+            "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", "+model.config.head_dim=16",
+            "+model.config.num_experts=8", "+model.config.moe_intermediate_size=32",
+            "+model.config.num_experts_per_tok=2", "model.config.intermediate_size=128",
+            "~model.config.tie_word_embeddings")
+"""A two-block Qwen3-MoE (8 experts, top-2) on the llama_tiny recipe."""
+
+
+def _error(*overrides: str) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        resolve(compose(*overrides), CPU)
+    return info.value
+
+
+CASES = {  # id -> (overrides, key, fragments of the message)
+    "ep_on_a_dense_model": (("+recipe=llama_tiny", "parallel.dp=2", "parallel.ep=2"), "parallel.ep",
+                            ["parallel.ep=2: llama is a dense model", "use parallel.ep=1"]),
+    "ep_not_dividing_dp": ((*TINY_MOE, "parallel.dp=3", "parallel.ep=2", "trainer.global_batch_size=12",
+                            *NO_SAVE), "parallel.ep", ["parallel.ep=2 must divide the data-parallel degree dp=3",
+                                                       "use ep in [1]"]),
+    "ep_not_dividing_experts": ((*TINY_MOE, "parallel.dp=4", "parallel.ep=4", "model.config.num_experts=6",
+                                 *NO_SAVE), "parallel.ep", ["must divide the 6 experts", "use ep in [1, 2]"]),
+    "ep_with_zero2": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", *NO_SAVE),
+                      "parallel.zero_stage", ["zero_stage=2 with parallel.ep=2", "use parallel.zero_stage=1"]),
+    "ep_saving_checkpoints": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2"), "trainer.save_final",
+                              ["checkpoints of expert-parallel runs are not supported yet"]),
+    "ep_stage_without_experts": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                  "parallel.stage_layers=[3,2]", *NO_SAVE), "parallel.stage_layers",
+                                 ["stage 1 (final_norm, head) holds no MoE block", "parallel.zero_stage=0"]),
+    "ep_below_one": ((*TINY_MOE, "parallel.ep=0"), "parallel.ep", ["must be >= 1, got 0"]),
+    "dense_blocks": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]"), "model.config.mlp_only_layers",
+                     ["blocks [0] of this qwen3_moe model have a dense MLP", "not supported yet"]),
+    "packing_with_aux": ((*TINY_MOE, "+model.config.output_router_logits=true", "data.packing=documents"),
+                         "data.packing", ["with the router aux loss on", "model.config.output_router_logits=false"]),
+    "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
+                                    ["must divide model.config.moe_intermediate_size=36"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_rule_names_the_key(case):
+    overrides, key, fragments = CASES[case]
+    err = _error(*overrides)
+    assert err.key == key, str(err)
+    for fragment in fragments:
+        assert fragment in str(err), (fragment, str(err))
+
+
+def test_an_moe_model_plans():
+    plan, hf_config = resolve(compose(*TINY_MOE, "parallel.tp=2", "parallel.pp=2"), CPU)
+    assert plan.dims.tp == 2 and plan.dims.pp == 2 and hf_config.num_experts == 8
+
+
+def _tiny_moe_config():
+    from helpers.moe import moe_config
+
+    config = moe_config("qwen3_moe")
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def test_block_flops_count_the_router_and_the_top_k_experts_only(tmp_path, monkeypatch):
+    """An MoE block's linear FLOPs per token: attention's linears, the router (2 H E) and top_k of the E
+    experts (2 x 2I x H + 2 x H x I each), by hand; a dense count of all E experts would be 4x that."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.shapes import block_shapes
+
+    monkeypatch.setenv("HYBRIDTRAIN_CACHE", str(tmp_path))
+    cfg = _tiny_moe_config()
+    h, heads, kv, hd, e, k, i = 64, 8, 4, 16, 8, 2, 32
+    attention = 2 * h * (heads * hd) + 2 * 2 * h * (kv * hd) + 2 * (heads * hd) * h  # q, k, v, o
+    want = attention + 2 * h * e + k * (2 * (2 * i) * h + 2 * h * i)
+    assert block_shapes(get_family("qwen3_moe"), cfg).linear_flops == {"moe": float(want)}
+
+
+def test_the_plan_command_shows_the_experts_per_rank():
+    from hybridtrain.plan.report import build_report, format_report
+
+    cfg = compose(*TINY_MOE, "parallel.tp=2")
+    plan, hf_config = resolve(cfg, CPU)
+    report = build_report(cfg, plan, hf_config, device_memory=0)
+    e = report.experts
+    assert (e.num_experts, e.top_k, e.moe_blocks, e.per_rank_experts, e.per_rank_width) == (8, 2, 2, 8, 16)
+    assert e.expert_params == 2 * 8 * (2 * 32 * 64 + 64 * 32)
+    assert e.active_params == e.total_params - e.expert_params * 6 // 8
+    assert "8 routed experts in each of 2 MoE blocks, top-2, width 32; per rank 8 experts x width 16" in format_report(report)
+    dense = compose("+recipe=llama_tiny")
+    plan, hf_config = resolve(dense, CPU)
+    assert build_report(dense, plan, hf_config, device_memory=0).experts is None
+
+
+def test_expert_parallel_memory_counts_experts_per_rank():
+    """At ep = 2 a rank holds half the experts (and ZeRO-1 partitions their state over dp / ep = 2 ranks), the
+    rest of the model as at ep = 1; the plan shows the layout with its expert view."""
+    from hybridtrain.plan.costs import model_facts, stage_params
+    from hybridtrain.plan.memory import rank_memory
+    from hybridtrain.models.families import get_family
+
+    plans = {ep: resolve(compose(*TINY_MOE, "parallel.dp=4", f"parallel.ep={ep}", "parallel.zero_stage=0",
+                                 *NO_SAVE), CPU) for ep in (1, 2)}
+    (p1, hf), (p2, _) = plans[1], plans[2]
+    assert p2.dims.ep == 2 and p2.dims.product() == "dp=4 x tp=1 x pp=1 (experts over ep=2 of the dp ranks)"
+    facts = model_facts(get_family("qwen3_moe"), hf, p1.seq_len)
+    experts = 2 * 8 * (2 * 32 * 64 + 64 * 32)  # 2 blocks x 8 experts x (gate_up + down)
+    assert stage_params(facts, p1.stage_bounds, 0, 1, 1) - stage_params(facts, p2.stage_bounds, 0, 1, 2) == experts // 2
+    mem = {ep: rank_memory(facts, p.stage_bounds, 0, p.dims, zero=0, precision="fp32", micro_batch=1, micro_batches=3,
+                           checkpointing=False) for ep, (p, _) in plans.items()}
+    assert mem[1].params - mem[2].params == 4 * experts // 2  # fp32 weights of the experts this rank no longer holds
+    assert mem[1].optim - mem[2].optim == 8 * experts // 2
