@@ -222,6 +222,9 @@ def run_or_report(run_dir: Path) -> int:
     """:func:`run` as a rank's whole life: an ``srun`` task first takes its place from SLURM's
     variables; any exception is printed and becomes exit code 1 (the launcher then ends every rank)."""
     try:
+        from hybridtrain.launch.devices import hide_gpus
+
+        hide_gpus(os.environ)  # CPU processes see no GPU, whatever their launcher exported (before torch looks)
         if os.environ.get("HYBRIDTRAIN_CONTROLLER"):  # started by the deepspeed runner: die with the controller
             from hybridtrain.launch.parent import watch_controller
 

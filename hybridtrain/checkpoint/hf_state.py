@@ -4,8 +4,9 @@ Each pipeline layer knows the HF name of every parameter it holds and how that p
 split (:class:`~hybridtrain.parallel.slicing.Split`); :func:`gather` undoes ZeRO partitioning (DeepSpeed's
 ``safe_get_full_fp32_param``), then tensor parallelism (an all-gather over the TP group,
 fused q|k|v aware), then the Conv1D transpose and the vocabulary padding. The result is what
-``save_pretrained`` would have written for this stage. Tensors stay on the engine's device
-through both collectives (NCCL gathers only device tensors) and reach the host at the end.
+``save_pretrained`` would have written for this stage, one tensor at a time and on the writing rank
+only (:func:`gathered`). Tensors stay on the engine's device through both collectives (NCCL gathers
+only device tensors) and reach the host at the end.
 """
 from __future__ import annotations
 
@@ -80,22 +81,54 @@ def full_moment(engine, param: nn.Parameter, key: str) -> torch.Tensor:
     return full.float()
 
 
-def gather(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext, device,
-           value: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """HF-named full fp32 tensors of ``named`` on the host (every rank of the stage must call this
-    together).
+def hf_shape(param: nn.Parameter, split: Split, tp_size: int) -> tuple[int, ...]:
+    """The shape :func:`gathered` gives ``param`` (its TP shard's shape, ZeRO-3's ``ds_shape`` where
+    partitioned): joined over TP along ``split.dim``, the vocabulary padding cut, transposed for
+    ``Conv1D``; known before anything is gathered."""
+    shape = list(getattr(param, "ds_shape", None) or param.shape)
+    if split.dim is not None and tp_size > 1:
+        shape[split.dim] *= tp_size
+    if split.vocab is not None:
+        shape[0] = min(shape[0], split.vocab)
+    return tuple(shape[::-1] if split.transpose else shape)
 
-    ``value(param)`` gives the tensor to gather (default: the fp32 master weight); each rank passes
-    its own shard, reassembled over DP already. The TP all-gather runs on ``device`` (the engine's);
-    each tensor is copied to the host after it, one at a time, so device memory holds one full
-    tensor at most.
+
+def gathered(named: list[tuple[str, nn.Parameter, Split]], tp: TPContext, device, gathers: bool,
+             value: Callable[[nn.Parameter], torch.Tensor] | None = None
+             ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``(hf_name, tensor)`` for each of ``named`` in turn: the HF-named full fp32 tensor on the host at
+    TP rank 0 of a ``gathers`` group, ``None`` on every other rank (every rank of the stage iterates
+    it together).
+
+    ``value(param)`` gives the tensor to gather (default: the fp32 master weight), reassembled over DP
+    already (a collective every data-parallel rank joins). Only the TP group that writes (``gathers``:
+    data-parallel rank 0) then gathers it, to its TP rank 0 alone: the other ranks hold their own shard
+    and nothing more, and the receiving rank one full tensor on ``device`` (the engine's), moved to the
+    host shard by shard before it is joined there. So the host holds one tensor at a time, on one rank.
     """
     from hybridtrain.parallel import collectives
 
-    out: dict[str, torch.Tensor] = {}
     for name, param, split in named:
         local = (value or _full_over_dp)(param)
+        if not gathers:
+            del local
+            yield name, None
+            continue
         if split.dim is not None and tp.size > 1:
-            local = unshard(collectives.all_gather(local, device, group=tp.group), split)
-        out[name] = to_hf(local.cpu(), split)
-    return out
+            shards = collectives.gather(local, device, group=tp.group)
+            del local
+            if shards is None:
+                yield name, None
+                continue
+            host = []
+            while shards:  # each shard leaves the device before the next is copied
+                host.append(shards.pop(0).cpu())
+            full = unshard(host, split)
+            del host
+        elif tp.rank == 0:
+            full = local.cpu()
+        else:
+            yield name, None
+            continue
+        yield name, to_hf(full, split)
+        del full

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-from hybridtrain.checkpoint.hf_state import full_moment, gather
+from hybridtrain.checkpoint.hf_state import full_moment, gathered, hf_shape
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
 from hybridtrain.checkpoint.io import (DIGESTS, DS_TAG, CheckpointDir, CheckpointError, file_digests, file_sizes,
                                       finalize, read_meta, step_dir, tmp_dir, verify_share, write_hf_metadata)
@@ -39,23 +41,12 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     tmp = tmp_dir(final)
     rank = dist.get_rank()
     device = built.engine.device
-    named = stage_hf_params(built.engine.module)
-    tensors = gather(named, built.tp, device)  # collective over TP and DP
-    adapters = {peft_name(n): tensors.pop(n) for n in list(tensors) if is_lora(n)}  # LoRA: peft's names
-    moments = {}
-    if plan.zero_stage <= 2:  # AdamW moments under HF names: what a resume under another plan reads
-        relink_zero_state(built.engine.optimizer)
-        trained = [x for x in named if x[1].requires_grad]  # a frozen LoRA base has none
-        for key in MOMENTS:
-            value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
-            moments.update({f"{key}.{n}": t for n, t in gather(trained, built.tp, device, value).items()})
-    writes = built.tp_rank == 0 and built.dp_rank == 0 and bool(tensors or adapters)
+    stage = StageFiles.of(built, plan)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was killed: its space comes back
-    need = _check_space(built, plan, final, [tensors, adapters, moments] if writes else [])  # collective
+    need = _check_space(built, plan, final, stage.bytes() if stage.writes else 0)  # collective
     try:
-        _write(built, cfg, plan, hf_config, step, run_dir, tokenizer_path, extra, tmp, final, rank,
-               (tensors, adapters, moments) if writes else None)
+        _write(built, cfg, plan, hf_config, step, run_dir, tokenizer_path, extra, tmp, final, rank, stage)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial folder filling the disk
         if is_disk_full(err):
@@ -65,18 +56,72 @@ def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, token
     return final
 
 
-def _check_space(built, plan, final: Path, written: list[dict]) -> int:
+class StageFiles:
+    """What a pipeline stage writes beside DeepSpeed's state: its HF-named fp32 weights (``hf/``), a LoRA
+    run's adapters under peft's names (``adapter/``) and, with ZeRO <= 2, the AdamW moments of the trained
+    parameters under HF names (``optim/``, what a resume under another plan reads).
+
+    Data-parallel rank 0's TP rank 0 of each stage writes them (:attr:`writes`). The tensors are gathered
+    to it one at a time and streamed into their files (:class:`~hybridtrain.checkpoint.stream.StreamedSafetensors`):
+    no rank holds the stage's state on the host, the writer one full tensor at a time."""
+
+    def __init__(self, built, plan, named: list, trained: list):
+        self.built, self.named, self.trained = built, named, trained
+        self.writes = built.tp_rank == 0 and built.dp_rank == 0 and bool(named)
+        size = built.tp.size
+        self.weights = {n: hf_shape(p, s, size) for n, p, s in named if not is_lora(n)}
+        self.adapters = {peft_name(n): hf_shape(p, s, size) for n, p, s in named if is_lora(n)}  # peft's names
+        self.moments = {f"{key}.{n}": hf_shape(p, s, size) for key in MOMENTS for n, p, s in trained}
+
+    @classmethod
+    def of(cls, built, plan) -> "StageFiles":
+        """The files of ``built``'s stage under ``plan``."""
+        named = stage_hf_params(built.engine.module)
+        trained = [x for x in named if x[1].requires_grad] if plan.zero_stage <= 2 else []  # a frozen LoRA base: none
+        return cls(built, plan, named, trained)
+
+    def bytes(self) -> int:
+        """The bytes of the tensors the writer writes (fp32), known before any is gathered."""
+        return 4 * sum(math.prod(shape) for part in (self.weights, self.adapters, self.moments) for shape in part.values())
+
+    def write(self, ckpt: CheckpointDir) -> None:
+        """Gather and write (every rank of the stage calls it; only :attr:`writes` writes)."""
+        import torch
+
+        from hybridtrain.checkpoint.stream import StreamedSafetensors
+
+        built, stage = self.built, self.built.stage
+        gathers = built.dp_rank == 0  # only the writer's TP group gathers over TP
+        parts = [(ckpt.hf_part(stage), self.weights), (ckpt.adapter_part(stage), self.adapters),
+                 (ckpt.optim_part(stage), self.moments)]
+        with ExitStack() as stack:
+            hf, adapter, optim = [stack.enter_context(StreamedSafetensors(
+                path, {n: (shape, torch.float32) for n, shape in specs.items()}, {"format": "pt"}))
+                if self.writes and specs else None for path, specs in parts]
+            for name, tensor in gathered(self.named, built.tp, built.engine.device, gathers):
+                if tensor is not None:
+                    (adapter.write(peft_name(name), tensor) if is_lora(name) else hf.write(name, tensor))
+            if self.trained:
+                relink_zero_state(built.engine.optimizer)
+            for key in MOMENTS if self.trained else ():
+                value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
+                for name, tensor in gathered(self.trained, built.tp, built.engine.device, gathers, value):
+                    if tensor is not None:
+                        optim.write(f"{key}.{name}", tensor)
+
+
+def _check_space(built, plan, final: Path, own: int) -> int:
     """Refuse the save on every rank, before anything is written, when the checkpoint's file system
     lacks its size: DeepSpeed's part (the measured parameters, written by data-parallel rank 0 unless
     ZeRO-3 partitions them, and the optimizer state of every rank), the HF-named tensors, exactly, and
-    the size of the last checkpoint of the same plan when larger. A collective; returns the bytes needed."""
+    the size of the last checkpoint of the same plan when larger. ``own``: the bytes of this rank's
+HF-named tensors. A collective; returns the bytes needed."""
     import torch
 
     from hybridtrain.parallel import collectives
 
     held = built.model_state_bytes
     ds = held["optim"] + (held["params"] if built.dp_rank == 0 or plan.zero_stage == 3 else 0)
-    own = sum(t.numel() * t.element_size() for part in written for t in part.values())
     total = collectives.all_reduce(torch.tensor([float(ds + own)], dtype=torch.float64), built.engine.device)
     need = int(float(total.item()) * 1.05) + SLACK_BYTES
     need = max(need, _last_size(final.parent, plan))
@@ -102,7 +147,7 @@ def _last_size(root: Path, plan) -> int:
 
 
 def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path, extra, tmp: Path,
-           final: Path, rank: int, parts) -> None:
+           final: Path, rank: int, stage: StageFiles) -> None:
     """Every rank's writes into ``tmp``; rank 0 then seals (sizes, digests, ``meta.json``) and publishes."""
     from hybridtrain.parallel import collectives
 
@@ -118,16 +163,7 @@ def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path
     collectives.barrier(device)
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
     built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
-    if parts is not None:
-        from safetensors.torch import save_file
-
-        tensors, adapters, moments = parts
-        if tensors:
-            save_file(tensors, str(ckpt.hf_part(built.stage)), metadata={"format": "pt"})
-        if adapters:
-            save_file(adapters, str(ckpt.adapter_part(built.stage)), metadata={"format": "pt"})
-        if moments:
-            save_file(moments, str(ckpt.optim_part(built.stage)), metadata={"format": "pt"})
+    stage.write(ckpt)  # collective over the stage's TP and DP groups
     save_rng(ckpt.rng_file(rank))
     if extra is not None:
         extra(tmp)

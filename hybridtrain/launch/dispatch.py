@@ -15,7 +15,7 @@ def check(launcher: LauncherConfig, plan: Plan, machine: Machine | None = None) 
     by torch, :func:`hybridtrain.launch.devices.check_gpus`); raise ``PlanError`` before anything starts."""
     import os
 
-    from hybridtrain.launch.devices import check_gpus, driver_gpus, local_devices
+    from hybridtrain.launch.devices import check_gpus, driver_gpus, rank_devices
 
     if launcher.name == "multinode":
         from hybridtrain.launch.multinode import hosts
@@ -26,7 +26,7 @@ def check(launcher: LauncherConfig, plan: Plan, machine: Machine | None = None) 
 
         check_gpus(launcher, machine.gpus_per_node, os.environ, driver_gpus(), torch.__version__)
         if launcher.name == "local":
-            local_devices(plan.world_size, os.environ, machine.gpus_per_node)  # CUDA_VISIBLE_DEVICES usable
+            rank_devices(launcher, machine, plan.world_size, os.environ)  # CUDA_VISIBLE_DEVICES usable
 
 
 def start(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine, preloader=None) -> int:

@@ -58,9 +58,9 @@ def launch(run_dir: Path, plan: Plan, launcher: LauncherConfig, machine: Machine
     env = dict(os.environ, HYBRIDTRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                PYTHONUNBUFFERED="1")
     world, cmd = plan.world_size, command(run_dir)
-    from hybridtrain.launch.devices import local_devices
+    from hybridtrain.launch.devices import rank_devices
 
-    devices = local_devices(world, os.environ, machine.gpus_per_node)  # the user's CUDA_VISIBLE_DEVICES kept
+    devices = rank_devices(launcher, machine, world, os.environ)  # the user's CUDA_VISIBLE_DEVICES kept; CPU: none
     fork = preloader is not None  # never on a machine with CUDA (early_preloader)
     shown = [f"(fork of {os.getpid()})", "hybridtrain.launch.preload.serve", str(run_dir)] if fork else cmd
     where = f": {' '.join(shown)}" if launcher.verbose else f"; DeepSpeed's output in {run_dir / LOG_NAME}"

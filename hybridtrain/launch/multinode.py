@@ -21,10 +21,12 @@ import sys
 from pathlib import Path
 
 from hybridtrain.config.schema import MultinodeLauncherConfig
+from hybridtrain.launch.devices import cpu_ranks_env
 from hybridtrain.launch.local import report_stop, threads_per_rank
 from hybridtrain.launch.output import Output
 from hybridtrain.launch.parent import controller_env, parent_death
 from hybridtrain.errors import PlanError
+from hybridtrain.plan.devices import uses_gpus
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.rundir import RunDir
 
@@ -71,7 +73,8 @@ def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine
     threads = threads_per_rank(launcher, plan, machine)
     # CONTROLLER_ENV: the ranks on this host die with this process (hybridtrain.launch.parent.watch_controller)
     extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env()}
+             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env(),
+             **cpu_ranks_env(uses_gpus(launcher, machine))}  # CPU processes: the worker hides the GPUs (hide_gpus)
     # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file
     env_file = RunDir(run_dir).deepspeed_env
     env_file.write_text("".join(f"{k}={v}\n" for k, v in extra.items()))

@@ -16,6 +16,7 @@ from pathlib import Path
 from string import Template
 
 from hybridtrain.config.schema import SlurmLauncherConfig
+from hybridtrain.launch.devices import cpu_ranks_env
 from hybridtrain.launch.placement import crossing
 from hybridtrain.plan.types import Plan
 from hybridtrain.rundir import RunDir
@@ -90,6 +91,7 @@ def render(run_dir: Path, plan: Plan, launcher: SlurmLauncherConfig, gpus: bool,
         exports += f" HYBRIDTRAIN_THREADS={launcher.threads_per_rank}"
     if launcher.master_port:
         exports += f" HYBRIDTRAIN_MASTER_PORT={launcher.master_port}"
+    exports += "".join(f" {k}={v}" for k, v in cpu_ranks_env(gpus).items())  # CPU processes: no GPU, on GPU nodes too
     on_stop = ('    echo "[hybridtrain] requeueing job $SLURM_JOB_ID; it resumes from that checkpoint"\n'
                '    scontrol requeue "$SLURM_JOB_ID"\n' if launcher.requeue else "")
     summary = (f"{plan.dims.product()} = {plan.world_size} ranks on {plan.nodes} node(s) x "

@@ -62,6 +62,22 @@ def all_gather(tensor: torch.Tensor, device: Any, group: Any = None) -> list[tor
     return out
 
 
+def gather(tensor: torch.Tensor, device: Any, group: Any = None) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (same shape and dtype on every rank) in group-rank order, on ``device``,
+    at the group's first rank only (``None`` on the others, which keep no copy): the receiving rank
+    alone holds the whole, where :func:`all_gather` gives it to every rank."""
+    local = on_device(tensor, device)
+    n = _world(group)
+    if n == 1:
+        return [local]
+    if dist.get_rank(group) != 0:
+        dist.gather(local, None, group=group, group_dst=0)
+        return None
+    out = [torch.empty_like(local) for _ in range(n)]
+    dist.gather(local, out, group=group, group_dst=0)
+    return out
+
+
 def barrier(device: Any = None, group: Any = None) -> None:
     """Wait until every rank of ``group`` arrives (a no-op without a process group). On a CUDA
     ``device`` NCCL synchronises on that device, never on a guessed one (torch's default)."""

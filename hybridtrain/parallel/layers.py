@@ -219,12 +219,14 @@ class VocabParallelLoss:
             # the logits (the sharded version costs 5% of a tp=1 step on a small model).
             loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
         else:
-            from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+            # DeepSpeed's autograd function itself, not its ``vocab_parallel_cross_entropy`` wrapper: the wrapper
+            # checks every call that each label is in the vocabulary with ``.item()``, a forced GPU-to-CPU sync
+            # per micro-batch (deepspeed 0.19.8, ``sequence/cross_entropy.py``). The plan guarantees it: labels
+            # are token ids, and the model's vocabulary holds the tokenizer's (``plan/validate.py``).
+            from deepspeed.sequence.cross_entropy import _VocabParallelCrossEntropy
 
             start, stop = self.tp.shard(self.padded_vocab)
-            loss = vocab_parallel_cross_entropy(
-                logits, labels, tp_group=self.tp.group, vocab_start_index=start, vocab_end_index=stop,
-                global_vocab_size=self.padded_vocab, ignore_index=-100, reduction="sum")
+            loss = _VocabParallelCrossEntropy.apply(logits, labels, self.tp.group, start, stop, -100).sum()
         if weight is None:  # the micro-batch's mean (0 when it has no loss token, as DeepSpeed's)
             return loss / (labels != -100).sum().clamp_min(1).to(loss.dtype)
         return loss * weight.to(loss.dtype)

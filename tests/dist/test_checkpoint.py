@@ -262,3 +262,120 @@ def test_resume_under_another_plan_continues_the_losses(source, target, saved_ru
     assert [m["step"] for m in resumed] == [4, 5, 6]
     assert [m["loss"] for m in resumed] == pytest.approx(losses(saved_runs[source])[3:], rel=1e-5, abs=0)
     assert [m["lr"] for m in resumed] == pytest.approx([m["lr"] for m in metrics(saved_runs[source])[3:]])
+
+
+# The save's host memory, measured in a spawned gloo world of dp = 2 x tp = 2 (one stage): each rank
+# holds its TP shard of a few 16 MiB weights and their AdamW moments (ZeRO-0: the torch optimizer's state),
+# and calls the real save_checkpoint with a stand-in engine (DeepSpeed's own part is one small file).
+SAVE_FULL = (2048, 2048)  # one full fp32 tensor: 16 MiB
+SAVE_SPLITS = {"w.col": dict(dim=0), "w.row": dict(dim=1), "w.qkv": dict(dim=0, fused=4),
+               "w.conv1d": dict(dim=1, transpose=True), "w.vocab": dict(dim=0, vocab=2000), "ln.weight": {}}
+SAVE_ENV = "HYBRIDTRAIN_TEST_SAVE_DIR"
+
+
+def _full(name: str):
+    import torch
+
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    hf_name = name.split(".", 1)[1] if name.startswith("exp_avg") else name
+    return torch.randn(SAVE_FULL if hf_name.startswith("w.") else SAVE_FULL[:1], generator=g)
+
+
+def _save_probe(rank: int, world: int, emit) -> None:
+    import os
+    import resource
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import GPT2Config
+
+    import hybridtrain.checkpoint.save as save  # everything the save imports, before the measurement
+    from hybridtrain.data.embedded import TOKENIZER
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.dims import ParallelDims
+    from hybridtrain.parallel.groups import sequential_groups
+    from hybridtrain.parallel.slicing import Split, local_part
+
+    groups = sequential_groups(ParallelDims(dp=2, tp=2), TPContext())
+    tp = groups.tp
+
+    class Stage(torch.nn.Module):
+        def __init__(self, named):
+            super().__init__()
+            self.named = named
+            self.weights = torch.nn.ParameterList([p for _, p, _ in named])
+
+        def hf_params(self, include_replicas=False):
+            return self.named
+
+    def shard(name, split):
+        return local_part(_full(name), split, tp.rank, tp.size)
+
+    def built_for(named):
+        state = {p: {k: shard(f"{k}.{n}", s) for k in ("exp_avg", "exp_avg_sq")} for n, p, s in named}
+
+        def ds_save(path, tag, client_state, save_latest):
+            (Path(path) / tag).mkdir(exist_ok=True)
+            (Path(path) / tag / f"rank{rank}.txt").write_text("DeepSpeed's part")
+
+        engine = SimpleNamespace(device=torch.device("cpu"), module=Stage(named), save_checkpoint=ds_save,
+                                 optimizer=SimpleNamespace(state=state))
+        return SimpleNamespace(engine=engine, tp=tp, tp_rank=groups.coords.tp, dp_rank=groups.coords.dp, stage=0,
+                               lora=None, model_state_bytes={"optim": 0, "params": 0})
+
+    run_dir = Path(os.environ[SAVE_ENV])
+    cfg = SimpleNamespace(trainer=SimpleNamespace(keep_last=None))
+    plan = SimpleNamespace(zero_stage=0, global_batch_size=1, layout=lambda: {"dp": 2, "tp": 2})
+    hf_config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=50257)
+    small = [("ln.tiny", torch.nn.Parameter(shard("ln.tiny", Split(dim=0))), Split(dim=0))]  # warm-up: the save's own first-use costs
+    save.save_checkpoint(built_for(small), cfg, plan, hf_config, 1, run_dir, TOKENIZER)
+    named = [(n, torch.nn.Parameter(shard(n, Split(**kw))), Split(**kw)) for n, kw in SAVE_SPLITS.items()]
+    built = built_for(named)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    save.save_checkpoint(built, cfg, plan, hf_config, 2, run_dir, TOKENIZER)
+    emit("rise", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    emit("coords", (groups.coords.dp, groups.coords.tp))
+
+
+def test_a_save_gathers_each_tensor_to_the_writer_only(tmp_path, monkeypatch):
+    """Only data-parallel rank 0's TP rank 0 writes a stage's weights and moments; the others never hold
+    them on the host (each rank's peak resident memory during the save, ``ru_maxrss``). Before, every rank
+    gathered the whole stage (here 240 MiB of weights and moments) into dicts; the writer
+    now streams them into the files one at a time, and the files read back exactly."""
+    from safetensors.torch import load_file
+
+    from hybridtrain.checkpoint.io import CheckpointDir, problem
+    from hybridtrain.checkpoint.hf_state import to_hf
+    from hybridtrain.parallel.slicing import Split
+    from hybridtrain.parallel.spawn import run_world
+
+    run = RunDir(tmp_path)
+    run.config_file.parent.mkdir(parents=True, exist_ok=True)
+    run.config_file.write_text("{}\n")
+    run.plan_file.write_text("{}\n")
+    monkeypatch.setenv(SAVE_ENV, str(tmp_path))
+    # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), after which freed
+    # 16 MiB blocks stay in its heaps: the resident peak would count the allocator's cache, not the live
+    # tensors. A fixed threshold maps and unmaps every block over 1 MiB, so ru_maxrss follows what is alive.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
+    result = run_world(_save_probe, 4, timeout_s=300)
+    assert not result.problems, result.problem_report()
+    MiB, full = 2**20, 4 * SAVE_FULL[0] * SAVE_FULL[1]
+    rises = {r["coords"]: r["rise"] for r in result.emitted}
+    # the stage: 5 full weights and their 2 moments, 240 MiB, which every rank held before
+    assert all(rise < full // 2 for c, rise in rises.items() if c != (0, 0)), {c: r / MiB for c, r in rises.items()}
+    assert rises[(0, 0)] < 4 * full, {c: r / MiB for c, r in rises.items()}  # one tensor at a time (gloo: 3 copies)
+    ckpt = CheckpointDir(run.checkpoints / "step_2")
+    assert problem(ckpt.path) is None  # sizes and sha256 digests in meta.json, as before
+    weights, moments = load_file(str(ckpt.hf_part(0))), load_file(str(ckpt.optim_part(0)))
+    for name, kw in SAVE_SPLITS.items():
+        assert torch_equal(weights[name], to_hf(_full(name), Split(**kw)))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch_equal(moments[f"{key}.{name}"], to_hf(_full(f"{key}.{name}"), Split(**kw)))
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))

@@ -4,6 +4,7 @@ nodes, and the stop-on-signal checkpoint of the local launcher. Every run is ``g
 dp=2 x pp=2 over 2 nodes x 2 ranks, compared step by step with the same plan run locally."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -114,7 +115,11 @@ def _slurm_log(run_dir: Path) -> str:
 
 
 SITECUSTOMIZE = """
-import os
+import json, os
+if os.environ.get("HT_TEST_ENV_DIR") and os.environ.get("SLURM_STEP_ID") == "0":  # an srun task: what it was given
+    keys = ("SLURM_PROCID", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "SLURM_CPUS_PER_TASK")
+    with open(os.path.join(os.environ["HT_TEST_ENV_DIR"], f"task{os.getpid()}.json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HT_TEST_FAIL_RANK"):
     os._exit(3)  # rank 1 dies while starting: its srun task exits 3
 """
@@ -125,14 +130,21 @@ def test_slurm_job_whose_rank_fails_reports_status_and_log(slurm_cluster, tmp_pa
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
     run_dir = tmp_path / "run"
+    seen = tmp_path / "seen"
+    seen.mkdir()
     proc = run_cli(run_dir, *PLAN, *SLURM, check=False, timeout=300,
-                   env={"PYTHONPATH": f"{inject}:{REPO}", "HT_TEST_FAIL_RANK": "1"})
+                   env={"PYTHONPATH": f"{inject}:{REPO}", "HT_TEST_FAIL_RANK": "1", "HT_TEST_ENV_DIR": str(seen),
+                        "CUDA_VISIBLE_DEVICES": "0"})
     assert proc.returncode != 0, proc.stdout[-3000:]
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     log = RunDir(run_dir).slurm_log(job)
     assert f"job {job} failed with exit code {proc.returncode}" in proc.stderr, proc.stderr[-3000:]
     assert f"log {log}" in proc.stderr and log.is_file()
     assert "task 1: Exited with exit code 3" in log.read_text()
+    # launcher.gpus=false: the ranks see no GPU whatever the submitting shell showed, and DeepSpeed's CPU accelerator
+    tasks = [json.loads(f.read_text()) for f in seen.glob("task*.json")]
+    assert sorted(t["SLURM_PROCID"] for t in tasks) == ["0", "1", "2", "3"], tasks
+    assert {(t["CUDA_VISIBLE_DEVICES"], t["DS_ACCELERATOR"], t["SLURM_CPUS_PER_TASK"]) for t in tasks} == {("", "cpu", "1")}
 
 
 def test_hostnames_uses_scontrol(slurm_cluster):

@@ -216,12 +216,20 @@ def case_loss(tp, vocab: int) -> Checks:
     # What the head hands the loss: padded vocabulary columns at -inf.
     padded = torch.cat([logits, logits.new_full((B, S, v_pad - vocab), float("-inf"))], dim=-1)
     local = padded[..., rows].clone().requires_grad_()  # [B, S, V_pad/tp]
-    loss = VocabParallelLoss(v_pad, tp)(local, labels)
-    loss.backward()
+    syncs = []  # host reads of a tensor's value: on a GPU each waits for the device (one per micro-batch before)
+    item, as_bool = torch.Tensor.item, torch.Tensor.__bool__
+    torch.Tensor.item = lambda self: (syncs.append("item"), item(self))[1]
+    torch.Tensor.__bool__ = lambda self: (syncs.append("bool"), as_bool(self))[1]
+    try:
+        loss = VocabParallelLoss(v_pad, tp)(local, labels)
+        loss.backward()
+    finally:
+        torch.Tensor.item, torch.Tensor.__bool__ = item, as_bool
     grad_ref = torch.cat([full.grad, full.grad.new_zeros(B, S, v_pad - vocab)], dim=-1)[..., rows]
     return {
         "loss": (loss.detach(), loss_ref.detach()),
         "logits grad cols": (local.grad, grad_ref),
+        "host syncs": (syncs, []),
     }
 
 

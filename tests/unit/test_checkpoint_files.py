@@ -242,3 +242,52 @@ def test_resume_from_a_path_that_is_no_checkpoint_folder_says_what_it_is(what, c
             "elsewhere": f"'{target}' is a file (16 bytes), not a checkpoint folder; {expected}",
             "missing": f"'{target}' does not exist; {expected}"}[what]
     assert str(err.value) == f"trainer.resume: {want}"
+
+
+def test_a_streamed_file_is_what_save_file_writes(tmp_path):
+    """The checkpoint's stage files are written tensor by tensor (never all of a stage in one dict): the
+    bytes equal safetensors' own ``save_file`` of the same tensors, whatever order they arrive in."""
+    from safetensors.torch import save_file
+
+    from hybridtrain.checkpoint.stream import StreamedSafetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"transformer.h.0.attn.c_attn.weight": torch.randn(6, 4, generator=g).t(),  # not contiguous
+               "lm.bias": torch.randn(5, generator=g), "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5),
+               "exp_avg.transformer.wte.weight": torch.randn(7, 2, generator=g)}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    with StreamedSafetensors(tmp_path / "ours.safetensors", specs, {"format": "pt"}) as f:
+        for name in reversed(list(tensors)):
+            f.write(name, tensors[name])
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_a_streamed_file_refuses_a_wrong_or_missing_tensor(tmp_path):
+    from hybridtrain.checkpoint.stream import StreamedSafetensors
+
+    specs = {"a": ((2, 3), torch.float32), "b": ((4,), torch.float32)}
+    f = StreamedSafetensors(tmp_path / "x.safetensors", specs)
+    with pytest.raises(ValueError, match=r"'a' is \(3, 2\).*declares \(2, 3\)"):
+        f.write("a", torch.zeros(3, 2))
+    f.write("a", torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="written twice"):
+        f.write("a", torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"\['b'\] were declared but never written"):
+        f.close()
+
+
+def test_hf_shapes_are_known_before_the_gather():
+    """The stage files' headers are written before any tensor is gathered, from each shard's shape."""
+    from hybridtrain.checkpoint.hf_state import hf_shape, to_hf, unshard
+    from hybridtrain.parallel.slicing import Split, shard_tensor
+
+    cases = [(torch.zeros(12, 5), Split(dim=0, fused=3)), (torch.zeros(8, 6), Split(dim=1, transpose=True)),
+             (torch.zeros(10, 4), Split(dim=0, vocab=9)), (torch.zeros(3, 4), Split()), (torch.zeros(6), Split(dim=0))]
+    for full, split in cases:
+        shards = [shard_tensor(full, split.dim, split.fused, r, 2) if split.dim is not None else full for r in range(2)]
+        joined = unshard(shards, split) if split.dim is not None else full
+        assert hf_shape(torch.nn.Parameter(shards[0]), split, 2) == tuple(to_hf(joined, split).shape), split
+    zero3 = torch.nn.Parameter(torch.zeros(0))
+    zero3.ds_shape = torch.Size([4, 6])  # a ZeRO-3 partitioned parameter: its full shape is ds_shape
+    assert hf_shape(zero3, Split(dim=1, transpose=True), 2) == (12, 4)

@@ -90,3 +90,18 @@ def test_no_collective_outside_the_helper():
                 offenders.append(f"hybridtrain/{rel}:{n}: {line.strip()}")
     assert not offenders, "call hybridtrain.parallel.collectives instead:\n" + "\n".join(offenders)
     assert COLLECTIVE.search("dist.all_gather(out, t)") and COLLECTIVE.search("torch.distributed.barrier()")
+
+
+def test_gather_runs_on_the_communication_device_and_only_the_first_rank_receives(recorded, monkeypatch):
+    def fake_gather(t, out=None, group=None, group_dst=None):
+        recorded.append(("gather", t.device))
+        recorded.extend(("output", o.device) for o in out or [])
+
+    monkeypatch.setattr(dist, "gather", fake_gather)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    shards = collectives.gather(torch.ones(3, 2).t(), torch.device("meta"))  # non-contiguous, on the host
+    assert [d for _, d in recorded] == [torch.device("meta")] * 3 and len(shards) == 2
+    recorded.clear()
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert collectives.gather(torch.ones(3), torch.device("meta")) is None  # no copy of the others' tensors
+    assert recorded == [("gather", torch.device("meta"))]

@@ -28,7 +28,7 @@ def test_local_ranks_keep_the_users_visible_gpus():
     assert local_devices(2, env, torch_gpus=3) == ["2", "3"]
     assert local_devices(2, {"CUDA_VISIBLE_DEVICES": "GPU-8a1b,GPU-77ff"}, torch_gpus=2) == ["GPU-8a1b", "GPU-77ff"]
     assert local_devices(2, {}, torch_gpus=8) == ["0", "1"]  # nothing restricted
-    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}, torch_gpus=0) == ["0", "1"]  # CPU processes
+    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}, torch_gpus=0) == []  # CPU processes: CUDA_VISIBLE_DEVICES=""
     ranks = [local_rank_env({}, r, 2, 1234, local_devices(2, env, torch_gpus=3)) for r in range(2)]
     assert {e["CUDA_VISIBLE_DEVICES"] for e in ranks} == {"2,3"} and [e["LOCAL_RANK"] for e in ranks] == ["0", "1"]
 
@@ -53,12 +53,22 @@ def test_unusable_visible_devices_are_config_errors(value, fragment):
     (None, 3, 4, 3),          # every task sees the node's GPUs: its local id
     ("0,1,2,3", 3, 4, 3),
     ("3", 3, 4, 0),           # --gpus-per-task=1 / --gpu-bind: its own GPU, index 0
-    ("6,7", 3, 4, 0),         # two of its own
     ("0", 0, 1, 0),
+    ("0,1,2,3,4,5,6,7", 3, 4, 3),  # more GPUs than tasks: its local id
 ])
 def test_slurm_device_index(visible, local_id, tasks, index):
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert slurm_device_index(env, local_id, tasks) == index
+
+
+@pytest.mark.parametrize("visible", ["6,7", "0,1,2,3"])
+def test_slurm_binding_several_gpus_per_task_is_refused(visible):
+    """``1 < k < tasks`` GPUs bound to each task (``--gpus-per-task=2``; ``--gpu-bind=closest``: the 4 GPUs of a
+    socket for each of its 4 tasks): before, every such task took index 0 (``LOCAL_RANK=0``), so tasks sharing
+    GPUs all trained on the first (NCCL "Duplicate GPU"). Refused, naming the options that work."""
+    with pytest.raises(RuntimeError, match=r"bound task 3 of this node's 8 to \d GPUs.*--gpus-per-task=1 or "
+                                           r"--gpu-bind=single:1"):
+        slurm_device_index({"CUDA_VISIBLE_DEVICES": visible}, 3, 8)
 
 
 def test_slurm_rank_env_with_one_gpu_per_task():
@@ -161,3 +171,36 @@ def test_verify_twin_runs_here_with_the_local_launcher():
     args = overrides(cfg, shrink(cfg, plan, hf, 2), {"dp": 1}, on_cpu=True)
     assert "launcher=local" in args and "launcher.nodes=1" in args and "launcher.gpus=false" in args
     assert "launcher.gpus_per_node=null" in args
+
+
+@pytest.mark.parametrize("gpus,visible", [(False, ""), (None, "0,1"), (True, "0,1")])
+def test_cpu_processes_on_a_gpu_machine_see_no_gpu(gpus, visible):
+    """``launcher.gpus=false`` on a machine with 8 GPUs: the local launcher's ranks get
+    ``CUDA_VISIBLE_DEVICES=""`` (before, ``0,1``: DeepSpeed then trained on the GPUs with a plan made for CPU
+    processes); with GPUs they keep theirs."""
+    from hybridtrain.launch.devices import rank_devices
+
+    cfg = compose("+recipe=gpt_tiny", "parallel.dp=2", "launcher.gpus=" + ("null" if gpus is None else str(gpus).lower()))
+    machine = Machine(gpus_per_node=8, cpu_cores=16, device_memory_bytes=80 << 30)
+    ranks = [local_rank_env({}, r, 2, 1234, rank_devices(cfg.launcher, machine, 2, {})) for r in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in ranks] == [visible] * 2
+    if gpus is False:  # 12 CPU processes where 2 GPUs are shown: nothing to refuse
+        assert rank_devices(cfg.launcher, machine, 12, {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+
+
+def test_a_cpu_rank_hides_the_gpus_its_launcher_listed():
+    """``launcher=multinode``: DeepSpeed's ``launcher/launch.py`` sets ``CUDA_VISIBLE_DEVICES`` to the node's slots
+    for every accelerator, the CPU one included; the rank of a CPU-process job (``DS_ACCELERATOR=cpu``, from
+    :func:`cpu_ranks_env`) hides them again before torch looks for CUDA."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from hybridtrain.launch.devices import cpu_ranks_env, hide_gpus
+
+    env = dict(cpu_ranks_env(gpus=False))
+    CPU_Accelerator().set_visible_devices_envs(env, [0, 1])  # what launch.py does on each node
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    hide_gpus(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
+    gpu = {"CUDA_VISIBLE_DEVICES": "0,1", **cpu_ranks_env(gpus=True)}  # a GPU job's rank keeps its devices
+    hide_gpus(gpu)
+    assert gpu == {"CUDA_VISIBLE_DEVICES": "0,1"}

@@ -99,6 +99,51 @@ def test_render_job_script(tmp_path):
     assert bash.returncode == 0, bash.stderr
 
 
+def _run_script(tmp_path: Path, gpus: bool, **environ: str) -> tuple[list[str], dict]:
+    """Run the job script of a 2-rank plan with stand-ins for ``srun`` and the Python: what srun was given
+    (its arguments, and the environment the ranks inherit from it)."""
+    import json
+    import os
+    import sys
+
+    plan, cfg = plan_of("launcher=slurm", "parallel.dp=2")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                  f"open({str(tmp_path / 'srun.json')!r}, 'w').write(json.dumps([sys.argv[1:], dict(os.environ)]))\n")
+    (bin_dir / "py").write_text("#!/bin/sh\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(tmp_path, plan, cfg.launcher, gpus=gpus, python=str(bin_dir / "py"), workdir=tmp_path))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_NTASKS": "2", "CUDA_VISIBLE_DEVICES": "0,1", **environ}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args, seen = json.loads((tmp_path / "srun.json").read_text())
+    return args, seen
+
+
+def test_srun_gets_the_jobs_cpus_per_task(tmp_path):
+    """srun is given the job's ``--cpus-per-task`` itself: SLURM 22.05 to 23.02's srun does not take it
+    from sbatch (each task was then bound to one CPU while torch ran 8 threads)."""
+    args, _ = _run_script(tmp_path, gpus=True, SLURM_CPUS_PER_TASK="8")
+    assert "--cpus-per-task=8" in args and args.index("--cpus-per-task=8") < args.index("-u")
+    (tmp_path / "none").mkdir()
+    args, _ = _run_script(tmp_path / "none", gpus=True)
+    assert not any(a.startswith("--cpus-per-task") for a in args)  # nothing asked: SLURM's default
+
+
+def test_cpu_jobs_hide_the_nodes_gpus_from_their_ranks(tmp_path):
+    """``launcher.gpus=false`` (a job of CPU processes, which asks SLURM for no GPU): its ranks see no GPU even on
+    a GPU node, and DeepSpeed's accelerator is the CPU; a GPU job's ranks keep the GPUs SLURM gave them."""
+    _, seen = _run_script(tmp_path, gpus=False)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["DS_ACCELERATOR"] == "cpu"
+    (tmp_path / "gpu").mkdir()
+    _, seen = _run_script(tmp_path / "gpu", gpus=True)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in seen
+
+
 def test_gpu_jobs_ask_for_cpus_and_memory_per_task():
     """A job that asks for GPUs also asks for CPUs and host memory for every rank (a partition's defaults may
     be one core and a few GB); the launcher keys, or the same kind of option in launcher.sbatch, replace them."""
