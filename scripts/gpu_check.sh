@@ -42,7 +42,7 @@ log="$dir/check.log"
 verdicts="$dir/verdicts.jsonl"
 : >"$verdicts"
 t0=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-450}  # the whole check, seconds; the device call's timeout_s leaves 30 s more
+BUDGET=${GPU_CHECK_BUDGET_S:-440}  # the whole check but its summary, seconds (the device call: timeout_s=480)
 say() { echo "[gpu_check] $*" | tee -a "$log"; }
 elapsed() { echo $(( $(date +%s) - t0 )); }
 
@@ -69,6 +69,7 @@ trap 'say "interrupted"; exit 130' INT TERM
 # group), output to NAME.log; then whatever it left (ranks in their own sessions) is ended
 run_part() {
   local name=$1 limit=$2 rc; shift 2
+  [ "$limit" -lt 10 ] && limit=10
   say "$name: up to $limit s"
   timeout -k 15 "$limit" "$@" >"$dir/$name.log" 2>&1
   rc=$?
@@ -81,6 +82,10 @@ run_part() {
 say "start $stamp in $PWD$([ "$dry" = 1 ] && echo ' (dry run: no GPU needed, every GPU test skips)')"
 { nvidia-smi -L && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } >>"$log" 2>&1 \
   || say "nvidia-smi: none here"
+
+if [ "$dry" = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
+  say "torch sees no CUDA device: this check needs torch's CUDA build and a GPU (--dry-run runs without)"; exit 2
+fi
 
 # 1. the carried wheels: installed into SITE and first on PYTHONPATH; nothing else is installed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -148,9 +153,6 @@ print("[gpu_check] python", sys.version.split()[0], "| torch", torch.__version__
 EOF
 tail -1 "$log"
 if [ "$install_only" = 1 ]; then say "installed and checked in $(elapsed) s (--install-only)"; exit 0; fi
-if [ "$dry" = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
-  say "torch sees no CUDA device: this check needs torch's CUDA build and a GPU (--dry-run runs without)"; exit 2
-fi
 
 # 2. the tier but the benchmark, 3. the benchmark alone; the verdict of each test is in $verdicts at once
 export HYBRIDTRAIN_TEST_GPU=1 PYTHONUNBUFFERED=1 HYBRIDTRAIN_GPU_VERDICTS="$verdicts" HYBRIDTRAIN_GPU_RESULTS="$dir"
