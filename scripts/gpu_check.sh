@@ -65,14 +65,18 @@ reap() {  # shell builtins only: a helper process would carry the marker too
 trap 'reap' EXIT
 trap 'say "interrupted"; exit 130' INT TERM
 
-# run_part NAME SECONDS CMD...: CMD in its own process group under `timeout` (which signals that whole
-# group), output to NAME.log; then whatever it left (ranks in their own sessions) is ended
+# run_part NAME SECONDS CMD...: CMD under `timeout`, which makes a process group of its own and signals the
+# whole group at the limit; output to NAME.log. Then the group is killed (anything left in it) and so is
+# whatever the part left elsewhere (ranks run in sessions of their own: reap)
 run_part() {
-  local name=$1 limit=$2 rc; shift 2
+  local name=$1 limit=$2 rc pid; shift 2
   [ "$limit" -lt 10 ] && limit=10
   say "$name: up to $limit s"
-  timeout -k 15 "$limit" "$@" >"$dir/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" </dev/null >"$dir/$name.log" 2>&1 &
+  pid=$!
+  wait "$pid"
   rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && say "$name: stopped at its limit of $limit s"
   reap
   say "$name: exit $rc after $(elapsed) s"
