@@ -145,7 +145,8 @@ def main() -> int:
                      "losses_finite": all(x["losses_finite"] for x in res[side])}
         runs = ", ".join(f"{x['step_s']:.4f}" for x in res[side])
         rows.append(f"| {side} | {step:.4f} | {tokens / step:,.0f} | {achieved:.3g} | "
-                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {'yes' if out[side]['losses_finite'] else 'NO'} | {runs} |")
+                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {'yes' if out[side]['losses_finite'] else 'NO'} "
+                    f"| {runs} |")
     ratio = out["plain"]["step_s"] / out["hybridtrain"]["step_s"]
     info["loadavg_end"] = os.getloadavg()
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
@@ -155,7 +156,8 @@ def main() -> int:
              f"Llama {params / 1e6:,.1f}M parameters ({json.dumps(shape)}), sequence {seq}, micro-batch {micro}, global "
              f"batch {batch}; {flops_per_token / 1e9:.2f} GFLOP per token; bf16 peak "
              f"{peak if peak else 'unknown'} TFLOP/s; {args.rounds} rounds A B, median step after {SKIP} warm-up steps.", "",
-             "| side | median step s | tokens/s | TFLOP/s | MFU | finite losses | runs (step s) |", "|---|---|---|---|---|---|---|", *rows, "",
+             "| side | median step s | tokens/s | TFLOP/s | MFU | finite losses | runs (step s) |",
+             "|---|---|---|---|---|---|---|", *rows, "",
              f"hybridtrain throughput / plain loop throughput: **{ratio:.3f}x**."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{label}_{stamp}.md").write_text("\n".join(lines) + "\n")

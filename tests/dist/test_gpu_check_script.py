@@ -59,7 +59,8 @@ def test_install_step_puts_the_wheels_first_on_the_path_and_imports_them(tmp_pat
     site = tmp_path / "site"
     assert f"imported 2 of 2 modules from {site.resolve()}: htcheck_alpha, htcheck_beta" in proc.stdout, proc.stdout
     assert "installed and checked" in proc.stdout
-    got = subprocess.run([sys.executable, "-c", "import htcheck_beta; print(htcheck_beta.VALUE, htcheck_beta.__file__)"],
+    show = "import htcheck_beta; print(htcheck_beta.VALUE, htcheck_beta.__file__)"
+    got = subprocess.run([sys.executable, "-c", show],
                          env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
     assert got.stdout.split() == ["42", str(site / "htcheck_beta.py")], got.stdout + got.stderr
     outside = subprocess.run([sys.executable, "-c", "import htcheck_alpha"], capture_output=True, text=True)

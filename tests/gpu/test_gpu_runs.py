@@ -238,6 +238,9 @@ def test_verify_on_a_node_smaller_than_the_plan_drops_replicas(tmp_path):
     assert f"plan dp={have // 2} tp=2 pp=1" in out, out
 
 
+ONE_STEP = ["+recipe=gpt_tiny", "trainer.max_steps=1", "optim.warmup_steps=1", "trainer.save_final=false"]
+
+
 def _gpu_uuid(run_dir: Path) -> str:
     return json.loads((run_dir / "observe.json").read_text())["gpu_uuid"]
 
@@ -249,8 +252,7 @@ def test_a_gpu_uuid_in_cuda_visible_devices_is_honoured(tmp_path):
     need_gpus(1)
     uuid = str(torch.cuda.get_device_properties(torch.cuda.device_count() - 1).uuid)
     name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-    proc = run_cli(tmp_path, "+recipe=gpt_tiny", "trainer.max_steps=1", "trainer.save_final=false",
-                   env={"CUDA_VISIBLE_DEVICES": name})
+    proc = run_cli(tmp_path, *ONE_STEP, env={"CUDA_VISIBLE_DEVICES": name})
     assert "launching 1 rank(s)" in proc.stdout, proc.stdout + proc.stderr
     assert _gpu_uuid(tmp_path).removeprefix("GPU-") == uuid.removeprefix("GPU-")
     _finite(losses(tmp_path), 1)
@@ -261,8 +263,7 @@ def test_cuda_visible_devices_index_is_honoured(tmp_path):
     (tests/unit/test_devices.py pins the mapping): it reports GPU K's UUID."""
     need_gpus(2)
     last = torch.cuda.device_count() - 1
-    run_cli(tmp_path, "+recipe=gpt_tiny", "trainer.max_steps=1", "trainer.save_final=false",
-            env={"CUDA_VISIBLE_DEVICES": str(last)})
+    run_cli(tmp_path, *ONE_STEP, env={"CUDA_VISIBLE_DEVICES": str(last)})
     want = str(torch.cuda.get_device_properties(last).uuid).removeprefix("GPU-")
     assert _gpu_uuid(tmp_path).removeprefix("GPU-") == want
     _finite(losses(tmp_path), 1)
