@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import shutil
 import statistics
@@ -52,7 +53,8 @@ def hybridtrain_side(work: Path, r: int, shape: dict, seq: int, micro: int, batc
                  f"trainer.max_steps={steps}", "trainer.save_final=false", "optim.warmup_steps=1"]
     overrides += ["launcher.gpus_per_node=1"] if gpu else ["launcher.threads_per_rank=" + str(os.cpu_count() or 1)]
     run = check(run_hybridtrain(work / f"ht_{r}", overrides))
-    return {"step_s": steady_step_time(run.metrics(), SKIP)}
+    losses = [m["loss"] for m in run.metrics() if "loss" in m]
+    return {"step_s": steady_step_time(run.metrics(), SKIP), "losses_finite": _finite(losses, steps)}
 
 
 def plain_side(shape: dict, seq: int, micro: int, batch: int, steps: int, gpu: bool) -> dict:
@@ -68,7 +70,7 @@ def plain_side(shape: dict, seq: int, micro: int, batch: int, steps: int, gpu: b
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
     g = torch.Generator(device="cpu").manual_seed(0)
-    times = []
+    times, losses = [], []
     for step in range(steps):
         ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
         if gpu:
@@ -82,14 +84,14 @@ def plain_side(shape: dict, seq: int, micro: int, batch: int, steps: int, gpu: b
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        float(loss)
+        losses.append(float(loss))
         if gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     del model, opt
     if gpu:
         torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times[SKIP:])}
+    return {"step_s": statistics.median(times[SKIP:]), "losses_finite": _finite(losses, steps)}
 
 
 def main() -> int:
@@ -139,10 +141,12 @@ def main() -> int:
         step = statistics.median(x["step_s"] for x in res[side])
         achieved = tokens / step * flops_per_token / 1e12
         mfu = achieved / peak if peak and use_gpu else None
-        out[side] = {"step_s": step, "tokens_per_s": tokens / step, "tflops": achieved, "mfu": mfu}
+        out[side] = {"step_s": step, "tokens_per_s": tokens / step, "tflops": achieved, "mfu": mfu,
+                     "losses_finite": all(x["losses_finite"] for x in res[side])}
         runs = ", ".join(f"{x['step_s']:.4f}" for x in res[side])
         rows.append(f"| {side} | {step:.4f} | {tokens / step:,.0f} | {achieved:.3g} | "
-                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {runs} |")
+                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {'yes' if out[side]['losses_finite'] else 'NO'} "
+                    f"| {runs} |")
     ratio = out["plain"]["step_s"] / out["hybridtrain"]["step_s"]
     info["loadavg_end"] = os.getloadavg()
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
@@ -152,13 +156,19 @@ def main() -> int:
              f"Llama {params / 1e6:,.1f}M parameters ({json.dumps(shape)}), sequence {seq}, micro-batch {micro}, global "
              f"batch {batch}; {flops_per_token / 1e9:.2f} GFLOP per token; bf16 peak "
              f"{peak if peak else 'unknown'} TFLOP/s; {args.rounds} rounds A B, median step after {SKIP} warm-up steps.", "",
-             "| side | median step s | tokens/s | TFLOP/s | MFU | runs (step s) |", "|---|---|---|---|---|---|", *rows, "",
+             "| side | median step s | tokens/s | TFLOP/s | MFU | finite losses | runs (step s) |",
+             "|---|---|---|---|---|---|---|", *rows, "",
              f"hybridtrain throughput / plain loop throughput: **{ratio:.3f}x**."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{label}_{stamp}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{label}_{stamp}.json").write_text(json.dumps(out, indent=1, default=str))
     print("\n".join(lines))
     return 0
+
+
+def _finite(losses: list[float], steps: int) -> bool:
+    """Whether a run logged ``steps`` losses, all finite (a NaN step would still have a step time)."""
+    return len(losses) == steps and all(math.isfinite(x) for x in losses)
 
 
 def _params(shape: dict) -> int:

@@ -79,6 +79,7 @@ class Observer:
                 "peak_tflops": peak.tflops, "peak_source": peak.source, "device": name or "cpu",
                 "model_flops_per_token": flops, "world_size": plan.world_size, "precision": plan.precision,
                 "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if name else None,
+                "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid) if name else None,  # which GPU
                 "profile_steps": list(cfg.trainer.profile_steps)}, indent=1))
         collectives.barrier(built.engine.device)
         return cls(cfg, plan, built, run_dir, is_rank0, start_step, peak, flops)
