@@ -35,6 +35,8 @@ class Command:
     line: int
     text: str
     output: list[str] = field(default_factory=list)
+    heading: str = ""
+    """The title of the page section the command is in (its nearest heading above)."""
 
     @property
     def expected_exit(self) -> int:
@@ -62,12 +64,14 @@ def strip_comment(line: str) -> str:
 
 
 def _blocks(text: str):
-    """Yield ``(label, first_line_number, lines)`` for every fenced block of a Markdown page."""
+    """Yield ``(label, first_line_number, lines, heading)`` for every fenced block of a Markdown page."""
     lines = text.split("\n")
-    i = 0
+    i, heading = 0, ""
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
+            if lines[i].startswith("#"):
+                heading = lines[i].lstrip("#").strip()
             i += 1
             continue
         fence, label, start = m.group(1), m.group(2).lower(), i + 2
@@ -77,7 +81,7 @@ def _blocks(text: str):
             body.append(lines[i])
             i += 1
         i += 1
-        yield label, start, body
+        yield label, start, body, heading
 
 
 def _join(body: list[str], start: int, page: str, prompted: bool) -> list[Command]:
@@ -112,14 +116,16 @@ def _join(body: list[str], start: int, page: str, prompted: bool) -> list[Comman
 def extract_page(text: str, page: str) -> list[Command]:
     """The commands of one Markdown page's text, in page order."""
     found: list[Command] = []
-    for label, start, body in _blocks(text):
+    for label, start, body, heading in _blocks(text):
         prompted = any(PROMPT.match(line) for line in body)
         if label not in SHELL_LANGS and not (label == "" and prompted):
             continue
         first = next((line for line in body if line.strip()), "")
         if not prompted and first.strip().startswith("#!"):
             continue  # a script's text, shown
-        found += _join(body, start, page, prompted)
+        for cmd in _join(body, start, page, prompted):
+            cmd.heading = heading
+            found.append(cmd)
     return found
 
 
