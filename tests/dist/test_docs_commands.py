@@ -255,7 +255,8 @@ def make_page_folder(page_dir: Path) -> None:
 
 
 def run_prepared(p: Prepared, page_dir: Path, timeout: float = 900) -> None:
-    """Run one prepared command in ``page_dir``; fail with the end of its output on the wrong exit code."""
+    """Run one prepared command in ``page_dir``; fail with the end of its output on the wrong exit code
+    (``AssertionError``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     text = p.text.replace("PAGE/", f"{page_dir}/")
     proc = subprocess.run(["bash", "-c", text], cwd=page_dir, env=env, capture_output=True, text=True,
@@ -297,7 +298,13 @@ def test_quick_documented_command_runs(p, quick_folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("page", sorted(SLOW_PAGES))
 def test_documented_commands_of_a_page_run_in_order(page, tmp_path):
-    """The page's training runs, resumes, exports and the commands reading them, in page order."""
+    """The page's training runs, resumes, exports and the commands reading them, in page order (each is run
+    even after one failed, so that one test names every failing command of the page)."""
     make_page_folder(tmp_path / "page")
+    failed = []
     for p in SLOW_PAGES[page]:
-        run_prepared(p, tmp_path / "page")
+        try:
+            run_prepared(p, tmp_path / "page")
+        except AssertionError as err:
+            failed.append(str(err))
+    assert not failed, "\n\n".join(failed)
