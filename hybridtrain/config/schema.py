@@ -88,8 +88,10 @@ class ParallelConfig:
     auto: bool = False
     """Choose dp, tp, pp, micro-batch size, ZeRO stage and activation checkpointing by the cost
     model (``parallel=auto``) for ``plan.world_size`` ranks; the keys above are then ignored."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block's activations in the backward pass instead of storing them."""
+    activation_checkpointing: Optional[bool] = False
+    """Recompute each decoder block's activations in the backward pass instead of storing them (about a
+    third more compute). ``null``: the plan decides, on only where a rank's memory would not fit its budget
+    with the activations kept (a plan line says which and why; docs/planning.md)."""
 
 
 @dataclass

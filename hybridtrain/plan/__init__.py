@@ -10,8 +10,8 @@ from hybridtrain.plan.machine import machine_facts
 from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for
 from hybridtrain.plan.validate import apply_world_size, build_plan, vocab_pad_multiple
 
-__all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "machine_facts", "model_config",
-           "pretrained_config", "resolve", "layer_params", "rank_budget"]
+__all__ = ["Machine", "Plan", "PlanError", "apply_pretrained_defaults", "build_plan", "choose_checkpointing",
+           "machine_facts", "model_config", "pretrained_config", "resolve", "layer_params", "rank_budget"]
 
 
 def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple[Plan, object]:
@@ -24,7 +24,8 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
     """
     from hybridtrain.data.tokenizer import vocab_size
 
-    machine = planned_machine(cfg.launcher, machine or machine_facts())  # a cluster plans for its nodes
+    here = machine or machine_facts()
+    machine = planned_machine(cfg.launcher, here)  # a cluster plans for its nodes
     hf_config = model_config(cfg)
     if cfg.model.pretrained:  # the weights' headers, before any data is tokenized or rank started
         check_pretrained_weights(cfg, hf_config)
@@ -44,6 +45,13 @@ def resolve(cfg: Config, machine: Machine | None = None, announce=None) -> tuple
             announce(choice.explain(cfg.plan.top))
         params = layer_params(cfg, hf_config) if cfg.parallel.partition == "parameters" else None
     plan = build_plan(cfg, hf_config, machine, vocab, params)
+    if cfg.parallel.activation_checkpointing is None:  # null: the plan decides from the rank's memory
+        on, why = choose_checkpointing(cfg, hf_config, plan, rank_budget(cfg, plan, here))
+        cfg.parallel.activation_checkpointing = on  # resolved, as config.yaml records it
+        if on:  # the balanced partition's memory constraint changes with it
+            plan = build_plan(cfg, hf_config, machine, vocab, params)
+        if announce is not None:
+            announce(f"[hybridtrain] activation checkpointing {why}")
     if cfg.finetune.method != "full" or cfg.finetune.lora.init_from:
         from hybridtrain.plan.lora import check_lora
 
@@ -56,6 +64,36 @@ def rank_budget(cfg: Config, plan: Plan, machine: Machine) -> int:
     GPU headroom (:func:`~hybridtrain.plan.devices.memory_budget`); ``machine``: this machine's facts."""
     planned = planned_machine(cfg.launcher, machine)
     return memory_budget(cfg.plan, cfg.launcher, planned, max(1, plan.world_size // plan.nodes))
+
+
+def choose_checkpointing(cfg: Config, hf_config, plan: Plan, budget: int) -> tuple[bool, str]:
+    """``parallel.activation_checkpointing: null``: whether to recompute the blocks' activations, and why.
+
+    On only where the fullest rank of ``plan`` (the memory model of :func:`hybridtrain.plan.report.build_report`,
+    activations kept) exceeds ``budget`` bytes (:func:`rank_budget`); off where it fits, or where the device
+    memory is unknown (0). The reason states the numbers, e.g. ``off (parallel.activation_checkpointing: null):
+    the fullest rank holds 34.89 GiB with the activations kept, within its 69.64 GiB budget``."""
+    from hybridtrain.plan.memory import GiB
+    from hybridtrain.plan.report import build_report
+
+    def fullest(checkpointing: bool) -> int:
+        cfg.parallel.activation_checkpointing = checkpointing
+        try:
+            return max(st.memory.total for st in build_report(cfg, plan, hf_config, budget).stages)
+        finally:
+            cfg.parallel.activation_checkpointing = None
+
+    key = "(parallel.activation_checkpointing: null)"
+    kept = fullest(False)
+    if not budget:
+        return False, (f"off {key}: the device memory is unknown, so the plan keeps the activations ({kept / GiB:.2f} "
+                       "GiB on the fullest rank); set plan.device_memory_gb (or launcher.gpu_type) to let it check")
+    if kept <= budget:
+        return False, (f"off {key}: the fullest rank holds {kept / GiB:.2f} GiB with the activations kept, within "
+                       f"its {budget / GiB:.2f} GiB budget")
+    return True, (f"on {key}: the fullest rank would hold {kept / GiB:.2f} GiB with the activations kept, over its "
+                  f"{budget / GiB:.2f} GiB budget; recomputing each block's activations it holds "
+                  f"{fullest(True) / GiB:.2f} GiB (about a third more compute)")
 
 
 def check_derived_family(cfg: Config, hf_config, announce=None) -> None:

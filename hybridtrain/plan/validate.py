@@ -161,10 +161,18 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     if lau.nodes > 1 and world % lau.nodes == 0 and "tp" in dims.crossing(lau.nodes):
         ranks = world // lau.nodes
         fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
-        raise PlanError("parallel.tp", f"parallel.tp={par.tp} does not divide the {ranks} ranks per node "
-                        f"(launcher.gpus_per_node={per_node if per_node is not None else ranks}): tensor-parallel "
-                        f"groups would span nodes and every block's all-reduces would cross the network; use tp "
-                        f"in {fits}, or launcher.gpus_per_node a multiple of {par.tp}")
+        if per_node is None or ranks == per_node:  # every device holds a rank
+            where, fix = (f"launcher.gpus_per_node={per_node if per_node is not None else ranks}",
+                          f"launcher.gpus_per_node a multiple of {par.tp}")
+        else:  # an explicit parallel.dp leaves devices idle: the ranks spread evenly, fewer per node
+            total = per_node * lau.nodes
+            where = (f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} ranks on launcher.nodes={lau.nodes}, "
+                     f"though launcher.gpus_per_node={per_node} gives {total} devices")
+            fix = (f"parallel.dp={total // model_ranks} (or null: fill the devices) for {per_node} ranks per node"
+                   if total % model_ranks == 0 else f"launcher.gpus_per_node a multiple of {par.tp}")
+        raise PlanError("parallel.tp", f"parallel.tp={par.tp} does not divide the {ranks} ranks per node ({where}): "
+                        f"tensor-parallel groups would span nodes and every block's all-reduces would cross the "
+                        f"network; use tp in {fits}, or {fix}")
 
     # Batch arithmetic: global = micro x accumulation x dp.
     unit = par.micro_batch_size * dp

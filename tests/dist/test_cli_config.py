@@ -91,14 +91,17 @@ def test_cli_bad_plan_exits_2_before_writing_the_plan(cli):
 
 
 def test_cli_llama_7b_dry_run_validates_the_cluster_plan(cli):
-    """The 4-node recipe is validated and planned on any machine; nothing is launched."""
+    """The GPU recipe is validated and planned on any machine (one 8-GPU node: dp fills it); nothing is
+    launched; activation checkpointing, null in the recipe, is resolved in config.yaml."""
     run_dir, run = cli["llama_7b"]
     proc = run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dp=1 x tp=8 x pp=4 = 32 rank(s)" in proc.stdout and "launching" not in proc.stdout
+    assert "dp=2 x tp=2 x pp=2 = 8 rank(s)" in proc.stdout and "launching" not in proc.stdout
+    assert "activation checkpointing off (parallel.activation_checkpointing: null)" in proc.stdout
     plan = RunDir(run_dir).plan_record()
-    assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (32, 4, [0, 9, 17, 25, 35])
-    assert RunDir(run_dir).config().launcher.nodes == 4
+    assert (plan["world_size"], plan["nodes"], plan["stage_bounds"]) == (8, 1, [0, 17, 35])
+    config = RunDir(run_dir).config()
+    assert config.launcher.nodes == 1 and config.parallel.activation_checkpointing is False
 
 
 CONFIG_ERRORS = {  # CLI run -> its whole stderr

@@ -45,9 +45,9 @@ def test_cli_submit_false_writes_and_prints_the_script(tmp_path):
 
 
 def test_cli_llama_7b_slurm_script_anywhere(tmp_path):
-    proc = run_cli(tmp_path, "+recipe=llama_7b", "launcher=slurm", "launcher.submit=false", "launcher.partition=gpu",
-                   "launcher.gpus=true", timeout=180)
+    proc = run_cli(tmp_path, "+recipe=llama_7b", "launcher=slurm", "launcher.nodes=4", "launcher.submit=false",
+                   "launcher.partition=gpu", "launcher.gpus=true", timeout=180)
     script = RunDir(tmp_path).job_script.read_text()
     for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"]:
         assert line in script.splitlines()
-    assert "groups crossing nodes: pp" in proc.stdout  # tp=8 fills a node: only the pipeline crosses nodes
+    assert "groups crossing nodes: dp, pp" in proc.stdout  # tp=2 stays inside a node; dp=8 and pp cross

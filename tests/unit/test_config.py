@@ -46,13 +46,17 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
 
 
 def test_llama_7b_recipe_arithmetic():
-    """The numbers the recipe's header states: 32 ranks, 8 blocks per stage, 1M tokens per step."""
-    plan, _ = resolve(compose("+recipe=llama_7b"), Machine())
-    assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.world_size, plan.nodes) == (1, 8, 4, 32, 4)
+    """The numbers the recipe's header states: tp=2 x pp=2 with dp filling the devices (2 on one 8-GPU node,
+    8 on 4 nodes, 16 on 8), 16 blocks per stage, 512k tokens per step (issue 29.7: it pinned 4 nodes and dp=1,
+    so it exited 2 on one node and the README's 8-node sizing command exited 2 too)."""
+    for nodes, dp in ((1, 2), (4, 8), (8, 16)):
+        plan, _ = resolve(compose("+recipe=llama_7b", f"launcher.nodes={nodes}"), Machine())
+        assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.world_size, plan.nodes) == (dp, 2, 2, 8 * nodes, nodes)
+        assert plan.grad_accum == 128 // dp and plan.tokens_per_step == 128 * 4096
     assert plan.precision == "bf16"  # trainer.precision: null on GPUs (launcher.gpus=true)
-    assert plan.grad_accum == 256 and plan.tokens_per_step == 256 * 4096
-    assert [sum(n.startswith("block.") for n in plan.stage_layers(s)) for s in range(4)] == [8, 8, 8, 8]
-    assert plan.stage_layers(0)[0] == "embed" and plan.stage_layers(3)[-2:] == ["final_norm", "head"]
+    plan, _ = resolve(compose("+recipe=llama_7b"), Machine())
+    assert [sum(n.startswith("block.") for n in plan.stage_layers(s)) for s in range(2)] == [16, 16]
+    assert plan.stage_layers(0)[0] == "embed" and plan.stage_layers(1)[-2:] == ["final_norm", "head"]
 
 
 def test_overrides_reach_the_typed_config():
@@ -208,7 +212,7 @@ def test_local_launcher_refuses_several_nodes(monkeypatch, tmp_path):
         raise AssertionError("the local launcher started workers for a 4-node plan")
 
     monkeypatch.setattr(subprocess, "Popen", no_workers)  # never start 32 ranks here
-    cfg = compose("+recipe=llama_7b")
+    cfg = compose("+recipe=llama_7b", "launcher.nodes=4")
     plan, _ = resolve(cfg, Machine())
     with pytest.raises(SystemExit) as info:
         local.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=8))

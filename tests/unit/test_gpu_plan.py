@@ -189,3 +189,80 @@ def test_a_dry_run_of_a_gpu_recipe_on_a_laptop_plans_gpus_of_unknown_memory():
     with pytest.raises(PlanError) as info:
         resolve(cfg_of("+recipe=llama_7b", "parallel=auto"), CPU)
     assert info.value.key == "plan.device_memory_gb" and "GPUs of unknown memory" in str(info.value)
+
+
+def test_llama_7b_as_typed_fills_one_8_gpu_node_and_eight_nodes():
+    """Issue 29.7: the recipe pinned launcher.nodes=4 and dp=1, so as typed on one 8-GPU node, and the
+    README's ``launcher.nodes=8 launcher.gpus_per_node=8``, exited 2; dp now fills the devices."""
+    plan, _ = resolve(cfg_of("+recipe=llama_7b"), GPUS8)
+    assert (plan.dims.dp, plan.dims.tp, plan.dims.pp, plan.world_size) == (2, 2, 2, 8)
+    plan, _ = resolve(cfg_of("+recipe=llama_7b", "launcher.nodes=8", "launcher.gpus_per_node=8"), CPU)
+    assert (plan.dims.dp, plan.world_size, plan.nodes) == (16, 64, 8)
+
+
+def test_tp_across_nodes_states_the_ranks_the_user_asked_for():
+    """Issue 29.7: 32 ranks on 8 nodes of 8 GPUs (an explicit parallel.dp=1) said "4 ranks per node
+    (launcher.gpus_per_node=8)"; the message now gives the product, the nodes and the devices, and the dp
+    that fills them."""
+    cfg = cfg_of("+recipe=llama_7b", "launcher.nodes=8", "launcher.gpus_per_node=8", "parallel.tp=8",
+                 "parallel.pp=4", "parallel.dp=1")
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    message = str(info.value)
+    assert info.value.key == "parallel.tp" and "does not divide the 4 ranks per node" in message
+    assert "dp x tp x pp = 1 x 8 x 4 = 32 ranks on launcher.nodes=8" in message
+    assert "launcher.gpus_per_node=8 gives 64 devices" in message and "parallel.dp=2 (or null" in message
+
+
+def test_the_embedded_corpus_holds_one_batch_of_the_7b_recipe(tmp_path):
+    """Issue 29.7: 256 sequences of 4096 tokens were more than the embedded corpus holds (about 230): the
+    controller's data check (check_data_counts) refused the recipe after tokenizing."""
+    from hybridtrain.data.prepare import prepare
+    from hybridtrain.plan.data import check_data_counts
+
+    cfg = cfg_of("+recipe=llama_7b", f"data.cache_dir={tmp_path}")
+    plan, _ = resolve(cfg, GPUS8)
+    prepared = prepare(cfg.data, cfg.trainer.seed, log=lambda line: None)
+    assert prepared.num_samples("train") >= plan.global_batch_size
+    assert check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val")) == 10000
+
+
+@pytest.mark.parametrize("gpu,micro,expected", [("h100-80gb", 1, False), ("a100-40gb", 2, True)],
+                         ids=["fits_keeps", "over_recomputes"])
+def test_activation_checkpointing_null_is_on_only_where_the_rank_would_not_fit(gpu, micro, expected):
+    """Issue 29.8: the 7B recipe forced activation checkpointing (+25-33% compute) where the plan showed
+    room to keep the activations. ``null``: the plan compares the fullest rank with the activations kept
+    against its budget, resolves the key (config.yaml records the value) and says which and why."""
+    from hybridtrain.plan.memory import GiB as GIB
+    from hybridtrain.plan.report import build_report
+
+    said = []
+    cfg = cfg_of("+recipe=llama_7b", "launcher=slurm", f"launcher.gpu_type={gpu}",
+                 f"parallel.micro_batch_size={micro}")
+    plan, hf = resolve(cfg, CPU, announce=said.append)
+    assert cfg.parallel.activation_checkpointing is expected
+    budget = rank_budget(cfg, plan, CPU)
+    line, = [s for s in said if "activation checkpointing" in s]
+    assert line.startswith(f"[hybridtrain] activation checkpointing {'on' if expected else 'off'} "
+                           "(parallel.activation_checkpointing: null)")
+    assert f"{budget / GIB:.2f} GiB budget" in line
+    totals = {}
+    for on in (False, True):
+        cfg.parallel.activation_checkpointing = on
+        totals[on] = max(st.memory.total for st in build_report(cfg, plan, hf, budget).stages)
+    assert (totals[False] > budget) is expected and totals[True] <= budget
+    assert f"{totals[False] / GIB:.2f} GiB with the activations kept" in line
+
+
+def test_activation_checkpointing_null_with_unknown_memory_keeps_activations_and_says_so():
+    """A GPU recipe planned on a laptop (GPUs of unknown memory): off, naming the keys that let it check;
+    an explicit value is kept as given, with no line."""
+    said = []
+    cfg = cfg_of("+recipe=llama_7b")
+    resolve(cfg, CPU, announce=said.append)
+    assert cfg.parallel.activation_checkpointing is False
+    assert any("the device memory is unknown" in s and "plan.device_memory_gb" in s for s in said)
+    said.clear()
+    cfg = cfg_of("+recipe=llama_7b", "parallel.activation_checkpointing=true", "plan.device_memory_gb=80")
+    resolve(cfg, CPU, announce=said.append)
+    assert cfg.parallel.activation_checkpointing is True and not any("activation checkpointing" in s for s in said)
