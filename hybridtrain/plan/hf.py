@@ -76,6 +76,8 @@ def check_pretrained_weights(cfg: Config, hf_config) -> None:
     missing, wrong = [], []
     for name, param in model.named_parameters():  # a tied head shares the embedding's parameter: not listed
         key = stored.get(name, family.checkpoint_name(name))
+        if key not in headers and _per_expert(name, family, headers):
+            continue  # fused experts stored per expert: the loader merges them (transformers' conversion), checking shapes
         if key not in headers:
             missing.append(name)
         elif headers[key][0] != tuple(param.shape):
@@ -92,6 +94,19 @@ def check_pretrained_weights(cfg: Config, hf_config) -> None:
         more = f" (and {len(wrong) - 2} more)" if len(wrong) > 2 else ""
         raise PlanError("model.pretrained", f"{folder}: {'; '.join(wrong[:2])}{more}; the weights do not match "
                         "its config.json: re-save the model with save_pretrained")
+
+
+def _per_expert(name: str, family, headers) -> bool:
+    """Whether the fused expert parameter ``name`` (``...experts.gate_up_proj`` / ``down_proj`` of a mixture-of-
+    experts family) is stored as per-expert tensors (``...experts.0.*``, also under the family's legacy names,
+    such as Mixtral's ``block_sparse_moe``), as ``save_pretrained`` and the published checkpoints write it."""
+    if family.moe is None or ".experts." not in name:
+        return False
+    from hybridtrain.models.weights import checkpoint_renames
+
+    prefix = name.rsplit(".experts.", 1)[0] + ".experts.0."
+    prefixes = {prefix, *(prefix.replace(ours, theirs) for ours, theirs in checkpoint_renames(family.model_type))}
+    return any(h.startswith(p) for h in headers for p in prefixes)
 
 
 def pretrained_config(cfg: Config):

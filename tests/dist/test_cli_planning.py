@@ -12,7 +12,7 @@ from helpers.config import LLAMA_70B, ROOT
 def test_plan_command_70b_in_seconds():
     """A 70B Llama on 8 x 8 GPUs, from the command line: no weights, no processes, seconds."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", *LLAMA_70B, "parallel.dp=2",
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.plan", *LLAMA_70B, "parallel.tp=8", "parallel.pp=4", "parallel.dp=null",
                            "launcher.nodes=8", "launcher.gpus_per_node=8", "plan.device_memory_gb=80"],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     elapsed = time.perf_counter() - t0

@@ -143,7 +143,8 @@ def test_slurm_job_whose_rank_fails_reports_status_and_log(slurm_cluster, tmp_pa
     assert "task 1: Exited with exit code 3" in log.read_text()
     # launcher.gpus=false: the ranks see no GPU whatever the submitting shell showed, and DeepSpeed's CPU accelerator
     tasks = [json.loads(f.read_text()) for f in seen.glob("task*.json")]
-    assert sorted(t["SLURM_PROCID"] for t in tasks) == ["0", "1", "2", "3"], tasks
+    # srun ends the step when task 1 exits: a task it stops before its interpreter starts writes nothing
+    assert "1" in {t["SLURM_PROCID"] for t in tasks} and len(tasks) >= 2, tasks
     assert {(t["CUDA_VISIBLE_DEVICES"], t["DS_ACCELERATOR"], t["SLURM_CPUS_PER_TASK"]) for t in tasks} == {("", "cpu", "1")}
 
 
