@@ -72,7 +72,7 @@ setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulat
 tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
 torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"""
-"""The GPU machine's image (/work/.library/device/KINDS.md, 'Python packages already there', 2026-11-17)."""
+"""The GPU machine's image (the device tool's KINDS.md, 'Python packages already there', 2026-11-17)."""
 image = {canonicalize_name(n) for n in IMAGE.split()}
 REPLACED = {"transformers"}  # in the image, but 5.17: hybridtrain needs its tested release (versions.py)
 env = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
