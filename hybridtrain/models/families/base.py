@@ -48,6 +48,16 @@ class TPRule:
         return style_of(self.style)
 
 
+EXPERTS_RULES: dict[str, Optional[TPRule]] = {
+    "mlp.experts": TPRule("experts"),
+    "mlp.experts.gate_up_proj": None,
+    "mlp.experts.down_proj": None,
+}
+"""The TP rules of a mixture-of-experts block's fused experts module (``mlp.experts``: the ``experts`` style
+slices its 3-D ``gate_up_proj`` / ``down_proj`` itself, so transformers' plan entries for the two weights match
+no rule of their own). Shared by every MoE family."""
+
+
 @dataclass(frozen=True)
 class MoE:
     """Where a mixture-of-experts family's routed experts live and which HF config keys size them

@@ -8,7 +8,7 @@ transformers' conversion table says how they map to ``mlp`` and the fused tensor
 (:mod:`hybridtrain.models.weights`). ``router_jitter_noise`` multiplies the hidden states by random noise in
 training (layout-dependent, like a dropout): it is a dropout key (0 in the self-check's twin).
 """
-from hybridtrain.models.families.base import Family, MoE, TPRule
+from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE
 
 FAMILY = Family(
     model_type="mixtral",
@@ -18,7 +18,7 @@ FAMILY = Family(
     rotary_embed="model.rotary_emb",
     head="lm_head",
     hf_config_class="MixtralConfig",
-    tp_rules={"mlp.experts": TPRule("experts"), "mlp.experts.gate_up_proj": None, "mlp.experts.down_proj": None},
+    tp_rules=dict(EXPERTS_RULES),
     input_copy=("self_attn",),
     moe=MoE(num_experts="num_local_experts", width="intermediate_size"),
     mlp_width="intermediate_size",

@@ -6,7 +6,7 @@ transformers' plan gathers q, k and v for the full-width norm; here they stay sp
 sharded as OLMo 2's (:func:`hybridtrain.models.families.olmo2.sharded_qk_norm`). The experts as Qwen3-MoE's
 (:mod:`hybridtrain.models.families.qwen3_moe`).
 """
-from hybridtrain.models.families.base import Family, MoE, TPRule
+from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE, TPRule
 from hybridtrain.models.families.olmo2 import sharded_qk_norm
 
 FAMILY = Family(
@@ -24,9 +24,7 @@ FAMILY = Family(
         "self_attn.o_proj": TPRule("row"),
         "self_attn.q_norm": TPRule("norm", replace=sharded_qk_norm),
         "self_attn.k_norm": TPRule("norm", replace=sharded_qk_norm),
-        "mlp.experts": TPRule("experts"),
-        "mlp.experts.gate_up_proj": None,
-        "mlp.experts.down_proj": None,
+        **EXPERTS_RULES,
     },
     input_copy=("self_attn",),
     moe=MoE(width="intermediate_size"),

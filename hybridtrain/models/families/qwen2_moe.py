@@ -9,7 +9,7 @@ input; its gate (``Linear(H, 1)``) stays replicated outside the tensor-parallel 
 (transformers' plan has no entries for either). Blocks with a dense MLP (``mlp_only_layers``,
 ``decoder_sparse_step`` > 1) are not supported yet.
 """
-from hybridtrain.models.families.base import Family, MoE, TPRule
+from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE, TPRule
 from hybridtrain.models.families.qwen3_moe import dense_layers, variants
 
 FAMILY = Family(
@@ -21,9 +21,7 @@ FAMILY = Family(
     head="lm_head",
     hf_config_class="Qwen2MoeConfig",
     tp_rules={
-        "mlp.experts": TPRule("experts"),
-        "mlp.experts.gate_up_proj": None,
-        "mlp.experts.down_proj": None,
+        **EXPERTS_RULES,
         "mlp.gate_proj": None,
         "mlp.up_proj": None,
         "mlp.down_proj": None,

@@ -11,7 +11,7 @@ dense MLP (``mlp.gate_proj`` ...) are dropped: blocks with a dense MLP (``mlp_on
 ``decoder_sparse_step`` > 1) are not supported yet and the plan refuses them. The router's
 load-balancing loss (``output_router_logits``) is carried through the pipeline (:mod:`hybridtrain.models.moe`).
 """
-from hybridtrain.models.families.base import Family, MoE, TPRule
+from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE
 
 
 def dense_layers(hf_config) -> list[int]:
@@ -36,9 +36,7 @@ FAMILY = Family(
     head="lm_head",
     hf_config_class="Qwen3MoeConfig",
     tp_rules={
-        "mlp.experts": TPRule("experts"),
-        "mlp.experts.gate_up_proj": None,
-        "mlp.experts.down_proj": None,
+        **EXPERTS_RULES,
         "mlp.gate_proj": None,
         "mlp.up_proj": None,
         "mlp.down_proj": None,
