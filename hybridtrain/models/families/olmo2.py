@@ -15,6 +15,17 @@ def sharded_qk_norm(module, weight_shard, full_width: int, tp):
     return ShardedRMSNorm(weight_shard, module.variance_epsilon, full_width, tp)
 
 
+ATTENTION_RULES = {
+    "self_attn.q_proj": TPRule("column"),
+    "self_attn.k_proj": TPRule("column"),
+    "self_attn.v_proj": TPRule("column"),
+    "self_attn.o_proj": TPRule("row"),
+    "self_attn.q_norm": TPRule("norm", replace=sharded_qk_norm),
+    "self_attn.k_norm": TPRule("norm", replace=sharded_qk_norm),
+}
+"""OLMo 2's attention: Megatron q/k/v/o, and q/k norms over the full projection width, sharded (OLMoE's too)."""
+
+
 FAMILY = Family(
     model_type="olmo2",
     embed="model.embed_tokens",
@@ -23,13 +34,6 @@ FAMILY = Family(
     rotary_embed="model.rotary_emb",
     head="lm_head",
     hf_config_class="Olmo2Config",
-    tp_rules={
-        "self_attn.q_proj": TPRule("column"),
-        "self_attn.k_proj": TPRule("column"),
-        "self_attn.v_proj": TPRule("column"),
-        "self_attn.o_proj": TPRule("row"),
-        "self_attn.q_norm": TPRule("norm", replace=sharded_qk_norm),
-        "self_attn.k_norm": TPRule("norm", replace=sharded_qk_norm),
-    },
+    tp_rules=dict(ATTENTION_RULES),
     dropout_keys=("attention_dropout",),
 )

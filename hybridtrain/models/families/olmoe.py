@@ -6,8 +6,8 @@ transformers' plan gathers q, k and v for the full-width norm; here they stay sp
 sharded as OLMo 2's (:func:`hybridtrain.models.families.olmo2.sharded_qk_norm`). The experts as Qwen3-MoE's
 (:mod:`hybridtrain.models.families.qwen3_moe`).
 """
-from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE, TPRule
-from hybridtrain.models.families.olmo2 import sharded_qk_norm
+from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE
+from hybridtrain.models.families.olmo2 import ATTENTION_RULES
 
 FAMILY = Family(
     model_type="olmoe",
@@ -18,12 +18,7 @@ FAMILY = Family(
     head="lm_head",
     hf_config_class="OlmoeConfig",
     tp_rules={
-        "self_attn.q_proj": TPRule("column"),
-        "self_attn.k_proj": TPRule("column"),
-        "self_attn.v_proj": TPRule("column"),
-        "self_attn.o_proj": TPRule("row"),
-        "self_attn.q_norm": TPRule("norm", replace=sharded_qk_norm),
-        "self_attn.k_norm": TPRule("norm", replace=sharded_qk_norm),
+        **ATTENTION_RULES,
         **EXPERTS_RULES,
     },
     input_copy=("self_attn",),
