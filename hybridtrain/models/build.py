@@ -49,6 +49,10 @@ class ModelBuilder:
     or a checkpoint's ``adapter/``), or ``None`` for fresh ones (seeded ``A``, zero ``B``)."""
     ep: EPContext = field(default_factory=EPContext)
     """This rank's expert-parallel slice and group (``parallel.ep``; size 1: every expert here)."""
+    packed: bool = True
+    """Whether rows may hold several records (``data.packing=documents``: position ids restart inside a row).
+    False lets the blocks skip the test for restarts, a GPU-to-CPU sync per stage and micro-batch (transformers'
+    ``find_packed_sequence_indices``, the varlen offsets of FlashAttention 2); True is always right, only slower."""
     stage_shared: dict = field(default_factory=dict)
     """Modules the layers built from this builder (one rank's stage) share, by name
     (:class:`~hybridtrain.models.stages.BlockInputs`)."""
@@ -60,6 +64,7 @@ class ModelBuilder:
         ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``); LoRA
         adapters (``finetune.method=lora``) from ``adapter_dir`` (a checkpoint's ``adapter/``), else from
         ``finetune.lora.init_from``, else fresh."""
+        from hybridtrain.config.choices import Packing
         from hybridtrain.models.families import family_of
         from hybridtrain.models.weights import SafetensorsWeights, checkpoint_renames
 
@@ -75,7 +80,8 @@ class ModelBuilder:
         return cls(family=family, hf_config=hf_config, hf_model=hf_model,
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
-                   lora=lora, adapter=adapter, ep=ep or EPContext())
+                   lora=lora, adapter=adapter, ep=ep or EPContext(),
+                   packed=Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents)
 
     @property
     def vocab_size(self) -> int:

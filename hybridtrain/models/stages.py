@@ -12,6 +12,7 @@ turns restarts into a block-causal mask (a token attends only to its own record)
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -119,16 +120,17 @@ class BlockInputs:
     module (which moves and casts with it), and the first block to meet a micro-batch lends it.
     """
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, packed: bool = True):
         self.hf_config = hf_config
         self.flash = hf_config._attn_implementation == "flash_attention_2"
+        self.packed = packed  # False: rows hold one sequence each, so the restart tests (host syncs) are skipped
         self._made: dict[bool, tuple] = {}  # sliding -> (key, position ids, (args, cos_sin))
 
     @classmethod
     def shared(cls, builder: ModelBuilder) -> "BlockInputs":
         """This rank's instance (the blocks of a stage are built from one builder)."""
         if cls.__name__ not in builder.stage_shared:
-            builder.stage_shared[cls.__name__] = cls(builder.hf_config)
+            builder.stage_shared[cls.__name__] = cls(builder.hf_config, builder.packed)
         return builder.stage_shared[cls.__name__]
 
     def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
@@ -143,14 +145,21 @@ class BlockInputs:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         with torch.no_grad():
+            if not self.packed and pos.device.type == "cpu" and bool((pos[:, 1:] != pos[:, :-1] + 1).any()):
+                # free on a CPU (no device to wait for): a model built for one sequence per row never takes
+                # packed rows silently with a plain causal mask
+                raise RuntimeError("position ids restart inside a row, but this model was built for unpacked rows "
+                                   "(ModelBuilder.packed=False, data.packing other than documents)")
             if self.flash:
-                args = {"attention_mask": None, **varlen_kwargs(pos)}
+                args = {"attention_mask": None, **(varlen_kwargs(pos) if self.packed else {})}
             else:
                 # sdpa with one sequence per row gets None (is_causal); eager an additive [B, 1, S, S]
-                # mask; a sliding window or packed records (position ids that restart) a mask too
+                # mask; a sliding window or packed records (position ids that restart) a mask too. The
+                # position ids go to the mask only where rows are packed: transformers tests them for
+                # restarts with a host read (``find_packed_sequence_indices``), a GPU sync per micro-batch.
                 make = create_sliding_window_causal_mask if sliding else create_causal_mask
                 args = {"attention_mask": make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
-                                               cache=None, position_ids=pos)}
+                                               cache=None, position_ids=pos if self.packed else None)}
             cos_sin = rotary(hidden, position_ids=pos) if rotary is not None else None
         return args, cos_sin
 
@@ -301,13 +310,14 @@ class SequentialLM(nn.Module):
 
 def one_process_model(cfg, hf_config) -> "SequentialLM":
     """hybridtrain's whole model of a run's config at tp = 1 in this process, with its loss: what the
-    family checks, the packing tests and ``bench/model_step.py`` compare against transformers' model."""
+    family checks, the packing tests and ``bench/model_step.py`` compare against transformers' model. It takes
+    packed rows whatever ``data.packing`` says."""
     from hybridtrain.models.families.base import padded_vocab
     from hybridtrain.parallel.context import TPContext
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     tp, padded = TPContext(), padded_vocab(int(hf_config.vocab_size), 1)
-    builder = ModelBuilder.for_run(cfg, hf_config, tp, padded)
+    builder = dataclasses.replace(ModelBuilder.for_run(cfg, hf_config, tp, padded), packed=True)  # any rows
     return sequential_model(builder, moe.loss_of(VocabParallelLoss(padded, tp), builder.family, hf_config))
 
 

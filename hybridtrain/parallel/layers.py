@@ -114,9 +114,16 @@ class VocabParallelEmbedding(nn.Module):
             local = (x - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight, padding_idx=self.local_padding_idx)
             out = reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)  # [B, S, H]
-        if self.scale is not None:  # as HF: the scale in the weight's dtype (bf16 rounds sqrt(hidden))
-            out = out * torch.tensor(self.scale, dtype=self.weight.dtype, device=out.device)
+        if self.scale is not None:
+            out = out * self.scale_in(self.weight.dtype)
         return out
+
+    def scale_in(self, dtype: torch.dtype) -> float:
+        """The embedding scale as HF applies it, ``tensor(scale).to(dtype)`` (fp32, then the weight's dtype:
+        bf16 rounds sqrt(hidden)), as a Python number: a tensor made on the device every forward would be a
+        host-to-device copy per micro-batch. Exact: the kernel computes in fp32 either way and the number is
+        the rounded value itself."""
+        return float(torch.tensor(self.scale).to(dtype))
 
 
 class VocabParallelHead(nn.Module):

@@ -69,6 +69,11 @@ def cache_dir() -> Path:
     return CacheDir.from_env().calibration
 
 
+REPEATS = {"cpu": 1, "cuda": 20}
+"""Kernels timed per measurement: a GPU is synchronised once per ``REPEATS`` launches (a sync per matmul
+would time the host round trip, not the device); a CPU runs each op to the end before returning."""
+
+
 def matmul_flops(threads: int, device: str = "cpu", shape: tuple[int, int] = (512, 512),
                  seconds: float = 0.5) -> float:
     """FLOP/s of ``[tokens, hidden] x [hidden, 4 hidden]`` matmuls (``shape = (tokens, hidden)``, the
@@ -82,13 +87,15 @@ def matmul_flops(threads: int, device: str = "cpu", shape: tuple[int, int] = (51
         m, k = (max(s, 1) for s in shape)
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, 4 * k, device=device, dtype=dtype)
+        reps = REPEATS[device]
         times, end = [], time.perf_counter() + seconds
         while time.perf_counter() < end or len(times) < 3:
-            if device == "cuda":
-                torch.cuda.synchronize()
+            _settle(device)
             t0 = time.perf_counter()
-            (a @ b).sum().item()
-            times.append(time.perf_counter() - t0)
+            for _ in range(reps):
+                a @ b
+            _settle(device)
+            times.append((time.perf_counter() - t0) / reps)
         return 2 * m * k * 4 * k / sorted(times)[len(times) // 2]
     finally:
         torch.set_num_threads(old)
@@ -105,16 +112,48 @@ def layer_overhead(threads: int, device: str = "cpu", seconds: float = 0.5) -> f
         block = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
                                                  batch_first=True).to(device)
         x = torch.randn(1, 1, 16, device=device, requires_grad=True)
+        reps = REPEATS[device]
         times, end = [], time.perf_counter() + seconds
         while time.perf_counter() < end or len(times) < 5:
+            _settle(device)
             t0 = time.perf_counter()
-            block(x).sum().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            for _ in range(reps):
+                block(x).sum().backward()
+            _settle(device)
+            times.append((time.perf_counter() - t0) / reps)
         return sorted(times)[len(times) // 2]
     finally:
         torch.set_num_threads(old)
+
+
+def _settle(device: str) -> None:
+    """Wait for the device's queued work (a no-op on CPU, whose ops finish before they return)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _device_probe_worker(_: int, threads: int, device: str, shape: tuple[int, int], out: str) -> None:
+    Path(out).write_text(json.dumps([matmul_flops(threads, device, shape), layer_overhead(threads, device)]))
+
+
+def device_probes(threads: int, device: str, shape: tuple[int, int], in_child: bool) -> tuple[float, float]:
+    """``(matmul FLOP/s, layer overhead s)`` of this machine. ``in_child``: measured in a spawned process
+    (what a GPU gets: the controller itself never creates a CUDA context, which would hold GPU 0's memory
+    for the whole run while the rank placed there trains)."""
+    if not in_child:
+        return matmul_flops(threads, device, shape), layer_overhead(threads, device)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "device.json")
+        mp.start_processes(_device_probe_worker, args=(threads, device, tuple(shape), out), nprocs=1, join=True,
+                           start_method="spawn")
+        flops, overhead = json.loads(Path(out).read_text())
+    return flops, overhead
 
 
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, out: str) -> None:
@@ -196,8 +235,7 @@ def rates(threads: int, calibrate: bool = True, shape: tuple[int, int] = (512, 5
             return Rates(**json.loads(path.read_text()))
         except (TypeError, ValueError):
             pass  # an old or damaged cache file: measure again
-    flops = matmul_flops(threads, device, shape)
-    overhead = layer_overhead(threads, device)
+    flops, overhead = device_probes(threads, device, shape, in_child=device == "cuda")
     lat, bw, measured = allreduce_link(device, ranks)
     found = Rates(flops=flops, latency=lat, bandwidth=bw, device=device, threads=threads, measured_link=measured,
                   layer_overhead=overhead)
