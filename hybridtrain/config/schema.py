@@ -57,7 +57,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model and the batch are split over processes (world = dp x tp x pp)."""
+    """How the model and the batch are split over processes (world = dp x cp x tp x pp)."""
 
     dp: Optional[int] = None
     """Data-parallel replicas. ``null``: whatever the launcher's devices leave after tp x pp
@@ -67,6 +67,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages (DeepSpeed PipelineModule, 1F1B schedule). ``pp>1`` with one
     micro-batch per step is naive model parallelism."""
+    cp: int = 1
+    """Context-parallel degree (``docs/long-context.md``): each row's ``data.seq_len`` tokens split over ``cp``
+    ranks in ``2 x cp`` chunks (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so causal work is balanced);
+    keys and values are all-gathered within the group, the loss and the logits stay in pieces. The ranks of a
+    cp group hold the same weights (ZeRO and the gradient reduction run over dp x cp). 1: whole rows."""
     ep: int = 1
     """Expert-parallel degree of a mixture-of-experts model (``docs/moe.md``): its routed experts split
     over ``ep`` ranks carved from the data-parallel ones. 1: every rank holds every expert (split over tp)."""

@@ -95,15 +95,16 @@ class Samples:
 
     def batch_weight(self, indices: np.ndarray, layout: BatchLayout) -> float:
         """The factor that turns a micro-batch's summed token loss into its share of the global batch's
-        mean token loss: ``grad_accum x dp / loss tokens of the global batch``.
+        mean token loss: ``grad_accum x dp x cp / loss tokens of the global batch``.
 
-        DeepSpeed averages micro-batch losses over accumulation steps and data-parallel ranks, so
+        DeepSpeed averages micro-batch losses over accumulation steps and the data axis (``dp x cp``: each
+        context-parallel rank returns the summed loss of its own tokens of the rows), so
         each micro-batch returning ``sum x weight`` makes the step's loss (and gradient) the mean over
         every loss token of the global batch, whatever the micro-batch size: with masked labels
         (chat, prompt_completion, unpacked text) a mean of per-micro-batch means would depend on how
         the batch is cut.
         """
-        return layout.grad_accum * layout.dp / max(1, int(self.label_counts(indices).sum()))
+        return layout.grad_accum * layout.averaged_over / max(1, int(self.label_counts(indices).sum()))
 
     def step_loss_tokens(self, step: int, global_batch_size: int) -> int:
         """Loss-carrying tokens of step ``step``'s global batch (``loss_tokens`` in ``metrics.jsonl``)."""

@@ -27,7 +27,7 @@ from typing import Any, Optional
 from hybridtrain.errors import PlanError
 
 AXES = ("pp", "dp", "cp", "tp")
-"""The rank axes from outermost to innermost (``tp`` fastest). ``cp`` (context parallelism) is 1 for now."""
+"""The rank axes from outermost to innermost (``tp`` fastest)."""
 
 SHOWN = ("dp", "cp", "tp", "pp")
 """The order rank maps print coordinates in (:meth:`ParallelDims.shown_axes`)."""
@@ -82,6 +82,11 @@ class ParallelDims:
         view after them when ``ep`` > 1)."""
         out = " x ".join(f"{axis}={getattr(self, axis)}" for axis in self.shown_axes())
         return out + (f" (experts over ep={self.ep} of the dp ranks)" if self.ep > 1 else "")
+
+    def formula(self) -> str:
+        """The world as messages state it: ``dp x tp x pp = 2 x 2 x 2`` (the :meth:`shown_axes`)."""
+        axes = self.shown_axes()
+        return " x ".join(axes) + " = " + " x ".join(str(getattr(self, a)) for a in axes)
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` of every rank axis, in :data:`AXES` order."""
@@ -182,7 +187,7 @@ class ParallelDims:
 
     def batch_layout(self, global_batch_size: int, micro_batch_size: int) -> "BatchLayout":
         """How a global batch of ``global_batch_size`` samples is divided over these degrees."""
-        return BatchLayout(global_batch_size, micro_batch_size, self.dp)
+        return BatchLayout(global_batch_size, micro_batch_size, self.dp, self.cp)
 
     @staticmethod
     def _axis(axis: str) -> str:
@@ -200,11 +205,19 @@ class BatchLayout:
     """How one global batch is divided (all counts in samples): ``[accumulation, dp, micro_batch]``.
 
     Data-parallel rank ``r`` takes column ``r`` of every accumulation row; the ranks of the other axes
-    (tensor-parallel peers, the pipeline's stages) read the same rows as their replica's."""
+    (tensor-parallel peers, the pipeline's stages, the context-parallel ranks, which each keep their chunks of
+    every row: :mod:`hybridtrain.parallel.context_parallel`) read the same rows as their replica's."""
 
     global_batch_size: int
     micro_batch_size: int
     dp: int
+    cp: int = 1
+    """Context-parallel ranks per replica: they read the same rows and each takes a share of every row's loss."""
+
+    @property
+    def averaged_over(self) -> int:
+        """The ranks DeepSpeed averages each micro-batch's loss and gradient over: the data axis, ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def grad_accum(self) -> int:
@@ -222,25 +235,30 @@ def pipeline_bubble(pp: int, micro_batches: int) -> float:
     return (pp - 1) / (micro_batches + pp - 1)
 
 
-def data_parallel_degree(dp: Optional[int], tp: int, pp: int, per_node: Optional[int], nodes: int) -> int:
-    """``dp`` of a run whose ``tp x pp`` model ranks are placed on ``nodes`` nodes of ``per_node`` devices
-    (``None``: CPU processes, no device limit); ``dp=None`` fills the devices. Raises :class:`PlanError`
-    naming the key and the fix when the product does not fit."""
-    model_ranks = tp * pp
+def data_parallel_degree(dp: Optional[int], tp: int, pp: int, per_node: Optional[int], nodes: int,
+                         cp: int = 1) -> int:
+    """``dp`` of a run whose ``cp x tp x pp`` ranks per replica are placed on ``nodes`` nodes of ``per_node``
+    devices (``None``: CPU processes, no device limit); ``dp=None`` fills the devices. Raises :class:`PlanError`
+    naming the key and the fix when the product does not fit (the messages name cp only where it is > 1)."""
+    model_ranks = tp * pp * cp
+    names = "cp x tp x pp" if cp > 1 else "tp x pp"
+    values = f"{cp} x {tp} x {pp}" if cp > 1 else f"{tp} x {pp}"
     if per_node is None:  # CPU processes: no device limit; dp defaults to one replica per node
         dp = dp or nodes
         if nodes > 1 and dp * model_ranks % nodes:
-            raise PlanError("parallel.dp", f"dp x tp x pp = {dp * model_ranks} ranks do not spread evenly over "
+            raise PlanError("parallel.dp", f"dp x {names} = {dp * model_ranks} ranks do not spread evenly over "
                             f"launcher.nodes={nodes}")
         return dp
     total = per_node * nodes
     if model_ranks > total:
-        raise PlanError("parallel.tp", f"tp x pp = {tp} x {pp} = {model_ranks} ranks exceed the {total} devices "
-                        f"(launcher.nodes={nodes} x launcher.gpus_per_node={per_node}); lower tp or pp, or add devices")
+        key = "parallel.cp" if cp > 1 else "parallel.tp"
+        raise PlanError(key, f"{names} = {values} = {model_ranks} ranks exceed the {total} devices "
+                        f"(launcher.nodes={nodes} x launcher.gpus_per_node={per_node}); lower "
+                        f"{'cp, ' if cp > 1 else ''}tp or pp, or add devices")
     chosen = dp if dp is not None else total // model_ranks
     world = chosen * model_ranks
     if (world != total) if dp is None else (world > total):
-        raise PlanError("parallel.dp", f"dp x tp x pp = {chosen} x {tp} x {pp} = {world} does not fit the {total} "
+        raise PlanError("parallel.dp", f"dp x {names} = {chosen} x {values} = {world} does not fit the {total} "
                         f"devices (launcher.nodes={nodes} x launcher.gpus_per_node={per_node}); use dp <= "
-                        f"{total // model_ranks}" + ("" if dp is not None else f" and tp x pp dividing {total}"))
+                        f"{total // model_ranks}" + ("" if dp is not None else f" and {names} dividing {total}"))
     return chosen

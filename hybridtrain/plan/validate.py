@@ -15,6 +15,7 @@ from hybridtrain.models.families import padded_vocab, tp_divisible
 from hybridtrain.parallel.dims import ParallelDims, data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
+from hybridtrain.plan.context import check_context_parallel
 from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
@@ -144,14 +145,15 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     # launcher.gpus_per_node counts there.
     here = (machine.gpus_per_node or None) if lau.name == "local" else None
     per_node = lau.gpus_per_node if lau.gpus_per_node is not None else here
-    dp = data_parallel_degree(par.dp, par.tp, par.pp, per_node, lau.nodes)
-    ep = check_expert_parallel(cfg, family, hf_config, dp, zero_stage_for(par.zero_stage, dp, tr.precision))
-    dims = ParallelDims(pp=par.pp, dp=dp, tp=par.tp, ep=ep)  # the one place a run's degrees are put together
-    model_ranks = dims.model_ranks
+    cp = check_context_parallel(cfg, family, hf_config)
+    dp = data_parallel_degree(par.dp, par.tp, par.pp, per_node, lau.nodes, cp)
+    ep = check_expert_parallel(cfg, family, hf_config, dp, zero_stage_for(par.zero_stage, dp * cp, tr.precision))
+    dims = ParallelDims(pp=par.pp, dp=dp, cp=cp, tp=par.tp, ep=ep)  # the one place a run's degrees are put together
+    model_ranks = dims.world // dp  # cp x tp x pp ranks hold one replica's rows
     world = dims.world
     if lau.name != "local" and per_node is not None:  # srun / the runner start one rank per device
         _need(world == per_node * lau.nodes, "launcher.gpus_per_node",
-              f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} ranks but launcher.nodes={lau.nodes} x "
+              f"{dims.formula()} = {world} ranks but launcher.nodes={lau.nodes} x "
               f"launcher.gpus_per_node={per_node} = {per_node * lau.nodes} devices; {lau.name} starts one rank per "
               f"device: use launcher.gpus_per_node={world // lau.nodes if world % lau.nodes == 0 else '?'} or "
               f"parallel.dp={per_node * lau.nodes // model_ranks}")
@@ -166,7 +168,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
                           f"launcher.gpus_per_node a multiple of {par.tp}")
         else:  # an explicit parallel.dp leaves devices idle: the ranks spread evenly, fewer per node
             total = per_node * lau.nodes
-            where = (f"dp x tp x pp = {dp} x {par.tp} x {par.pp} = {world} ranks on launcher.nodes={lau.nodes}, "
+            where = (f"{dims.formula()} = {world} ranks on launcher.nodes={lau.nodes}, "
                      f"though launcher.gpus_per_node={per_node} gives {total} devices")
             fix = (f"parallel.dp={total // model_ranks} (or null: fill the devices) for {per_node} ranks per node"
                    if total % model_ranks == 0 else f"launcher.gpus_per_node a multiple of {par.tp}")
@@ -201,7 +203,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           f"set model.config.vocab_size >= {vocab_size} or leave it unset")
 
     # DeepSpeed limits.
-    zero = zero_stage_for(par.zero_stage, dp, tr.precision)
+    zero = zero_stage_for(par.zero_stage, dims.data, tr.precision)
     _need(0 <= zero <= 3, "parallel.zero_stage", f"must be 0, 1, 2 or 3 (or null), got {zero}")
     _need(par.pp == 1 or zero <= 1, "parallel.zero_stage",
           f"zero_stage={zero} with parallel.pp={par.pp}: DeepSpeed's pipeline engine supports "

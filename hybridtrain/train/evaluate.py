@@ -40,8 +40,8 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
             inputs = tuple(t.to(engine.device) for t in inputs)  # (input_ids, position_ids)
             total += engine(inputs, (labels.to(engine.device), weight.to(engine.device))).float()
     total /= layout.grad_accum
-    if layout.dp > 1:
-        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.dp
+    if layout.averaged_over > 1:
+        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.averaged_over
     return float(total)
 
 

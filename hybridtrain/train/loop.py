@@ -76,8 +76,8 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
             engine.step()
         total += loss.detach().float()
     total /= layout.grad_accum
-    if layout.dp > 1:  # report the global-batch loss, as the pipeline engine does
-        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.dp
+    if layout.averaged_over > 1:  # report the global-batch loss, as the pipeline engine does
+        total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.averaged_over
     return float(total)
 
 

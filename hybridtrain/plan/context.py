@@ -1,0 +1,41 @@
+"""The plan's rules for context parallelism (``parallel.cp``, ``docs/long-context.md``): what the model, the
+data and the layout must satisfy before anything starts, each a :class:`~hybridtrain.errors.PlanError` naming
+the key and the fix. Imports neither torch nor deepspeed."""
+from __future__ import annotations
+
+from typing import Any
+
+from hybridtrain.errors import PlanError
+
+CP_KERNELS = ("sdpa", "eager")
+"""Attention implementations context parallelism runs with (:mod:`hybridtrain.parallel.context_parallel`
+wraps them: the keys and values are gathered, the mask is the full row's restricted to a rank's queries)."""
+
+
+def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
+    """The checked ``parallel.cp`` of a run: each row's ``data.seq_len`` tokens split in ``2 x cp`` equal
+    chunks, an attention kernel the all-gather form wraps, and nothing the axis cannot do yet."""
+    cp = int(cfg.parallel.cp)
+    if cp < 1:
+        raise PlanError("parallel.cp", f"must be >= 1 (1: every rank holds whole rows), got {cp}")
+    if cp == 1:
+        return cp
+    seq = int(cfg.data.seq_len)
+    if seq % (2 * cp):
+        fits = [d for d in range(1, 65) if seq % (2 * d) == 0]
+        raise PlanError("data.seq_len", f"data.seq_len={seq} must be divisible by 2 x parallel.cp = {2 * cp} "
+                        f"(each row is cut into 2 x cp equal chunks, two per rank); use a multiple of {2 * cp}, "
+                        f"or parallel.cp in {fits}")
+    kernel = cfg.model.attn_implementation
+    if kernel not in CP_KERNELS:
+        raise PlanError("model.attn_implementation", f"model.attn_implementation={kernel} with parallel.cp={cp}: "
+                        f"context parallelism runs with {list(CP_KERNELS)} in this version; use "
+                        "model.attn_implementation=sdpa")
+    if kernel == "eager" and getattr(hf_config, "reorder_and_upcast_attn", False):
+        raise PlanError("model.config.reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn bypasses "
+                        f"transformers' attention functions, which parallel.cp={cp} wraps; set it to false or "
+                        "use model.attn_implementation=sdpa")
+    if family.moe is not None:
+        raise PlanError("parallel.cp", f"parallel.cp={cp} with the mixture-of-experts model {family.model_type} is "
+                        "not supported yet (its router statistics would be per chunk); use parallel.cp=1")
+    return cp
