@@ -1,8 +1,10 @@
-"""The tensor-parallel group handle that layers receive explicitly (no module globals)."""
+"""The process-group handles (tensor, expert, context parallel) that layers receive explicitly (no module globals)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from hybridtrain.parallel.context_parallel import chunk_indices
 
 
 @dataclass
@@ -54,3 +56,25 @@ class EPContext:
         assert n % self.size == 0, f"{n} experts do not split over ep={self.size}"
         step = n // self.size
         return self.rank * step, (self.rank + 1) * step
+
+
+@dataclass
+class CPContext:
+    """This rank's context-parallel group (``parallel.cp``): the ranks that split every row's sequence in
+    ``2 x size`` equal chunks, head-tail (rank ``r`` holds chunks ``r`` and ``2 x size - 1 - r``, so causal work
+    is balanced), and all-gather keys and values in attention (:mod:`hybridtrain.parallel.context_parallel`).
+
+    ``rank`` and ``size`` follow from the plan; :attr:`group` is bound when the groups are made
+    (:mod:`hybridtrain.parallel.groups`) and read only in the forward."""
+
+    group: Any = None
+    """``torch.distributed`` group of this rank's context-parallel peers (``None`` until bound, or at cp = 1)."""
+    rank: int = 0
+    """This rank's index in :attr:`group` (``cp_rank``): which two chunks of each row it holds."""
+    size: int = 1
+    """The ``cp`` degree."""
+
+    def indices(self, seq_len: int) -> Any:
+        """The global token indices (int64 ``[seq_len / size]``) of this rank's two chunks of a row of ``seq_len``
+        tokens (:func:`~hybridtrain.parallel.context_parallel.chunk_indices`)."""
+        return chunk_indices(seq_len, self.size, self.rank)
