@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridtrain.parallel.context_parallel import chunk_indices
+import torch
 
 
 @dataclass
@@ -74,7 +74,25 @@ class CPContext:
     size: int = 1
     """The ``cp`` degree."""
 
-    def indices(self, seq_len: int) -> Any:
+    def indices(self, seq_len: int) -> torch.Tensor:
         """The global token indices (int64 ``[seq_len / size]``) of this rank's two chunks of a row of ``seq_len``
-        tokens (:func:`~hybridtrain.parallel.context_parallel.chunk_indices`)."""
+        tokens (:func:`chunk_indices`)."""
         return chunk_indices(seq_len, self.size, self.rank)
+
+
+def chunk_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global token indices (int64 ``[seq_len / cp]``) that cp rank ``rank`` holds of a row of ``seq_len``
+    tokens: chunk ``rank`` then chunk ``2 x cp - 1 - rank`` of ``2 x cp`` equal chunks. ``cp = 1``: ``arange``.
+    Raises ``ValueError`` when ``2 x cp`` does not divide ``seq_len``.
+
+    Re-exported by :mod:`hybridtrain.parallel.context_parallel`; it lives with the handle, as
+    :meth:`TPContext.shard` does, so the attention module imports the handle and not the other way round."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} of cp={cp}: need cp >= 1 and 0 <= rank < cp")
+    if cp == 1:
+        return torch.arange(seq_len)
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} does not split into 2 x cp = {2 * cp} equal chunks; "
+                         f"use a data.seq_len that is a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)  # tokens per chunk
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])

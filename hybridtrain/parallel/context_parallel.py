@@ -18,36 +18,21 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from hybridtrain.parallel.collectives import all_gather_autograd
+from hybridtrain.parallel.context import CPContext, chunk_indices
 
-if TYPE_CHECKING:  # context.py imports this module (CPContext.indices); the type is only named here
-    from hybridtrain.parallel.context import CPContext
+__all__ = ["ATTENTION_NAME", "CPAttention", "chunk_indices", "context_parallel_attention", "cp_attention_mask",
+           "gather_sequence", "register_attention"]
 
 ATTENTION_NAME = "hybridtrain_cp"
 """The name :func:`register_attention` gives :func:`context_parallel_attention` in transformers' registry."""
 
 
-def chunk_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """The global token indices (int64 ``[seq_len / cp]``) that cp rank ``rank`` holds of a row of ``seq_len``
-    tokens: chunk ``rank`` then chunk ``2 x cp - 1 - rank`` of ``2 x cp`` equal chunks. ``cp = 1``: ``arange``.
-
-    Raises ``ValueError`` when ``2 x cp`` does not divide ``seq_len``."""
-    if cp < 1 or not 0 <= rank < cp:
-        raise ValueError(f"cp rank {rank} of cp={cp}: need cp >= 1 and 0 <= rank < cp")
-    if cp == 1:
-        return torch.arange(seq_len)
-    if seq_len % (2 * cp):
-        raise ValueError(f"sequence length {seq_len} does not split into 2 x cp = {2 * cp} equal chunks; "
-                         f"use a data.seq_len that is a multiple of {2 * cp}")
-    c = seq_len // (2 * cp)  # tokens per chunk
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-
-
-def gather_sequence(x: torch.Tensor, cp: "CPContext", dim: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
     """The whole row from every cp rank's local piece: ``x`` is ``[..., S / cp, ...]`` along ``dim`` (this rank's two
     chunks, :func:`chunk_indices`); the result is ``[..., S, ...]`` in global token order. Differentiable: the gradient
     of every gathered token goes back, summed over the ranks that used it, to the rank that holds it
@@ -101,7 +86,7 @@ class CPAttention:
     """What :func:`context_parallel_attention` needs per call, passed as the ``cp_context`` keyword of the model's
     forward (transformers hands unknown keywords down to the attention function)."""
 
-    cp: "CPContext"
+    cp: CPContext
     """This rank's context-parallel group."""
     base: str = "sdpa"
     """The attention that runs on the gathered keys and values: ``"eager"`` (the module's own family function,

@@ -1,7 +1,7 @@
 """Context parallelism without processes (``hybridtrain/parallel/context_parallel.py``): the head-tail layout, and the
 cp mask against transformers' own full-row masks (``create_causal_mask`` / ``create_sliding_window_causal_mask``),
 row by row, for every cp rank, packed rows with documents that cross chunk boundaries included. The attention itself
-at cp > 1 is checked against one process in ``tests/dist/test_context_parallel.py``."""
+at cp > 1 is checked against one process in ``tests/dist/test_cp_attention.py``."""
 from __future__ import annotations
 
 import copy
