@@ -25,7 +25,7 @@ import torch
 from hybridtrain.parallel.collectives import all_gather_autograd
 from hybridtrain.parallel.context import CPContext, chunk_indices
 
-__all__ = ["ATTENTION_NAME", "CPAttention", "chunk_indices", "context_parallel_attention", "cp_attention_mask",
+__all__ = ["ATTENTION_NAME", "BASES", "CPAttention", "chunk_indices", "context_parallel_attention", "cp_attention_mask",
            "gather_sequence", "register_attention"]
 
 ATTENTION_NAME = "hybridtrain_cp"
@@ -89,14 +89,21 @@ class CPAttention:
     cp: CPContext
     """This rank's context-parallel group."""
     base: str = "sdpa"
-    """The attention that runs on the gathered keys and values: ``"eager"`` (the module's own family function,
-    soft-capping and all) or a name in transformers' ``ALL_ATTENTION_FUNCTIONS`` (``"sdpa"``)."""
+    """The attention that runs on the gathered keys and values (:data:`BASES`): ``"sdpa"`` (transformers' function)
+    or ``"eager"`` (the module's own family function, soft-capping and all)."""
     position_ids: Optional[torch.Tensor] = None
     """The full rows' position ids ``[B, S]`` (what packing writes: 0 at each document's start); ``None``: one
     document per row (``arange(S)``)."""
 
 
+BASES = ("sdpa", "eager")
+"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: those that take the
+dense ``[B, 1, Sq, S]`` mask (flash and flex attention take padding masks or block masks, not this one)."""
+
+
 def _base_function(module: torch.nn.Module, base: str):
+    if base not in BASES:
+        raise ValueError(f"cp attention base {base!r}: use one of {BASES} (the kernels that take a dense mask)")
     if base == "eager":
         # Families differ in eager attention (Gemma 2's soft-capping, ...): take the one of the module's own
         # modeling file, the function its forward falls back to.
@@ -106,10 +113,7 @@ def _base_function(module: torch.nn.Module, base: str):
         return family.eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if base == ATTENTION_NAME or base not in ALL_ATTENTION_FUNCTIONS:
-        raise ValueError(f"cp attention base {base!r}: use 'eager' or one of {sorted(ALL_ATTENTION_FUNCTIONS)} "
-                         f"other than {ATTENTION_NAME!r}")
-    return ALL_ATTENTION_FUNCTIONS[base]
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
 def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -130,21 +134,25 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
                          f"attention_mask of shape {tuple(attention_mask.shape)} (pass attention_mask=None)")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{ATTENTION_NAME} attention is causal only; {type(module).__name__} is not")
+    base = _base_function(module, ctx.base)  # before the collective: a bad name fails on every rank alike
     cp = ctx.cp
     batch, local = query.shape[0], query.shape[2]
     seq = local * cp.size
-    key = gather_sequence(key, cp, dim=2)  # [B, Hkv, S, D]
-    value = gather_sequence(value, cp, dim=2)  # [B, Hkv, S, D]
     positions = ctx.position_ids
     if positions is None:
         positions = torch.arange(seq, device=query.device).expand(batch, seq)  # [B, S]
     elif positions.shape[-1] != seq:
         raise ValueError(f"cp_context.position_ids cover {positions.shape[-1]} tokens; the row has cp x S/cp = {seq}")
     positions = positions.to(query.device).expand(batch, seq)
+    key = gather_sequence(key, cp, dim=2)  # [B, Hkv, S, D]
+    value = gather_sequence(value, cp, dim=2)  # [B, Hkv, S, D]
+    # The layer's window as the families hand it to flash attention (Mistral from the config, Qwen 2 and Gemma 2
+    # per layer, None on full layers); the module attribute for a family that does not pass it.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    # Built per call (per layer): [B, S/cp, S] index comparisons, small next to the attention's own [B, H, S/cp, S].
     mask = cp_attention_mask(positions, cp.indices(seq).to(query.device), window, query.dtype,
                              additive=ctx.base == "eager")  # [B, 1, S/cp, S]
-    return _base_function(module, ctx.base)(module, query, key, value, mask, **kwargs)
+    return base(module, query, key, value, mask, **kwargs)
 
 
 def register_attention() -> str:

@@ -118,8 +118,9 @@ def test_attention_errors_name_the_fix():
         context_parallel_attention(attn, q, k, v, None)
     with pytest.raises(ValueError, match="attention_mask=None"):
         context_parallel_attention(attn, q, k, v, torch.ones(1, 1, 4, 4), cp_context=CPAttention(CPContext()))
-    with pytest.raises(ValueError, match="use 'eager' or one of"):
-        context_parallel_attention(attn, q, k, v, None, cp_context=CPAttention(CPContext(), "hybridtrain_cp"))
+    for base in ("hybridtrain_cp", "flash_attention_2"):
+        with pytest.raises(ValueError, match=r"use one of \('sdpa', 'eager'\)"):
+            context_parallel_attention(attn, q, k, v, None, cp_context=CPAttention(CPContext(), base))
     with pytest.raises(ValueError, match="position_ids cover 8"):
         context_parallel_attention(attn, q, k, v, None,
                                    cp_context=CPAttention(CPContext(), "sdpa", torch.arange(8)[None]))
