@@ -123,3 +123,39 @@ def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[i
     """Send ``rows`` ``[sum(in_splits), ...]`` (``in_splits[j]`` rows to rank ``j`` of ``group``, in rank order)
     and receive ``[sum(out_splits), ...]``; autograd sends the gradients back (:class:`_AllToAll`)."""
     return _AllToAll.apply(rows, list(out_splits), list(in_splits), group)
+
+
+class _AllGather(torch.autograd.Function):
+    """``all_gather`` of equal tensors, differentiable: the backward reduce-scatters the gradients of the
+    gathered copies, so each rank gets the sum of every rank's gradient of its own piece.
+
+    Written here because torch's autograd wrapper (``torch.distributed.nn.functional.all_gather``) is
+    deprecated in torch 2.13 (a ``FutureWarning`` per call) and, on gloo, its backward emulates the
+    reduce-scatter with one ``dist.scatter`` per member passing the *group* rank as the *global* source:
+    on a group that is not ranks ``0..n-1`` (a cp group at tp > 1) it raises "Global rank 1 is not part of
+    group". Gloo runs the list ``reduce_scatter`` itself since torch 2.x (checked on 2.13, on a subgroup),
+    so one backward serves gloo and NCCL."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.contiguous() for g in grads]
+        mine = torch.empty_like(grads[0])
+        dist.reduce_scatter(mine, grads, group=ctx.group)
+        return mine, None
+
+
+def all_gather_autograd(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank of ``group``) in group-rank order, on its own device
+    (activations already live on the communication device); the backward sums the gradients back to the
+    owner (:class:`_AllGather`). A group of one returns ``[tensor]``."""
+    if _world(group) == 1:
+        return [tensor]
+    return list(_AllGather.apply(tensor, group))

@@ -1,8 +1,10 @@
-"""The tensor-parallel group handle that layers receive explicitly (no module globals)."""
+"""The process-group handles (tensor, expert, context parallel) that layers receive explicitly (no module globals)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -54,3 +56,43 @@ class EPContext:
         assert n % self.size == 0, f"{n} experts do not split over ep={self.size}"
         step = n // self.size
         return self.rank * step, (self.rank + 1) * step
+
+
+@dataclass
+class CPContext:
+    """This rank's context-parallel group (``parallel.cp``): the ranks that split every row's sequence in
+    ``2 x size`` equal chunks, head-tail (rank ``r`` holds chunks ``r`` and ``2 x size - 1 - r``, so causal work
+    is balanced), and all-gather keys and values in attention (:mod:`hybridtrain.parallel.context_parallel`).
+
+    ``rank`` and ``size`` follow from the plan; :attr:`group` is bound when the groups are made
+    (:mod:`hybridtrain.parallel.groups`) and read only in the forward."""
+
+    group: Any = None
+    """``torch.distributed`` group of this rank's context-parallel peers (``None`` until bound, or at cp = 1)."""
+    rank: int = 0
+    """This rank's index in :attr:`group` (``cp_rank``): which two chunks of each row it holds."""
+    size: int = 1
+    """The ``cp`` degree."""
+
+    def indices(self, seq_len: int) -> torch.Tensor:
+        """The global token indices (int64 ``[seq_len / size]``) of this rank's two chunks of a row of ``seq_len``
+        tokens (:func:`chunk_indices`)."""
+        return chunk_indices(seq_len, self.size, self.rank)
+
+
+def chunk_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global token indices (int64 ``[seq_len / cp]``) that cp rank ``rank`` holds of a row of ``seq_len``
+    tokens: chunk ``rank`` then chunk ``2 x cp - 1 - rank`` of ``2 x cp`` equal chunks. ``cp = 1``: ``arange``.
+    Raises ``ValueError`` when ``2 x cp`` does not divide ``seq_len``.
+
+    Re-exported by :mod:`hybridtrain.parallel.context_parallel`; it lives with the handle, as
+    :meth:`TPContext.shard` does, so the attention module imports the handle and not the other way round."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} of cp={cp}: need cp >= 1 and 0 <= rank < cp")
+    if cp == 1:
+        return torch.arange(seq_len)
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} does not split into 2 x cp = {2 * cp} equal chunks; "
+                         f"use a data.seq_len that is a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)  # tokens per chunk
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])

@@ -1,0 +1,170 @@
+"""Context parallelism's attention, the all-gather-KV form (Llama 3, Megatron's ``all_gather`` mode, torchtitan).
+
+Each row's ``S`` tokens are cut into ``2 x cp`` equal chunks and rank ``r`` of the cp group holds chunks ``r`` and
+``2 x cp - 1 - r`` (head-tail: under a causal mask every rank then has the same work). In attention each rank keeps
+the queries of its own tokens, all-gathers the keys and values of the whole row from its cp peers (the backward
+sums their gradients back to the owner), and masks by *global* token index: the mask transformers would build for
+the full row, restricted to this rank's query rows. Everything outside attention is token-wise and runs on the
+local tokens unchanged; the rotary embedding only needs the local tokens' position ids.
+
+The HF attention modules stay as they are: :func:`register_attention` adds :func:`context_parallel_attention` to
+transformers' ``AttentionInterface``, a model selects it with ``config._attn_implementation``, and the cp group comes
+per call through the ``cp_context`` keyword (a :class:`CPAttention`).
+
+The mask is dense (``[B, 1, S / cp, S]``), as transformers' sdpa and eager masks are; a kernel taking document
+boundaries (flash varlen, flex) is the way past it at long context.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hybridtrain.parallel.collectives import all_gather_autograd
+from hybridtrain.parallel.context import CPContext, chunk_indices
+
+__all__ = ["ATTENTION_NAME", "BASES", "CPAttention", "chunk_indices", "context_parallel_attention", "cp_attention_mask",
+           "gather_sequence", "register_attention"]
+
+ATTENTION_NAME = "hybridtrain_cp"
+"""The name :func:`register_attention` gives :func:`context_parallel_attention` in transformers' registry."""
+
+
+def gather_sequence(x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
+    """The whole row from every cp rank's local piece: ``x`` is ``[..., S / cp, ...]`` along ``dim`` (this rank's two
+    chunks, :func:`chunk_indices`); the result is ``[..., S, ...]`` in global token order. Differentiable: the gradient
+    of every gathered token goes back, summed over the ranks that used it, to the rank that holds it
+    (:func:`~hybridtrain.parallel.collectives.all_gather_autograd`). ``cp.size == 1``: ``x`` itself."""
+    if cp.size == 1:
+        return x
+    pieces = all_gather_autograd(x, cp.group)  # cp x [..., S/cp, ...], group-rank order
+    halves = [p.chunk(2, dim=dim) for p in pieces]  # rank r: (chunk r, chunk 2cp-1-r), each [..., S/(2cp), ...]
+    # Chunks 0..cp-1 are the ranks' first halves in rank order, chunks cp..2cp-1 their second halves in reverse.
+    ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
+    return torch.cat(ordered, dim=dim)  # [..., S, ...]
+
+
+def cp_attention_mask(positions: torch.Tensor, q_index: torch.Tensor, sliding_window: Optional[int],
+                      dtype: torch.dtype, additive: bool) -> torch.Tensor:
+    """The mask transformers builds for the full row, restricted to this rank's query rows: ``[B, 1, Sq, S]``.
+
+    ``positions``: the full rows' position ids ``[B, S]`` (restarting at 0 at each packed document);
+    ``q_index``: the global indices ``[Sq]`` of this rank's queries; ``sliding_window``: the layer's window (``None``:
+    full causal). Boolean (True = attend, for sdpa), or additive ``0`` / ``finfo(dtype).min`` (for eager).
+
+    Composed from ``transformers.masking_utils`` as ``create_causal_mask`` / ``create_sliding_window_causal_mask``
+    compose it in 5.24 (causal or sliding-window causal; when any row is packed, indices remapped to position ids
+    and intersected with the packed-sequence mask of ``find_packed_sequence_indices``), then evaluated by
+    broadcasting index tensors as ``sdpa_mask``'s non-vmap path does, with the query indices ``q_index`` instead of
+    ``arange(S)``: only the rows this rank needs are ever built."""
+    from transformers import masking_utils as mu
+
+    batch, seq = positions.shape
+    device = positions.device
+    if sliding_window is None:
+        mask_function = mu.causal_mask_function
+    else:
+        mask_function = mu.sliding_window_causal_mask_function(sliding_window)
+    packed = mu.find_packed_sequence_indices(positions)  # [B, S] document ids, None when no row is packed
+    if packed is not None:
+        mask_function = mu.remap_positions_for_packed_sequence(mask_function, positions)
+        mask_function = mu.and_masks(mask_function, mu.packed_sequence_mask_function(packed))
+    b = torch.arange(batch, device=device)[:, None, None, None]  # [B, 1, 1, 1]
+    h = torch.arange(1, device=device)[None, :, None, None]  # [1, 1, 1, 1]
+    q = q_index.to(device)[None, None, :, None]  # [1, 1, Sq, 1]
+    kv = torch.arange(seq, device=device)[None, None, None, :]  # [1, 1, 1, S]
+    mask = mask_function(b, h, q, kv).expand(batch, 1, q_index.numel(), seq)  # [B, 1, Sq, S] bool
+    if additive:  # as transformers' eager_mask turns the boolean mask into a bias
+        return torch.where(mask, torch.zeros((), device=device, dtype=dtype), torch.finfo(dtype).min)
+    return mask
+
+
+@dataclass
+class CPAttention:
+    """What :func:`context_parallel_attention` needs per call, passed as the ``cp_context`` keyword of the model's
+    forward (transformers hands unknown keywords down to the attention function)."""
+
+    cp: CPContext
+    """This rank's context-parallel group."""
+    base: str = "sdpa"
+    """The attention that runs on the gathered keys and values (:data:`BASES`): ``"sdpa"`` (transformers' function)
+    or ``"eager"`` (the module's own family function, soft-capping and all)."""
+    position_ids: Optional[torch.Tensor] = None
+    """The full rows' position ids ``[B, S]`` (what packing writes: 0 at each document's start); ``None``: one
+    document per row (``arange(S)``)."""
+
+
+BASES = ("sdpa", "eager")
+"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: those that take the
+dense ``[B, 1, Sq, S]`` mask (flash and flex attention take padding masks or block masks, not this one)."""
+
+
+def _base_function(module: torch.nn.Module, base: str):
+    if base not in BASES:
+        raise ValueError(f"cp attention base {base!r}: use one of {BASES} (the kernels that take a dense mask)")
+    if base == "eager":
+        # Families differ in eager attention (Gemma 2's soft-capping, ...): take the one of the module's own
+        # modeling file, the function its forward falls back to.
+        family = sys.modules[type(module).__module__]
+        if not hasattr(family, "eager_attention_forward"):
+            raise ValueError(f"{type(module).__module__} defines no eager_attention_forward; use base='sdpa'")
+        return family.eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' attention-function signature over this rank's tokens: ``query`` ``[B, H, S/cp, D]``, ``key`` and
+    ``value`` ``[B, Hkv, S/cp, D]`` (grouped-query heads are repeated inside the base function). Gathers the row's keys
+    and values over the cp group, builds the global-index mask (:func:`cp_attention_mask`) and runs the base
+    attention (``kwargs["cp_context"]``, a :class:`CPAttention`); returns its ``(output [B, S/cp, H, D], weights)``.
+
+    ``attention_mask`` must be ``None``: transformers' mask builders return ``None`` for an implementation they do not
+    know, and a padding mask has no meaning here (rows are packed; documents are told apart by position ids)."""
+    ctx: Optional[CPAttention] = kwargs.pop("cp_context", None)
+    if not isinstance(ctx, CPAttention):
+        raise ValueError(f"{ATTENTION_NAME} attention needs the keyword cp_context=CPAttention(...) in the model's "
+                         f"forward, got {type(ctx).__name__}")
+    if attention_mask is not None:
+        raise ValueError(f"{ATTENTION_NAME} attention builds its own mask from cp_context.position_ids; got an "
+                         f"attention_mask of shape {tuple(attention_mask.shape)} (pass attention_mask=None)")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{ATTENTION_NAME} attention is causal only; {type(module).__name__} is not")
+    base = _base_function(module, ctx.base)  # before the collective: a bad name fails on every rank alike
+    cp = ctx.cp
+    batch, local = query.shape[0], query.shape[2]
+    seq = local * cp.size
+    positions = ctx.position_ids
+    if positions is None:
+        positions = torch.arange(seq, device=query.device).expand(batch, seq)  # [B, S]
+    elif positions.shape[-1] != seq:
+        raise ValueError(f"cp_context.position_ids cover {positions.shape[-1]} tokens; the row has cp x S/cp = {seq}")
+    positions = positions.to(query.device).expand(batch, seq)
+    key = gather_sequence(key, cp, dim=2)  # [B, Hkv, S, D]
+    value = gather_sequence(value, cp, dim=2)  # [B, Hkv, S, D]
+    # The layer's window as the families hand it to flash attention (Mistral from the config, Qwen 2 and Gemma 2
+    # per layer, None on full layers); the module attribute for a family that does not pass it.
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    # Built per call (per layer): [B, S/cp, S] index comparisons, small next to the attention's own [B, H, S/cp, S].
+    mask = cp_attention_mask(positions, cp.indices(seq).to(query.device), window, query.dtype,
+                             additive=ctx.base == "eager")  # [B, 1, S/cp, S]
+    return base(module, query, key, value, mask, **kwargs)
+
+
+def register_attention() -> str:
+    """Add :func:`context_parallel_attention` to transformers' ``AttentionInterface`` as ``"hybridtrain_cp"`` (once;
+    calling again changes nothing) and return that name, the value for ``config._attn_implementation``.
+
+    A registry entry because it is transformers' extension point: every attention module looks its function up by
+    ``config._attn_implementation`` at call time, so the HF modules run unchanged. The entry holds no state; the
+    group and the row's position ids come with each call (``cp_context``)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ALL_ATTENTION_FUNCTIONS.get(ATTENTION_NAME) is not context_parallel_attention:
+        AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,126 @@
+"""Context parallelism without processes (``hybridtrain/parallel/context_parallel.py``): the head-tail layout, and the
+cp mask against transformers' own full-row masks (``create_causal_mask`` / ``create_sliding_window_causal_mask``),
+row by row, for every cp rank, packed rows with documents that cross chunk boundaries included. The attention itself
+at cp > 1 is checked against one process in ``tests/dist/test_cp_attention.py``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridtrain.parallel.context import CPContext
+from hybridtrain.parallel.context_parallel import (CPAttention, chunk_indices, context_parallel_attention,
+                                                   cp_attention_mask, gather_sequence, register_attention)
+
+S = 16
+
+
+POSITIONS = {
+    "unpacked": torch.arange(S).expand(2, S),
+    # documents of 5, 7, 4 and 3, 9, 4 tokens: boundaries inside the chunks of cp = 2 (4 tokens) and cp = 4 (2 tokens)
+    "packed": torch.tensor([list(range(5)) + list(range(7)) + list(range(4)),
+                            list(range(3)) + list(range(9)) + list(range(4))]),
+    # row 0 starts inside a document (positions 3..), row 1 is one document: the batch is still "packed"
+    "packed_tail": torch.tensor([list(range(3, 9)) + list(range(10)), list(range(S))]),
+}
+
+
+def test_chunk_indices_are_head_tail():
+    assert chunk_indices(8, 1, 0).tolist() == list(range(8))
+    assert [chunk_indices(16, 2, r).tolist() for r in range(2)] == [[0, 1, 2, 3, 12, 13, 14, 15],
+                                                                   [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert [chunk_indices(16, 4, r).tolist() for r in range(4)] == [[0, 1, 14, 15], [2, 3, 12, 13],
+                                                                   [4, 5, 10, 11], [6, 7, 8, 9]]
+    for cp in (1, 2, 4):  # the ranks' chunks cover the row once
+        assert sorted(torch.cat([chunk_indices(S, cp, r) for r in range(cp)]).tolist()) == list(range(S))
+    assert chunk_indices(16, 2, 0).dtype == torch.int64
+    assert CPContext(rank=1, size=4).indices(16).tolist() == [2, 3, 12, 13]
+
+
+@pytest.mark.parametrize("seq_len, cp, rank", [(12, 4, 0), (6, 2, 1), (16, 2, 2), (16, 0, 0)])
+def test_chunk_indices_errors(seq_len, cp, rank):
+    with pytest.raises(ValueError, match="cp"):
+        chunk_indices(seq_len, cp, rank)
+
+
+def _hf_mask(kind: str, impl: str, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' own ``[B, 1, S, S]`` mask of the full rows, as booleans (True = attend)."""
+    from transformers import LlamaConfig, MistralConfig
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    common = dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, attn_implementation=impl)
+    if kind == "causal":
+        config, build = LlamaConfig(**common), create_causal_mask
+    else:
+        config, build = MistralConfig(sliding_window=3, **common), create_sliding_window_causal_mask
+    embeds = torch.zeros(positions.shape[0], S, 8, dtype=torch.float64)
+    mask = build(config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
+                 allow_is_causal_skip=False)
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+@pytest.mark.parametrize("rows", list(POSITIONS))
+@pytest.mark.parametrize("kind", ["causal", "sliding"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_cp_mask_is_transformers_rows(impl, kind, rows):
+    positions = POSITIONS[rows]
+    want = _hf_mask(kind, impl, positions)  # [B, 1, S, S]
+    window = 3 if kind == "sliding" else None
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            idx = chunk_indices(S, cp, rank)
+            got = cp_attention_mask(positions, idx, window, torch.float64, additive=impl == "eager")
+            assert got.shape == (2, 1, S // cp, S)
+            got = got if impl == "sdpa" else got == 0
+            assert torch.equal(got, want[:, :, idx]), f"cp={cp} rank {rank}"
+
+
+def test_additive_mask_uses_the_dtype_minimum():
+    mask = cp_attention_mask(torch.arange(4).expand(1, 4), torch.arange(4), None, torch.float64, additive=True)
+    assert mask.dtype == torch.float64 and mask[0, 0, 0, 1] == torch.finfo(torch.float64).min and mask[0, 0, 1, 0] == 0
+
+
+def _llama_attention():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                         max_position_embeddings=S, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return config, LlamaAttention(config, 0).double(), LlamaRotaryEmbedding(config).double()
+
+
+def test_cp1_attention_equals_the_module_and_registers_once():
+    """At cp = 1 (no group) the registered function is transformers' sdpa under transformers' own packed mask."""
+    from transformers.masking_utils import create_causal_mask
+
+    config, attn, rotary = _llama_attention()
+    positions = POSITIONS["packed"]
+    x = torch.randn(2, S, 16, dtype=torch.float64)
+    rope = rotary(x, position_ids=positions)
+    mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+    want, _ = attn(x, position_embeddings=rope, attention_mask=mask)
+    assert register_attention() == register_attention() == "hybridtrain_cp"
+    cp_attn = copy.deepcopy(attn)
+    cp_attn.config = copy.deepcopy(config)
+    cp_attn.config._attn_implementation = register_attention()
+    got, _ = cp_attn(x, position_embeddings=rope, attention_mask=None,
+                     cp_context=CPAttention(CPContext(), "sdpa", positions))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert gather_sequence(x, CPContext(), dim=1) is x
+
+
+def test_attention_errors_name_the_fix():
+    _, attn, _ = _llama_attention()
+    q = k = v = torch.zeros(1, 2, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cp_context=CPAttention"):
+        context_parallel_attention(attn, q, k, v, None)
+    with pytest.raises(ValueError, match="attention_mask=None"):
+        context_parallel_attention(attn, q, k, v, torch.ones(1, 1, 4, 4), cp_context=CPAttention(CPContext()))
+    for base in ("hybridtrain_cp", "flash_attention_2"):
+        with pytest.raises(ValueError, match=r"use one of \('sdpa', 'eager'\)"):
+            context_parallel_attention(attn, q, k, v, None, cp_context=CPAttention(CPContext(), base))
+    with pytest.raises(ValueError, match="position_ids cover 8"):
+        context_parallel_attention(attn, q, k, v, None,
+                                   cp_context=CPAttention(CPContext(), "sdpa", torch.arange(8)[None]))
