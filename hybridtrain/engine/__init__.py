@@ -57,7 +57,9 @@ def ds_config(cfg: Config, plan: Plan, trainable: int | None = None) -> dict[str
     # torch.optim.AdamW through DeepSpeed's torch_adam (engine.py get_optimizer_configuration passes the
     # params on, "fused" included): optim.fused, torch's fused kernel on CUDA and CPU alike.
     conf: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_size,
+        # DeepSpeed counts micro x accumulation x its data axis (dp x cp); the cp ranks of a replica share the
+        # same rows (each its chunks of them), so its "samples" are cp times the global batch
+        "train_batch_size": plan.global_batch_size * plan.dims.cp,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
         # ZeRO-0 in fp32: hybridtrain clips itself (DeepSpeed's norm is wrong there, engine/clip.py)
@@ -236,23 +238,25 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     from hybridtrain.models.stages import sequential_model
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.models.moe import loss_of
-    from hybridtrain.parallel.context import EPContext, TPContext
+    from hybridtrain.parallel.context import CPContext, EPContext, TPContext
     from hybridtrain.parallel.groups import pipeline_groups, sequential_groups
     from hybridtrain.parallel.layers import VocabParallelLoss
 
     dims = plan.dims
     tp = TPContext()
-    ep = EPContext(rank=dims.expert_rank(torch.distributed.get_rank()), size=dims.ep)  # group bound with the groups
-    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir, ep)
-    loss_fn = loss_of(VocabParallelLoss(plan.padded_vocab_size, tp), builder.family, hf_config)  # + MoE aux term
+    rank = torch.distributed.get_rank()
+    ep = EPContext(rank=dims.expert_rank(rank), size=dims.ep)  # groups bound with the groups
+    cp = CPContext(rank=dims.coords(rank).cp, size=dims.cp)
+    builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir, ep, cp)
+    loss_fn = loss_of(VocabParallelLoss(plan.padded_vocab_size, tp, cp), builder.family, hf_config)  # + MoE aux term
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.dims.pp > 1:
             model = HybridPipelineModule(layers=layer_specs(builder), dims=dims, loss_fn=loss_fn,
                                          tp=tp, stage_bounds=plan.stage_bounds)
-            groups, mpu = pipeline_groups(dims, model, tp, ep), None  # the pipeline engine takes its grid from the module
+            groups, mpu = pipeline_groups(dims, model, tp, ep, cp), None  # the pipeline engine takes its grid from the module
         else:
-            groups = sequential_groups(dims, tp, ep)  # before the layers are built: they read the TP group
+            groups = sequential_groups(dims, tp, ep, cp)  # before the layers are built: they read the TP group
             partition = None
             if plan.zero_stage == 3 and builder.lora is None:  # LoRA: DeepSpeed partitions the frozen model whole
                 partition = zero3_partitioner(ds_config(cfg, plan), groups, plan.precision)

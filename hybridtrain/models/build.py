@@ -22,7 +22,7 @@ from hybridtrain.models.families import Family, TPRule, fused_sizes
 from hybridtrain.models.hf_model import meta_model
 from hybridtrain.models.lora import LORA_A, LORA_B, LoraSpec, lora_spec, peft_name
 from hybridtrain.models.seeded_init import Keep, init_unit, unit_seed
-from hybridtrain.parallel.context import EPContext, TPContext
+from hybridtrain.parallel.context import CPContext, EPContext, TPContext
 from hybridtrain.parallel.layers import copy_to_tp
 from hybridtrain.parallel.slicing import Fused, local_part
 
@@ -49,6 +49,11 @@ class ModelBuilder:
     or a checkpoint's ``adapter/``), or ``None`` for fresh ones (seeded ``A``, zero ``B``)."""
     ep: EPContext = field(default_factory=EPContext)
     """This rank's expert-parallel slice and group (``parallel.ep``; size 1: every expert here)."""
+    cp: CPContext = field(default_factory=CPContext)
+    """This rank's context-parallel chunks and group (``parallel.cp``; size 1: whole rows)."""
+    cp_base: str = "sdpa"
+    """At cp > 1: the attention implementation the context-parallel attention runs on the gathered keys and
+    values (the run's ``model.attn_implementation``; the config itself then names ``hybridtrain_cp``)."""
     packed: bool = True
     """Whether rows may hold several records (``data.packing=documents``: position ids restart inside a row).
     False lets the blocks skip the test for restarts, a GPU-to-CPU sync per stage and micro-batch (transformers'
@@ -59,16 +64,25 @@ class ModelBuilder:
 
     @classmethod
     def for_run(cls, cfg, hf_config, tp: TPContext, padded_vocab: int, weights_dir: str | None = None,
-                adapter_dir: str | None = None, ep: EPContext | None = None) -> "ModelBuilder":
+                adapter_dir: str | None = None, ep: EPContext | None = None,
+                cp: CPContext | None = None) -> "ModelBuilder":
         """The builder of a run's rank: weights from ``weights_dir`` (HF names, e.g. a checkpoint's
         ``hf/``), else from ``model.pretrained``, else the seeded initialisation (``trainer.seed``); LoRA
         adapters (``finetune.method=lora``) from ``adapter_dir`` (a checkpoint's ``adapter/``), else from
-        ``finetune.lora.init_from``, else fresh."""
+        ``finetune.lora.init_from``, else fresh. At cp > 1 the attention modules of ``hf_config`` are switched to
+        the context-parallel attention (:func:`~hybridtrain.parallel.context_parallel.register_attention`), which
+        runs the configured implementation on the gathered keys and values."""
         from hybridtrain.config.choices import Packing
         from hybridtrain.models.families import family_of
         from hybridtrain.models.weights import SafetensorsWeights, checkpoint_renames
 
         folder = weights_dir or cfg.model.pretrained
+        cp = cp or CPContext()
+        cp_base = hf_config._attn_implementation
+        if cp.size > 1:  # before the modules exist: every attention module looks its function up by this name
+            from hybridtrain.parallel.context_parallel import register_attention
+
+            hf_config._attn_implementation = register_attention()
         family, hf_model = family_of(cfg.model), meta_model(hf_config)
         renames = checkpoint_renames(family.model_type) if family.moe is not None else ()  # Mixtral's legacy names
         weights = SafetensorsWeights(folder, renames).for_model(hf_model) if folder is not None else None
@@ -80,7 +94,7 @@ class ModelBuilder:
         return cls(family=family, hf_config=hf_config, hf_model=hf_model,
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
-                   lora=lora, adapter=adapter, ep=ep or EPContext(),
+                   lora=lora, adapter=adapter, ep=ep or EPContext(), cp=cp, cp_base=cp_base,
                    packed=Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents)
 
     @property

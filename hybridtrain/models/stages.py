@@ -23,6 +23,7 @@ from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
+from hybridtrain.parallel.context import CPContext
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
 from hybridtrain.parallel.slicing import Split
 
@@ -50,6 +51,7 @@ class TokenEmbedding(VocabParallelEmbedding):
                      if family.embed_dropout and not family.position_embed else None)
         self.hf_name = family.checkpoint_name(f"{family.embed}.weight")
         self.aux = (family, hf) if moe.carries_aux(family, hf) else None
+        self.cp = builder.cp
 
     def hf_params(self, include_replicas: bool = False):
         if not include_replicas and getattr(self.weight, "ds_pipe_replicated", False):  # tied copy, last stage
@@ -62,7 +64,9 @@ class TokenEmbedding(VocabParallelEmbedding):
         ``[B, S, V_pad/tp]`` (with the carried ``(P, C)`` after them)."""
         if as_head:
             return _with_sums(super().forward(x[0], True), x)
-        input_ids, positions = x
+        input_ids, positions = x  # [B, S], [B, S]: the whole rows (at cp > 1 the position ids stay whole)
+        if self.cp.size > 1:  # this rank's two chunks of every row from here on: [B, S / cp]
+            input_ids = input_ids[:, self.cp.indices(input_ids.shape[1]).to(input_ids.device)]
         out = super().forward(input_ids, False)
         out = self.drop(out) if self.drop is not None else out
         if self.aux is None:
@@ -95,13 +99,15 @@ class PositionEmbedding(nn.Module):
         self.wpe = builder.materialize(family.position_embed)
         self.drop = nn.Dropout(float(getattr(builder.hf_config, family.embed_dropout)) if family.embed_dropout else 0.0)
         self.hf_name = f"{family.position_embed}.weight"
+        self.cp = builder.cp
 
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.wpe.weight, Split())]
 
     def forward(self, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, positions, *sums = x  # [B, S, H], [B, S]: each record of a packed row starts at position 0
-        return self.drop(hidden + self.wpe(positions)), positions, *sums
+        local = positions if self.cp.size == 1 else positions[:, self.cp.indices(positions.shape[1]).to(positions.device)]
+        return self.drop(hidden + self.wpe(local)), positions, *sums
 
 
 class BlockInputs:
@@ -120,8 +126,10 @@ class BlockInputs:
     module (which moves and casts with it), and the first block to meet a micro-batch lends it.
     """
 
-    def __init__(self, hf_config, packed: bool = True):
+    def __init__(self, hf_config, packed: bool = True, cp: CPContext | None = None, cp_base: str = "sdpa"):
         self.hf_config = hf_config
+        self.cp = cp or CPContext()  # size > 1: hidden holds this rank's chunks, the position ids whole rows
+        self.cp_base = cp_base
         self.flash = hf_config._attn_implementation == "flash_attention_2"
         self.packed = packed  # False: rows hold one sequence each, so the restart tests (host syncs) are skipped
         self._made: dict[bool, tuple] = {}  # sliding -> (key, position ids, (args, cos_sin))
@@ -130,11 +138,12 @@ class BlockInputs:
     def shared(cls, builder: ModelBuilder) -> "BlockInputs":
         """This rank's instance (the blocks of a stage are built from one builder)."""
         if cls.__name__ not in builder.stage_shared:
-            builder.stage_shared[cls.__name__] = cls(builder.hf_config, builder.packed)
+            builder.stage_shared[cls.__name__] = cls(builder.hf_config, builder.packed, builder.cp, builder.cp_base)
         return builder.stage_shared[cls.__name__]
 
     def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
-        """``(attention kwargs, (cos, sin) or None)`` for ``hidden [B, S, H]`` at position ids ``pos [B, S]``."""
+        """``(attention kwargs, (cos, sin) or None, local position ids)`` for ``hidden [B, S, H]`` (at cp > 1 this
+        rank's ``[B, S / cp, H]``) at the rows' position ids ``pos [B, S]``."""
         key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
         made = self._made.get(sliding)
         if made is None or made[0] != key or made[1] is not pos:  # the reference keeps pos's id from reuse
@@ -142,6 +151,8 @@ class BlockInputs:
         return made[2]
 
     def _make(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+        if self.cp.size > 1:
+            return self._make_cp(hidden, pos, rotary)
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         with torch.no_grad():
@@ -161,7 +172,23 @@ class BlockInputs:
                 args = {"attention_mask": make(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
                                                cache=None, position_ids=pos if self.packed else None)}
             cos_sin = rotary(hidden, position_ids=pos) if rotary is not None else None
-        return args, cos_sin
+        return args, cos_sin, pos
+
+    def _make_cp(self, hidden: torch.Tensor, pos: torch.Tensor, rotary: nn.Module | None) -> tuple:
+        """Context parallelism: the attention gathers the keys and values and masks by global token index from
+        the whole rows' position ids (:class:`~hybridtrain.parallel.context_parallel.CPAttention`); the rotary
+        table is made for the whole rows and cut to this rank's tokens, so scaled variants that read the row's
+        largest position (dynamic, LongRoPE) pick what one process would."""
+        from hybridtrain.parallel.context_parallel import CPAttention
+
+        idx = self.cp.indices(pos.shape[1]).to(pos.device)  # [S / cp] global indices of this rank's tokens
+        with torch.no_grad():
+            args = {"attention_mask": None, "cp_context": CPAttention(self.cp, self.cp_base, position_ids=pos)}
+            cos_sin = None
+            if rotary is not None:
+                cos, sin = rotary(hidden, position_ids=pos)  # [B, S, D] each
+                cos_sin = (cos[:, idx], sin[:, idx])  # [B, S / cp, D]
+        return args, cos_sin, pos[:, idx]
 
 
 class DecoderBlock(nn.Module):
@@ -206,10 +233,10 @@ class DecoderBlock(nn.Module):
 
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        args, cos_sin = self.inputs(hidden, pos, self.sliding, self.rotary)
+        args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary)
         if cos_sin is None:
             return self.block(hidden, **args)
-        return self.block(hidden, position_ids=pos, position_embeddings=cos_sin, **args)
+        return self.block(hidden, position_ids=local_pos, position_embeddings=cos_sin, **args)
 
     def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The block and its router's ``(P, C)`` of this forward (recomputed alike under checkpointing)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from hybridtrain.parallel.context import EPContext, TPContext
+from hybridtrain.parallel.context import CPContext, EPContext, TPContext
 from hybridtrain.parallel.dims import AXES, Coords, ParallelDims
 
 GRID_AXES = ("pp", "dp", "tp")
@@ -35,7 +35,8 @@ class ParallelGroups:
     Built by :func:`sequential_groups` (pp = 1) or :func:`pipeline_groups` (pp > 1).
     """
 
-    def __init__(self, dims: ParallelDims, grid: Any, tp: TPContext, rank: int, ep: EPContext | None = None):
+    def __init__(self, dims: ParallelDims, grid: Any, tp: TPContext, rank: int, ep: EPContext | None = None,
+                 cp: CPContext | None = None):
         self.dims = dims
         """The run's degrees."""
         self.coords: Coords = dims.coords(rank)
@@ -46,6 +47,9 @@ class ParallelGroups:
         self.axis_groups: dict[str, Any] = {axis: _axis_group(dims, axis, rank) for axis in AXES
                                             if axis not in GRID_AXES}
         """This rank's group of each axis DeepSpeed's grid does not know (``None`` at degree 1)."""
+        self.cp = cp or CPContext(rank=self.coords.cp, size=dims.cp)
+        """This rank's :class:`~hybridtrain.parallel.context.CPContext`, bound to its context-parallel group."""
+        self.cp.group = self.axis_groups["cp"]
         self.ep = ep or EPContext(rank=dims.expert_rank(rank), size=dims.ep)
         """This rank's :class:`~hybridtrain.parallel.context.EPContext` (bound to its expert-parallel group)."""
         self.expert_data_group: Any = None
@@ -188,7 +192,8 @@ def _expert_groups(dims: ParallelDims, rank: int) -> tuple[Any, Any]:
     return mine["ep"][0], mine["edp"][0]
 
 
-def sequential_groups(dims: ParallelDims, tp: TPContext, ep: EPContext | None = None) -> ParallelGroups:
+def sequential_groups(dims: ParallelDims, tp: TPContext, ep: EPContext | None = None,
+                      cp: CPContext | None = None) -> ParallelGroups:
     """The groups of a pp = 1 run: DeepSpeed's ``PipelineParallelGrid`` of one stage over
     :meth:`ParallelDims.topology` (so both engines use the same rank layout); binds ``tp`` to its TP group
     before any layer is built (the layers read it)."""
@@ -197,7 +202,7 @@ def sequential_groups(dims: ParallelDims, tp: TPContext, ep: EPContext | None = 
 
     grid = PipelineParallelGrid(topology=dims.topology())
     tp.bind_grid(grid)
-    return ParallelGroups(dims, grid, tp, dist.get_rank(), ep)
+    return ParallelGroups(dims, grid, tp, dist.get_rank(), ep, cp)
 
 
 def bind_pipeline_tp(module: Any, tp: TPContext) -> None:
@@ -206,9 +211,10 @@ def bind_pipeline_tp(module: Any, tp: TPContext) -> None:
     tp.bind_grid(module.mpu())
 
 
-def pipeline_groups(dims: ParallelDims, module: Any, tp: TPContext, ep: EPContext | None = None) -> ParallelGroups:
+def pipeline_groups(dims: ParallelDims, module: Any, tp: TPContext, ep: EPContext | None = None,
+                    cp: CPContext | None = None) -> ParallelGroups:
     """The groups of a pp > 1 run, from the grid its ``PipelineModule`` made (``tp`` already bound to it);
-    ``ep`` (the layers' expert-parallel context) is bound to the expert groups made here."""
+    ``ep`` and ``cp`` (the layers' expert- and context-parallel contexts) are bound to the groups made here."""
     import torch.distributed as dist
 
-    return ParallelGroups(dims, module.mpu(), tp, dist.get_rank(), ep)
+    return ParallelGroups(dims, module.mpu(), tp, dist.get_rank(), ep, cp)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.context import CPContext, TPContext
 
 
 def tag_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -212,15 +212,23 @@ class VocabParallelLoss:
     mean over the micro-batch's loss tokens; with ``(labels, weight)`` (what training feeds, see
     :meth:`hybridtrain.data.sampler.Samples.batch_weight`) the summed token loss times ``weight``,
     so that the step's loss is the mean over all loss tokens of the global batch.
+
+    With context parallelism (``cp``, size > 1) the logits are this rank's tokens of every row and the labels
+    the whole rows ``[B, S]``: the loss takes the labels of its tokens and returns their summed loss times
+    ``weight`` (which counts the cp ranks among those DeepSpeed averages over). Plain labels give the mean over
+    this rank's own loss tokens.
     """
 
-    def __init__(self, padded_vocab: int, tp: TPContext):
+    def __init__(self, padded_vocab: int, tp: TPContext, cp: CPContext | None = None):
         self.padded_vocab = padded_vocab
         self.tp = tp  # read at call time: the group is bound after construction
+        self.cp = cp or CPContext()
         self.__name__ = "vocab_parallel_cross_entropy"
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
+        if self.cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
+            labels = labels[:, self.cp.indices(labels.shape[1]).to(labels.device)]
         if self.tp.size == 1:
             # Nothing is split: torch's fused cross-entropy does the same sum in fewer passes over
             # the logits (the sharded version costs 5% of a tp=1 step on a small model).

@@ -123,9 +123,9 @@ def test_unpacked_rows_skip_the_restart_test(monkeypatch):
     calls = []
     find = masking.find_packed_sequence_indices
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda p: (calls.append(1), find(p))[1])
-    unpacked, _ = BlockInputs(cfg, packed=False)._make(hidden, pos, False, None)
+    unpacked, _, _ = BlockInputs(cfg, packed=False)._make(hidden, pos, False, None)
     assert calls == []
-    packed, _ = BlockInputs(cfg, packed=True)._make(hidden, pos, False, None)
+    packed, _, _ = BlockInputs(cfg, packed=True)._make(hidden, pos, False, None)
     assert calls == [1]  # the packed path does test the position ids
     assert torch.equal(unpacked["attention_mask"], packed["attention_mask"])
 
