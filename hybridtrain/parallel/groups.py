@@ -30,7 +30,15 @@ GRID_AXES = ("pp", "dp", "tp")
 class ParallelGroups:
     """One rank's coordinates and process groups, passed explicitly to whoever runs a collective (no module
     globals), presenting DeepSpeed's ``mpu`` protocol (the methods DeepSpeed's engine, ZeRO and
-    ``deepspeed.utils.groups`` call on an ``mpu``, the sequence-parallel ones included).
+    ``deepspeed.utils.groups`` call on an ``mpu``).
+
+    DeepSpeed's sequence-parallel accessors (``get_sequence_parallel_*``) are left out on purpose: given them,
+    DeepSpeed (its Ulysses convention) sums the gradients over the sequence-parallel ranks instead of averaging
+    (``engine.py`` and ZeRO divide by ``data / sp``), for losses that are each rank's share of the mean.
+    hybridtrain's context-parallel ranks weight their losses as data-parallel replicas do
+    (:attr:`~hybridtrain.parallel.dims.BatchLayout.averaged_over`), which the pipeline engine, whose grid knows
+    no sequence axis, averages over ``dp x cp``; so DeepSpeed sees one data axis, ``dp x cp``, in both engines.
+    The cp group is :attr:`cp`'s.
 
     Built by :func:`sequential_groups` (pp = 1) or :func:`pipeline_groups` (pp > 1).
     """
@@ -117,26 +125,6 @@ class ParallelGroups:
     get_pipeline_model_parallel_group = get_pipe_parallel_group
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
-
-    def get_sequence_parallel_group(self) -> Any:
-        """The context-parallel (``cp``) group; ``None`` at cp = 1, where DeepSpeed never asks for it."""
-        return self.axis_groups["cp"]
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.coords.cp
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.dims.cp
-
-    def get_sequence_data_parallel_group(self) -> Any:
-        """ZeRO's partition and gradient group with context parallelism: the data axis, ``dp x cp``."""
-        return self.data_group
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.get_data_parallel_rank()
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.dims.data
 
 
 def time_out_groups_like_world(timeout: timedelta) -> None:

@@ -220,7 +220,7 @@ def make_page_folder(page_dir: Path) -> None:
     (``my_texts.jsonl``, ``corpus/*.jsonl`` with a ``content`` field, ``chats.jsonl``/``chat.jsonl``,
     ``sft.jsonl``/``qa.parquet`` prompt-completion records, ``my_saved_dataset`` saved with ``datasets``), tiny
     ``save_pretrained`` model folders for ``path/to/hf_model``, ``path/to/llama``, ``path/to/gpt2``,
-    ``path/to/qwen2.5-0.5b`` (a tiny Qwen2) and ``DIR``, a DeepSpeed hostfile ``hosts.txt``, and
+    ``path/to/qwen2.5-0.5b`` (a tiny Qwen2), ``path/to/qwen3-moe`` (a tiny Qwen3-MoE) and ``DIR``, a DeepSpeed hostfile ``hosts.txt``, and
     ``generate.py``, the transformers snippet of docs/checkpoints.md."""
     from helpers.families import make_family_checkpoint
     from helpers.finetune import make_checkpoint
@@ -249,6 +249,9 @@ def make_page_folder(page_dir: Path) -> None:
                         ("DIR", "llama")):
         make_checkpoint(page_dir / rel, family)
     make_family_checkpoint(page_dir / "path/to/qwen2.5-0.5b", "qwen2")
+    from helpers.moe import make_moe_checkpoint
+
+    make_moe_checkpoint(page_dir / "path/to/qwen3-moe", "qwen3_moe")
     (page_dir / "hosts.txt").write_text("worker-1 slots=8\nworker-2 slots=8\n")
     page = (REPO / "docs" / "checkpoints.md").read_text()
     snippet = re.search(r"```python\n(from transformers import .*?)```", page, re.S)

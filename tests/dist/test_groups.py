@@ -47,8 +47,7 @@ def _probe(rank: int, world: int, emit) -> None:
         grid = groups._grid  # DeepSpeed's own answers, to compare the protocol with
         emit(name, {
             "data": _members(groups.data_group, rank), "model": _members(groups.model_group, rank),
-            "tp": _members(groups.tp.group, rank), "cp": _members(groups.get_sequence_parallel_group(), rank),
-            "seq_data": _members(groups.get_sequence_data_parallel_group(), rank),
+            "tp": _members(groups.tp.group, rank), "cp": _members(groups.cp.group, rank),
             "ours": [groups.get_data_parallel_rank(), groups.get_data_parallel_world_size(),
                      groups.get_model_parallel_rank(), groups.get_model_parallel_world_size(),
                      groups.get_slice_parallel_rank(), groups.get_slice_parallel_world_size(),
@@ -59,10 +58,12 @@ def _probe(rank: int, world: int, emit) -> None:
                           grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size(),
                           grid.get_pipe_parallel_rank(), grid.get_pipe_parallel_world_size(),
                           grid.get_data_parallel_group_ranks()],
-            "cp_rank": [groups.get_sequence_parallel_rank(), groups.get_sequence_parallel_world_size()],
+            "cp_rank": [groups.cp.rank, groups.cp.size],
+            "sequence_axis": [hasattr(groups, f"get_sequence_{what}") for what in (
+                "parallel_group", "parallel_world_size", "data_parallel_group", "data_parallel_world_size")],
             "timeouts": [_timeout_s(g) for g in (grid.get_data_parallel_group(), grid.get_slice_parallel_group(),
                                                  grid.get_pipe_parallel_group(), groups.tp.group,
-                                                 groups.get_sequence_parallel_group()) if g is not None],
+                                                 groups.cp.group) if g is not None],
         })
 
 
@@ -78,7 +79,8 @@ def test_groups_hold_the_ranks_the_axes_say(world, name):
     dims = ParallelDims(**LAYOUTS[name])
     for rank in range(WORLD):
         got, c = world.emitted[rank][name], dims.coords(rank)
-        assert got["data"] == got["seq_data"] == dims.data_group_of(rank)  # ZeRO's group covers dp x cp
+        assert got["data"] == dims.data_group_of(rank)  # ZeRO's group covers dp x cp
+        assert got["sequence_axis"] == [False] * 4  # DeepSpeed sees dp x cp as one data axis (ParallelGroups)
         assert got["tp"] == dims.group_of("tp", rank)
         assert got["cp"] == dims.group_of("cp", rank)
         assert got["model"] == [r for r in range(WORLD) if (dims.coords(r).dp, dims.coords(r).cp) == (c.dp, c.cp)]
