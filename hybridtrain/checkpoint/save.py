@@ -61,13 +61,13 @@ class StageFiles:
     run's adapters under peft's names (``adapter/``) and, with ZeRO <= 2, the AdamW moments of the trained
     parameters under HF names (``optim/``, what a resume under another plan reads).
 
-    Data-parallel rank 0's TP rank 0 of each stage writes them (:attr:`writes`). The tensors are gathered
+    Data-axis rank 0's (``dp x cp``) TP rank 0 of each stage writes them (:attr:`writes`). The tensors are gathered
     to it one at a time and streamed into their files (:class:`~hybridtrain.checkpoint.stream.StreamedSafetensors`):
     no rank holds the stage's state on the host, the writer one full tensor at a time."""
 
     def __init__(self, built, plan, named: list, trained: list):
         self.built, self.named, self.trained = built, named, trained
-        self.writes = built.tp_rank == 0 and built.dp_rank == 0 and bool(named)
+        self.writes = built.tp_rank == 0 and built.data_rank == 0 and bool(named)
         size = built.tp.size
         self.weights = {n: hf_shape(p, s, size) for n, p, s in named if not is_lora(n)}
         self.adapters = {peft_name(n): hf_shape(p, s, size) for n, p, s in named if is_lora(n)}  # peft's names
@@ -91,7 +91,7 @@ class StageFiles:
         from hybridtrain.checkpoint.stream import StreamedSafetensors
 
         built, stage = self.built, self.built.stage
-        gathers = built.dp_rank == 0  # only the writer's TP group gathers over TP
+        gathers = built.data_rank == 0  # only the writer's TP group gathers over TP
         parts = [(ckpt.hf_part(stage), self.weights), (ckpt.adapter_part(stage), self.adapters),
                  (ckpt.optim_part(stage), self.moments)]
         with ExitStack() as stack:
@@ -121,7 +121,7 @@ HF-named tensors. A collective; returns the bytes needed."""
     from hybridtrain.parallel import collectives
 
     held = built.model_state_bytes
-    ds = held["optim"] + (held["params"] if built.dp_rank == 0 or plan.zero_stage == 3 else 0)
+    ds = held["optim"] + (held["params"] if built.data_rank == 0 or plan.zero_stage == 3 else 0)
     total = collectives.all_reduce(torch.tensor([float(ds + own)], dtype=torch.float64), built.engine.device)
     need = int(float(total.item()) * 1.05) + SLACK_BYTES
     need = max(need, _last_size(final.parent, plan))

@@ -159,7 +159,14 @@ class Built:
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate: which rows of each global batch it reads."""
         return self.groups.coords.dp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place on DeepSpeed's data axis (``dp x cp``): 0 on the one replica that writes what every
+        replica holds (the context-parallel ranks of data-parallel rank 0 hold the same weights too)."""
+        return self.groups.coords.dp * self.groups.dims.cp + self.groups.coords.cp
 
     @property
     def tp_rank(self) -> int:

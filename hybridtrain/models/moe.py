@@ -100,6 +100,17 @@ class AuxLoss:
     def __call__(self, outputs, labels) -> torch.Tensor:
         logits, p_sum, counts = outputs
         rows = float(self.moe_layers * logits.shape[0] * logits.shape[1])  # [B, S, V / tp]
+        cp = getattr(self.base, "cp", None)
+        if cp is not None and cp.size > 1:
+            # Context parallelism: each rank routed its chunks of the rows. The micro-batch's term is formed from
+            # the sums over the cp group (every cp rank adds the same value); the differentiable sum sends each
+            # rank's routers the gradient of every rank's copy, which DeepSpeed's average over dp x cp turns
+            # back into one micro-batch's gradient.
+            from hybridtrain.parallel import collectives
+
+            p_sum = collectives.all_reduce_autograd(p_sum, cp.group)
+            counts = collectives.all_reduce_autograd(counts, cp.group)
+            rows *= cp.size
         return self.base(logits, labels) + self.coef * load_balancing(p_sum, counts, rows)
 
 

@@ -159,3 +159,29 @@ def all_gather_autograd(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     if _world(group) == 1:
         return [tensor]
     return list(_AllGather.apply(tensor, group))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group`` in the forward; the backward sums the upstream gradients over the group too (every
+    member used the total, so each owes its input the sum of what all of them send back)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_autograd(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group`` (on its own device), differentiable (:class:`_AllReduceSum`); a group
+    of one returns ``tensor``."""
+    if _world(group) == 1:
+        return tensor
+    return _AllReduceSum.apply(tensor, group)

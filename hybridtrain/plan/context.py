@@ -35,7 +35,4 @@ def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
         raise PlanError("model.config.reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn bypasses "
                         f"transformers' attention functions, which parallel.cp={cp} wraps; set it to false or "
                         "use model.attn_implementation=sdpa")
-    if family.moe is not None:
-        raise PlanError("parallel.cp", f"parallel.cp={cp} with the mixture-of-experts model {family.model_type} is "
-                        "not supported yet (its router statistics would be per chunk); use parallel.cp=1")
     return cp

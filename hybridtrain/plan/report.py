@@ -149,7 +149,7 @@ def format_report(report: PlanReport) -> str:
              f"x dp {p.dims.dp}; tokens per step {p.tokens_per_step:,} ({p.global_batch_size} x {p.seq_len})",
              f"pipeline  bubble (pp-1)/(m+pp-1) = ({p.dims.pp}-1)/({p.grad_accum}+{p.dims.pp}-1) = {report.bubble:.1%}"
              + (f"; stage imbalance {report.imbalance:.1%} (slowest stage over the mean)" if p.dims.pp > 1 else ""),
-             *_experts_lines(report.experts), "", "rank map (DeepSpeed topology: tp fastest, then dp, then pp)",
+             *_experts_lines(report.experts), "", "rank map (DeepSpeed topology: tp fastest, then cp, then dp, then pp)",
              f"  {'rank':>5} {'node':>5} " + " ".join(f"{axis:>4}" for axis in shown)]
     ranks = report.rank_map()
     for r in ranks[:MAX_RANK_ROWS]:

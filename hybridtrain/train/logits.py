@@ -42,6 +42,10 @@ def micro_batch_logits(built, plan, inputs, labels):
         finally:
             module.train()
     shard = shard.detach().float()
+    if plan.dims.cp > 1:  # this rank's chunks of every row -> whole rows (gathered over the cp group)
+        from hybridtrain.parallel.context_parallel import gather_sequence
+
+        shard = gather_sequence(shard, built.groups.cp, dim=1)
     if built.tp.size > 1:  # vocabulary-parallel shards -> full vocabulary (gathered on the device)
         shard = torch.cat(collectives.all_gather(shard, engine.device, group=built.tp.group), dim=-1)
     return shard[..., :plan.vocab_size].cpu()
@@ -57,7 +61,7 @@ def logits_writer(built, plan, samples, step: int):
         layout = plan.batch_layout()
         inputs, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
         logits = micro_batch_logits(built, plan, inputs, labels)
-        if logits is not None and built.tp_rank == 0 and built.dp_rank == 0:
+        if logits is not None and built.tp_rank == 0 and built.data_rank == 0:
             input_ids, position_ids = inputs
             save_file({"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
                        "logits": logits.contiguous()}, str(Path(folder) / LOGITS_FILE), metadata={"step": str(step)})

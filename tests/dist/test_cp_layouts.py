@@ -60,3 +60,27 @@ def test_context_parallel_layout_matches_one_process(recipe, layout, rows, basel
     for step, (g, w) in enumerate(zip(got, [m["loss"] for m in want]), 1):
         assert abs(g - w) <= 1e-4 * abs(w), f"{layout} {rows}: step {step} loss {g!r} vs {w!r}"
     assert [m["grad_norm"] for m in metrics(tmp_path)] == pytest.approx([m["grad_norm"] for m in want], rel=1e-3)
+
+
+def test_context_parallel_checkpoint_resumes_anywhere_and_exports(baseline, tmp_path):
+    """A dp=1 x cp=2 x tp=2 run (ZeRO-1 over the cp pair) saves at step 2 with its logits: the export's
+    transformers logits equal the saved ones (gathered over cp and tp), the export's loss is the run's, and the
+    checkpoint resumes under cp=1 (re-sharded) and under the same layout, continuing the uninterrupted losses."""
+    from hybridtrain.export import check_logits, export
+    from hybridtrain.rundir import RunDir
+
+    source = tmp_path / "cp2"
+    run_cli(source, *_overrides("llama_tiny", (1, 2, 2, 1), "packed"), "parallel.zero_stage=1",
+            "trainer.save_every=2", "trainer.save_logits=true")
+    want = losses(source)
+    assert want == pytest.approx([m["loss"] for m in baseline("llama_tiny", "packed")], rel=1e-4)
+    step_2 = RunDir(source).checkpoints / "step_2"
+    export(step_2, tmp_path / "hf")
+    diff, scale = check_logits(step_2, tmp_path / "hf")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), (diff, scale)
+    for name, layout in (("cp1", (1, 1, 2, 1)), ("same", (1, 2, 2, 1))):
+        run = tmp_path / name
+        proc = run_cli(run, *_overrides("llama_tiny", layout, "packed"), f"trainer.resume={step_2}")
+        assert ("re-sharded from" in proc.stdout) is (name == "cp1")
+        assert [m["step"] for m in metrics(run)] == [3, 4]
+        assert losses(run) == pytest.approx(want[2:], rel=1e-5, abs=0)
