@@ -206,6 +206,11 @@ class TrainerConfig:
     the end. Needs a validation split (``data.val_fraction``, ``data.val_path`` or ``data.val_split``)."""
     global_batch_size: int = 8
     """Samples per optimizer step = micro_batch_size x gradient accumulation x dp."""
+    loss_chunk_tokens: int = 4096
+    """The LM head and the loss run over pieces of this many tokens when a rank's micro-batch holds more
+    (micro-batch x ``data.seq_len`` / cp): each piece's logits ``[tokens, vocab / tp]`` are made, turned into
+    its summed loss and dropped, and made again in the backward, so a rank never holds a whole micro-batch's
+    logits (``docs/long-context.md``). The same loss and gradients; fewer tokens than this: one piece, as before."""
     seed: int = 1234
     """Seeds weights, data order and dropout; the same seed gives the same weights under any plan."""
     log_every: int = 1

@@ -153,6 +153,9 @@ class Built:
     """This rank's coordinates and process groups (:mod:`hybridtrain.parallel.groups`)."""
     lora: Any = None
     """The run's :class:`~hybridtrain.models.lora.LoraSpec` (``finetune.method=lora``), else ``None``."""
+    head: Any = None
+    """With the head deferred to the loss (``trainer.loss_chunk_tokens``): the callable making logits from the
+    last layer's output (:func:`head_caller`); else ``None`` (the last layer gives logits)."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -228,6 +231,16 @@ class Built:
         self._unwatch.clear()
 
 
+def head_caller(model: Any, pp: int) -> Callable[[tuple], Any]:
+    """The head of ``model`` as a callable making logits (``compute=True``) from ``(hidden, position_ids)``:
+    a pipeline's last layer function (the LM head, or DeepSpeed's partial of the tied head on the embedding
+    module), or the sequential model's head. On a pipeline stage without the head it is never called."""
+    if pp > 1:
+        last = model.forward_funcs[-1]
+        return lambda x: last(x, compute=True)
+    return lambda x: model.head_of(x, compute=True)
+
+
 def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, adapter_dir: str | None = None) -> Built:
     """Build this rank's model pieces and the DeepSpeed engine (``torch.distributed`` must be up).
 
@@ -255,7 +268,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     ep = EPContext(rank=dims.expert_rank(rank), size=dims.ep)  # groups bound with the groups
     cp = CPContext(rank=dims.coords(rank).cp, size=dims.cp)
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir, ep, cp)
-    loss_fn = loss_of(VocabParallelLoss(plan.padded_vocab_size, tp, cp), builder.family, hf_config)  # + MoE aux term
+    token_loss = VocabParallelLoss(plan.padded_vocab_size, tp, cp, chunk_tokens=cfg.trainer.loss_chunk_tokens)
+    loss_fn = loss_of(token_loss, builder.family, hf_config)  # + MoE aux term
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.dims.pp > 1:
@@ -268,6 +282,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
             if plan.zero_stage == 3 and builder.lora is None:  # LoRA: DeepSpeed partitions the frozen model whole
                 partition = zero3_partitioner(ds_config(cfg, plan), groups, plan.precision)
             model, mpu = sequential_model(builder, loss_fn, partition), groups
+    if builder.defer_head:  # the loss makes the logits piece by piece through the head module's own call
+        token_loss.head = head_caller(model, dims.pp)
     if builder.lora is not None:
         from hybridtrain.parallel.lora import freeze_base
 
@@ -284,7 +300,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
             engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's own flag
         else:
             engine.enable_backward_allreduce = False
-    built = Built(engine=engine, groups=groups, lora=builder.lora)
+    built = Built(engine=engine, groups=groups, lora=builder.lora, head=token_loss.head)
     from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
     if _own_clipping(plan):

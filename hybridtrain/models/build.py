@@ -54,6 +54,9 @@ class ModelBuilder:
     cp_base: str = "sdpa"
     """At cp > 1: the attention implementation the context-parallel attention runs on the gathered keys and
     values (the run's ``model.attn_implementation``; the config itself then names ``hybridtrain_cp``)."""
+    defer_head: bool = False
+    """The head hands its input to the loss, which makes the logits piece by piece (``trainer.loss_chunk_tokens``
+    below a rank's tokens per micro-batch; :class:`~hybridtrain.parallel.layers.VocabParallelLoss`)."""
     packed: bool = True
     """Whether rows may hold several records (``data.packing=documents``: position ids restart inside a row).
     False lets the blocks skip the test for restarts, a GPU-to-CPU sync per stage and micro-batch (transformers'
@@ -95,7 +98,8 @@ class ModelBuilder:
                    seed=cfg.trainer.seed, tp=tp, padded_vocab=padded_vocab,
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
                    lora=lora, adapter=adapter, ep=ep or EPContext(), cp=cp, cp_base=cp_base,
-                   packed=Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents)
+                   packed=Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents,
+                   defer_head=cfg.parallel.micro_batch_size * cfg.data.seq_len // cp.size > cfg.trainer.loss_chunk_tokens)
 
     @property
     def vocab_size(self) -> int:

@@ -98,8 +98,12 @@ class AuxLoss:
         self.__name__ = getattr(base, "__name__", "loss")
 
     def __call__(self, outputs, labels) -> torch.Tensor:
-        logits, p_sum, counts = outputs
-        rows = float(self.moe_layers * logits.shape[0] * logits.shape[1])  # [B, S, V / tp]
+        if len(outputs) == 4:  # the head deferred to the loss: (hidden, position_ids, P, C)
+            head_out, p_sum, counts = tuple(outputs[:2]), outputs[2], outputs[3]
+        else:
+            head_out, p_sum, counts = outputs
+        first = head_out[0] if isinstance(head_out, tuple) else head_out
+        rows = float(self.moe_layers * first.shape[0] * first.shape[1])  # [B, S, V / tp] or [B, S, H]
         cp = getattr(self.base, "cp", None)
         if cp is not None and cp.size > 1:
             # Context parallelism: each rank routed its chunks of the rows. The micro-batch's term is formed from
@@ -111,7 +115,7 @@ class AuxLoss:
             p_sum = collectives.all_reduce_autograd(p_sum, cp.group)
             counts = collectives.all_reduce_autograd(counts, cp.group)
             rows *= cp.size
-        return self.base(logits, labels) + self.coef * load_balancing(p_sum, counts, rows)
+        return self.base(head_out, labels) + self.coef * load_balancing(p_sum, counts, rows)
 
 
 def loss_of(base, family: Any, hf_config: Any):

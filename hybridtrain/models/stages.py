@@ -52,17 +52,21 @@ class TokenEmbedding(VocabParallelEmbedding):
         self.hf_name = family.checkpoint_name(f"{family.embed}.weight")
         self.aux = (family, hf) if moe.carries_aux(family, hf) else None
         self.cp = builder.cp
+        self.defer = builder.defer_head
 
     def hf_params(self, include_replicas: bool = False):
         if not include_replicas and getattr(self.weight, "ds_pipe_replicated", False):  # tied copy, last stage
             return []
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
-    def forward(self, x: tuple[torch.Tensor, torch.Tensor], as_head: bool = False):
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor], as_head: bool = False, compute: bool = False):
         """``(input_ids, position_ids)`` -> ``(hidden [B, S, H], position_ids)`` (and the zero router sums
         ``(P, C)`` of an MoE model's aux loss); as the tied head ``(hidden, position_ids, ...)`` -> logits
-        ``[B, S, V_pad/tp]`` (with the carried ``(P, C)`` after them)."""
+        ``[B, S, V_pad/tp]`` (with the carried ``(P, C)`` after them), or, deferred to the loss
+        (:attr:`ModelBuilder.defer_head`) and not asked to ``compute``, ``x`` itself."""
         if as_head:
+            if self.defer and not compute:
+                return x
             return _with_sums(super().forward(x[0], True), x)
         input_ids, positions = x  # [B, S], [B, S]: the whole rows (at cp > 1 the position ids stay whole)
         if self.cp.size > 1:  # this rank's two chunks of every row from here on: [B, S / cp]
@@ -85,9 +89,10 @@ def _softcap(builder: ModelBuilder) -> float | None:
     return float(value) if value else None
 
 
-def tied_head(embedding: TokenEmbedding, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``forward_fn`` of the tied head on the last stage: logits from the embedding weight."""
-    return embedding(x, as_head=True)
+def tied_head(embedding: TokenEmbedding, x: tuple[torch.Tensor, torch.Tensor], compute: bool = False):
+    """``forward_fn`` of the tied head on the last stage: logits from the embedding weight (or ``x`` itself,
+    deferred to the loss, unless asked to ``compute``)."""
+    return embedding(x, as_head=True, compute=compute)
 
 
 class PositionEmbedding(nn.Module):
@@ -179,11 +184,13 @@ class BlockInputs:
         the whole rows' position ids (:class:`~hybridtrain.parallel.context_parallel.CPAttention`); the rotary
         table is made for the whole rows and cut to this rank's tokens, so scaled variants that read the row's
         largest position (dynamic, LongRoPE) pick what one process would."""
-        from hybridtrain.parallel.context_parallel import CPAttention
+        from hybridtrain.parallel.context_parallel import CPAttention, flash_segments
 
         idx = self.cp.indices(pos.shape[1]).to(pos.device)  # [S / cp] global indices of this rank's tokens
         with torch.no_grad():
-            args = {"attention_mask": None, "cp_context": CPAttention(self.cp, self.cp_base, position_ids=pos)}
+            segments = flash_segments(pos, idx) if self.cp_base == "flash_attention_2" else None  # one host copy
+            args = {"attention_mask": None,
+                    "cp_context": CPAttention(self.cp, self.cp_base, position_ids=pos, segments=segments)}
             cos_sin = None
             if rotary is not None:
                 cos, sin = rotary(hidden, position_ids=pos)  # [B, S, D] each
@@ -294,11 +301,16 @@ class LMHead(VocabParallelHead):
         weight, start = builder.vocab_shard(builder.family.head)
         super().__init__(weight, start, builder.vocab_size, builder.tp, softcap=_softcap(builder))
         self.hf_name = builder.family.checkpoint_name(f"{builder.family.head}.weight")
+        self.defer = builder.defer_head
 
     def hf_params(self, include_replicas: bool = False):
         return [(self.hf_name, self.weight, Split(dim=0, vocab=self.vocab_size))]
 
-    def forward(self, x: tuple[torch.Tensor, ...]):  # (hidden, positions) -> logits (, P, C)
+    def forward(self, x: tuple[torch.Tensor, ...], compute: bool = False):
+        """``(hidden, positions, ...)`` -> logits (, P, C); deferred to the loss (:attr:`ModelBuilder.defer_head`)
+        and not asked to ``compute``: ``x`` itself."""
+        if self.defer and not compute:
+            return x
         return _with_sums(super().forward(x[0]), x)
 
 
@@ -319,17 +331,22 @@ class SequentialLM(nn.Module):
     def logits(self, inputs) -> torch.Tensor:
         """This tensor-parallel rank's vocabulary shard of the logits ``[B, S, V / tp]`` of
         ``(input_ids, position_ids)``, or of ``input_ids`` alone (one sequence per row)."""
-        out = self.outputs(inputs)
+        out = self.outputs(inputs, compute=True)
         return out[0] if isinstance(out, tuple) else out
 
-    def outputs(self, inputs):
-        """What the head gives the loss: the logits shard, or ``(logits, P, C)`` (an MoE model's router sums)."""
+    def outputs(self, inputs, compute: bool = False):
+        """What the head gives the loss: the logits shard, or ``(logits, P, C)`` (an MoE model's router sums);
+        with the head deferred to the loss (and not asked to ``compute``), the head's input."""
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs, torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs))
         x = inputs
         for layer in self.layers:
             x = layer(x)
-        return self.layers[0](x, as_head=True) if self.head is None else self.head(x)
+        return self.head_of(x, compute)
+
+    def head_of(self, x, compute: bool = False):
+        """The head (the tied embedding's, or the LM head) on the last layer's output ``x``."""
+        return self.layers[0](x, as_head=True, compute=compute) if self.head is None else self.head(x, compute=compute)
 
     def forward(self, inputs, labels) -> torch.Tensor:
         return self.loss_fn(self.outputs(inputs), labels)
@@ -345,7 +362,11 @@ def one_process_model(cfg, hf_config) -> "SequentialLM":
 
     tp, padded = TPContext(), padded_vocab(int(hf_config.vocab_size), 1)
     builder = dataclasses.replace(ModelBuilder.for_run(cfg, hf_config, tp, padded), packed=True)  # any rows
-    return sequential_model(builder, moe.loss_of(VocabParallelLoss(padded, tp), builder.family, hf_config))
+    token_loss = VocabParallelLoss(padded, tp, chunk_tokens=cfg.trainer.loss_chunk_tokens)
+    model = sequential_model(builder, moe.loss_of(token_loss, builder.family, hf_config))
+    if builder.defer_head:
+        token_loss.head = lambda x: model.head_of(x, compute=True)
+    return model
 
 
 def sequential_model(builder: ModelBuilder, loss_fn, partition: Callable[[nn.Module], None] | None = None) -> nn.Module:

@@ -94,16 +94,24 @@ class CPAttention:
     position_ids: Optional[torch.Tensor] = None
     """The full rows' position ids ``[B, S]`` (what packing writes: 0 at each document's start); ``None``: one
     document per row (``arange(S)``)."""
+    segments: Optional["FlashSegments"] = None
+    """FlashAttention 2's pieces (:func:`flash_segments`) of these rows for this rank, made once per micro-batch and
+    shared by the blocks (``None``: made at the call)."""
 
 
-BASES = ("sdpa", "eager")
-"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: those that take the
-dense ``[B, 1, Sq, S]`` mask (flash and flex attention take padding masks or block masks, not this one)."""
+BASES = ("sdpa", "eager", "flash_attention_2")
+"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: sdpa and eager with
+the dense ``[B, 1, Sq, S]`` mask; FlashAttention 2 through its variable-length kernel, one sequence per piece of a
+document in a rank's chunks (:func:`flash_segments`), which keeps no mask."""
 
 
 def _base_function(module: torch.nn.Module, base: str):
     if base not in BASES:
-        raise ValueError(f"cp attention base {base!r}: use one of {BASES} (the kernels that take a dense mask)")
+        raise ValueError(f"cp attention base {base!r}: use one of {BASES}")
+    if base == "flash_attention_2":
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        return flash_attention_forward
     if base == "eager":
         # Families differ in eager attention (Gemma 2's soft-capping, ...): take the one of the module's own
         # modeling file, the function its forward falls back to.
@@ -146,6 +154,9 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     positions = positions.to(query.device).expand(batch, seq)
     key = gather_sequence(key, cp, dim=2)  # [B, Hkv, S, D]
     value = gather_sequence(value, cp, dim=2)  # [B, Hkv, S, D]
+    if ctx.base == "flash_attention_2":
+        return flash_varlen_attention(base, module, query, key, value, positions, cp.indices(seq), ctx.segments,
+                                      **kwargs)
     # The layer's window as the families hand it to flash attention (Mistral from the config, Qwen 2 and Gemma 2
     # per layer, None on full layers); the module attribute for a family that does not pass it.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
@@ -168,3 +179,78 @@ def register_attention() -> str:
     if ALL_ATTENTION_FUNCTIONS.get(ATTENTION_NAME) is not context_parallel_attention:
         AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
     return ATTENTION_NAME
+
+
+@dataclass(frozen=True)
+class FlashSegments:
+    """FlashAttention's variable-length arguments for one rank's queries against the gathered rows: one sequence
+    per piece of a document inside one of the rank's chunks, its queries that piece, its keys the document's
+    tokens from its start to the piece's end."""
+
+    key_index: torch.Tensor
+    """``[Tk]`` int64 indices into the gathered keys flattened over the batch (``b x S + token``), piece by piece."""
+    cu_q: torch.Tensor
+    """``[n + 1]`` int32 offsets of the pieces' queries in the rank's queries flattened over the batch."""
+    cu_k: torch.Tensor
+    """``[n + 1]`` int32 offsets of the pieces' keys in :attr:`key_index`."""
+    max_q: int
+    max_k: int
+
+
+def flash_segments(positions: torch.Tensor, q_index: torch.Tensor) -> FlashSegments:
+    """The :class:`FlashSegments` of rows with position ids ``positions [B, S]`` (0 where each packed document
+    starts) for the rank holding tokens ``q_index`` (its two chunks, in order) of every row.
+
+    FlashAttention's causal mask for a sequence of ``Sq`` queries and ``Sk >= Sq`` keys is aligned at the bottom
+    right (flash-attn >= 2.1): query ``i`` sees keys ``j <= i + Sk - Sq``. A piece's queries are the global tokens
+    ``[qs, qe)`` of one document starting at ``ds``; its keys ``[ds, qe)``; so query ``qs + i`` sees keys up to
+    itself, within its document: the mask of :func:`cp_attention_mask`, with no mask tensor. A sliding window
+    ``(w - 1, w - 1)`` (transformers' ``window_size``) is aligned the same way. Computed on the host (the offsets
+    must be host integers for the kernel's launch): one copy of the position ids per stage and micro-batch."""
+    pos = positions.detach().cpu()
+    q = q_index.detach().cpu()
+    batch, seq = pos.shape
+    restart = torch.ones_like(pos, dtype=torch.bool)
+    restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # a document starts where the position ids do not count on
+    ar = torch.arange(seq).expand(batch, seq)
+    starts = torch.where(restart, ar, torch.zeros_like(ar)).cummax(dim=1).values  # [B, S] start of each token's document
+    keys, cu_q, cu_k = [], [0], [0]
+    qi = q.tolist()
+    for b in range(batch):
+        start_of = starts[b].tolist()
+        i = 0
+        while i < len(qi):  # runs of consecutive tokens of one document: a new piece at a chunk or document edge
+            j = i + 1
+            while j < len(qi) and qi[j] == qi[j - 1] + 1 and start_of[qi[j]] == start_of[qi[i]]:
+                j += 1
+            qs, qe, ds = qi[i], qi[j - 1] + 1, start_of[qi[i]]
+            keys.append(torch.arange(b * seq + ds, b * seq + qe))
+            cu_q.append(cu_q[-1] + (qe - qs))
+            cu_k.append(cu_k[-1] + (qe - ds))
+            i = j
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    device = positions.device
+    return FlashSegments(torch.cat(keys).to(device), torch.tensor(cu_q, dtype=torch.int32, device=device),
+                         torch.tensor(cu_k, dtype=torch.int32, device=device), max(lengths_q), max(lengths_k))
+
+
+def flash_varlen_attention(flash, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           positions: torch.Tensor, q_index: torch.Tensor, segments: Optional[FlashSegments] = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """``flash`` (transformers' ``flash_attention_forward``, or a stand-in with its signature) over this rank's
+    queries ``[B, H, Sq, D]`` and the gathered ``key``/``value`` ``[B, Hkv, S, D]``, one variable-length sequence
+    per :func:`flash_segments` piece (``segments``, else made here); returns ``([B, Sq, H, D], None)`` as the
+    attention functions do."""
+    batch, heads, local, dim = query.shape
+    seg = segments if segments is not None else flash_segments(positions, q_index)
+    q = query.permute(1, 0, 2, 3).reshape(heads, batch * local, dim).unsqueeze(0)  # [1, H, B x Sq, D]: pieces in order
+
+    def pick(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, S, D] -> [1, Hkv, Tk, D], each piece's keys
+        flat = x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])  # [Hkv, B x S, D]
+        return flat.index_select(1, seg.key_index).unsqueeze(0)
+
+    kwargs.pop("position_ids", None)  # the pieces' offsets say it all; position ids would make another varlen
+    out, weights = flash(module, q, pick(key), pick(value), None, cu_seq_lens_q=seg.cu_q, cu_seq_lens_k=seg.cu_k,
+                         max_length_q=seg.max_q, max_length_k=seg.max_k, is_causal=True, **kwargs)
+    return out.reshape(batch, local, heads, -1), weights  # [1, B x Sq, H, D] -> [B, Sq, H, D]

@@ -219,29 +219,61 @@ class VocabParallelLoss:
     this rank's own loss tokens.
     """
 
-    def __init__(self, padded_vocab: int, tp: TPContext, cp: CPContext | None = None):
+    def __init__(self, padded_vocab: int, tp: TPContext, cp: CPContext | None = None, chunk_tokens: int = 4096):
         self.padded_vocab = padded_vocab
         self.tp = tp  # read at call time: the group is bound after construction
         self.cp = cp or CPContext()
+        self.chunk_tokens = chunk_tokens
+        self.head = None
+        """With the head deferred to the loss (``ModelBuilder.defer_head``): the callable that makes the logits
+        ``[B, T, V_pad/tp]`` of ``(hidden [B, T, H], position_ids)``, the head module's own call (so ZeRO-3
+        gathers its weight); bound once the model exists (:func:`hybridtrain.engine.build`)."""
         self.__name__ = "vocab_parallel_cross_entropy"
 
-    def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
+    def __call__(self, logits, labels) -> torch.Tensor:
+        """``logits [B, S, V_pad/tp]``, or with the head deferred the head's input ``(hidden, position_ids, ...)``."""
         labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if self.cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
             labels = labels[:, self.cp.indices(labels.shape[1]).to(labels.device)]
-        if self.tp.size == 1:
-            # Nothing is split: torch's fused cross-entropy does the same sum in fewer passes over
-            # the logits (the sharded version costs 5% of a tp=1 step on a small model).
-            loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+        if isinstance(logits, (tuple, list)):
+            loss = self._in_pieces(logits[0], logits[1], labels)
         else:
-            # DeepSpeed's autograd function itself, not its ``vocab_parallel_cross_entropy`` wrapper: the wrapper
-            # checks every call that each label is in the vocabulary with ``.item()``, a forced GPU-to-CPU sync
-            # per micro-batch (deepspeed 0.19.8, ``sequence/cross_entropy.py``). The plan guarantees it: labels
-            # are token ids, and the model's vocabulary holds the tokenizer's (``plan/validate.py``).
-            from deepspeed.sequence.cross_entropy import _VocabParallelCrossEntropy
-
-            start, stop = self.tp.shard(self.padded_vocab)
-            loss = _VocabParallelCrossEntropy.apply(logits, labels, self.tp.group, start, stop, -100).sum()
+            loss = self._summed(logits, labels)
         if weight is None:  # the micro-batch's mean (0 when it has no loss token, as DeepSpeed's)
             return loss / (labels != -100).sum().clamp_min(1).to(loss.dtype)
         return loss * weight.to(loss.dtype)
+
+    def _summed(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of ``logits [B, T, V_pad/tp]`` at ``labels [B, T]`` (``-100``: none)."""
+        if self.tp.size == 1:
+            # Nothing is split: torch's fused cross-entropy does the same sum in fewer passes over
+            # the logits (the sharded version costs 5% of a tp=1 step on a small model).
+            return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+        # DeepSpeed's autograd function itself, not its ``vocab_parallel_cross_entropy`` wrapper: the wrapper
+        # checks every call that each label is in the vocabulary with ``.item()``, a forced GPU-to-CPU sync
+        # per micro-batch (deepspeed 0.19.8, ``sequence/cross_entropy.py``). The plan guarantees it: labels
+        # are token ids, and the model's vocabulary holds the tokenizer's (``plan/validate.py``).
+        from deepspeed.sequence.cross_entropy import _VocabParallelCrossEntropy
+
+        start, stop = self.tp.shard(self.padded_vocab)
+        return _VocabParallelCrossEntropy.apply(logits, labels, self.tp.group, start, stop, -100).sum()
+
+    def _in_pieces(self, hidden: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of the head on ``hidden [B, S, H]``, made ``chunk_tokens`` tokens at a time:
+        each piece's logits exist only inside its own checkpointed call (made again in the backward), so the
+        rank holds one piece's logits, never the micro-batch's. The pieces' sums add up to :meth:`_summed`'s."""
+        from torch.utils.checkpoint import checkpoint
+
+        assert self.head is not None, "the head is deferred to the loss but was never bound to it"
+        tokens = hidden.reshape(1, -1, hidden.shape[-1])  # [1, B x S, H]: pieces may cross rows
+        flat = labels.reshape(1, -1)  # [1, B x S]
+        where = torch.zeros_like(flat)  # the head ignores positions; a placeholder of the shape it expects
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, tokens.shape[1], self.chunk_tokens):
+            piece = slice(start, start + self.chunk_tokens)
+            total = total + checkpoint(self._piece, tokens[:, piece], where[:, piece], flat[:, piece],
+                                       use_reentrant=False)
+        return total
+
+    def _piece(self, hidden: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._summed(self.head((hidden, positions)), labels)

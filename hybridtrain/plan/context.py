@@ -7,9 +7,25 @@ from typing import Any
 
 from hybridtrain.errors import PlanError
 
-CP_KERNELS = ("sdpa", "eager")
+CP_KERNELS = ("sdpa", "eager", "flash_attention_2")
 """Attention implementations context parallelism runs with (:mod:`hybridtrain.parallel.context_parallel`
-wraps them: the keys and values are gathered, the mask is the full row's restricted to a rank's queries)."""
+wraps them: the keys and values are gathered; sdpa and eager get the full row's mask restricted to a rank's
+queries, FlashAttention 2 one variable-length sequence per piece of a document)."""
+FLASH_BOTTOM_RIGHT = (2, 1)
+"""flash-attn from 2.1 aligns the causal mask of fewer queries than keys at the bottom right, which the pieces
+of context parallelism rely on (older versions align it at the top left)."""
+
+
+def flash_attn_version() -> tuple[int, int] | None:
+    """The installed flash-attn's ``(major, minor)``, ``None`` when it is not installed (read from its metadata,
+    without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("flash_attn").split(".")[:2]
+    except PackageNotFoundError:
+        return None
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
@@ -30,6 +46,11 @@ def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
     if kernel not in CP_KERNELS:
         raise PlanError("model.attn_implementation", f"model.attn_implementation={kernel} with parallel.cp={cp}: "
                         f"context parallelism runs with {list(CP_KERNELS)} in this version; use "
+                        "model.attn_implementation=sdpa")
+    installed = flash_attn_version() if kernel == "flash_attention_2" else None
+    if installed is not None and installed < FLASH_BOTTOM_RIGHT:
+        raise PlanError("model.attn_implementation", f"flash-attn {installed[0]}.{installed[1]} aligns the causal mask "
+                        f"at the top left, which parallel.cp={cp} cannot use; install flash-attn >= 2.1 or use "
                         "model.attn_implementation=sdpa")
     if kernel == "eager" and getattr(hf_config, "reorder_and_upcast_attn", False):
         raise PlanError("model.config.reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn bypasses "

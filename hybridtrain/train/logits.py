@@ -31,6 +31,9 @@ def micro_batch_logits(built, plan, inputs, labels):
             engine.train()  # eval_batch leaves the module in eval mode
         if built.stage != plan.dims.pp - 1:
             return None
+        if built.head is not None:  # the head deferred to the loss: the last stage gave the head's input
+            with torch.no_grad():
+                shard = built.head(tuple(shard[:2]))
         if isinstance(shard, tuple):  # an MoE model's last stage also gives the router sums (models/moe.py)
             shard = shard[0]
     else:

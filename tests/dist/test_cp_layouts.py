@@ -30,36 +30,62 @@ CASES = [pytest.param(recipe, layout, rows, id="dp{}_cp{}_tp{}_pp{}-{}-{}".forma
          for recipe in ("gpt_tiny", "llama_tiny") for layout in LAYOUTS for rows in ("rows", "packed")]
 
 
-def _overrides(recipe: str, layout: tuple[int, int, int, int], rows: str) -> list[str]:
+def _overrides(recipe: str, layout: tuple[int, int, int, int], rows: str, *extra: str) -> list[str]:
     dp, cp, tp, pp = layout
     return [f"+recipe={recipe}", f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-            f"trainer.max_steps={STEPS}", *(PACKED if rows == "packed" else ())]
+            f"trainer.max_steps={STEPS}", *(PACKED if rows == "packed" else ()), *extra]
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    """(1, 1, 1, 1) metrics per (recipe, rows), run once."""
-    cache: dict[tuple[str, str], list[dict]] = {}
+    """(1, 1, 1, 1) metrics per (recipe, rows, extra overrides), run once."""
+    cache: dict[tuple, list[dict]] = {}
 
-    def get(recipe: str, rows: str) -> list[dict]:
-        if (recipe, rows) not in cache:
+    def get(recipe: str, rows: str, *extra: str) -> list[dict]:
+        if (recipe, rows, extra) not in cache:
             run_dir = tmp_path_factory.mktemp(f"{recipe}_{rows}_1111")
-            run_cli(run_dir, *_overrides(recipe, (1, 1, 1, 1), rows))
-            cache[recipe, rows] = metrics(run_dir)
-        return cache[recipe, rows]
+            run_cli(run_dir, *_overrides(recipe, (1, 1, 1, 1), rows, *extra))
+            cache[recipe, rows, extra] = metrics(run_dir)
+        return cache[recipe, rows, extra]
 
     return get
+
+
+def _assert_matches(run_dir, want: list[dict], what: str) -> None:
+    got = losses(run_dir)
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, [m["loss"] for m in want]), 1):
+        assert abs(g - w) <= 1e-4 * abs(w), f"{what}: step {step} loss {g!r} vs {w!r}"
+    assert [m["grad_norm"] for m in metrics(run_dir)] == pytest.approx([m["grad_norm"] for m in want], rel=1e-3)
 
 
 @pytest.mark.parametrize("recipe,layout,rows", CASES)
 def test_context_parallel_layout_matches_one_process(recipe, layout, rows, baseline, tmp_path):
     run_cli(tmp_path, *_overrides(recipe, layout, rows))
-    want = baseline(recipe, rows)
-    got = losses(tmp_path)
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, [m["loss"] for m in want]), 1):
-        assert abs(g - w) <= 1e-4 * abs(w), f"{layout} {rows}: step {step} loss {g!r} vs {w!r}"
-    assert [m["grad_norm"] for m in metrics(tmp_path)] == pytest.approx([m["grad_norm"] for m in want], rel=1e-3)
+    _assert_matches(tmp_path, baseline(recipe, rows), f"{recipe} {layout} {rows}")
+
+
+LORA = ("finetune.method=lora", "finetune.lora.target_modules=[q_proj,v_proj,down_proj]")
+COMPOSED = {  # id -> (layout, overrides the run adds, overrides the baseline shares)
+    "activation_checkpointing": ((1, 2, 2, 1), ("parallel.activation_checkpointing=true",), ()),
+    "zero2": ((2, 2, 1, 1), ("parallel.zero_stage=2",), ()),
+    "zero3": ((1, 2, 2, 1), ("parallel.zero_stage=3",), ()),
+    "lora": ((1, 2, 2, 2), (), LORA),
+    "logits_in_pieces": ((1, 2, 2, 2), ("trainer.loss_chunk_tokens=6",), ()),
+    "logits_in_pieces_pp1": ((2, 2, 1, 1), ("trainer.loss_chunk_tokens=6",), ()),
+}
+"""Context parallelism with the rest (issue 31.1): activation checkpointing (the all-gather recomputed in the
+backward), ZeRO-2 and ZeRO-3 over dp x cp, LoRA (its baseline is LoRA at (1,1,1,1)), the LM head and loss in
+pieces of 6 tokens (a rank's 32 tokens per micro-batch in 6 pieces: issue 31.3) on the pipeline's last stage and
+in the sequential engine; Llama (tied head), packed rows."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(COMPOSED))
+def test_context_parallel_composes(case, baseline, tmp_path):
+    layout, run_only, shared = COMPOSED[case]
+    run_cli(tmp_path, *_overrides("llama_tiny", layout, "packed", *shared, *run_only))
+    _assert_matches(tmp_path, baseline("llama_tiny", "packed", *shared), case)
 
 
 def test_context_parallel_checkpoint_resumes_anywhere_and_exports(baseline, tmp_path):

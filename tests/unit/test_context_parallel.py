@@ -118,9 +118,61 @@ def test_attention_errors_name_the_fix():
         context_parallel_attention(attn, q, k, v, None)
     with pytest.raises(ValueError, match="attention_mask=None"):
         context_parallel_attention(attn, q, k, v, torch.ones(1, 1, 4, 4), cp_context=CPAttention(CPContext()))
-    for base in ("hybridtrain_cp", "flash_attention_2"):
-        with pytest.raises(ValueError, match=r"use one of \('sdpa', 'eager'\)"):
-            context_parallel_attention(attn, q, k, v, None, cp_context=CPAttention(CPContext(), base))
+    with pytest.raises(ValueError, match=r"use one of \('sdpa', 'eager', 'flash_attention_2'\)"):
+        context_parallel_attention(attn, q, k, v, None, cp_context=CPAttention(CPContext(), "hybridtrain_cp"))
     with pytest.raises(ValueError, match="position_ids cover 8"):
         context_parallel_attention(attn, q, k, v, None,
                                    cp_context=CPAttention(CPContext(), "sdpa", torch.arange(8)[None]))
+
+
+def _varlen_reference(module, q, k, v, mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, is_causal,
+                      sliding_window=None, scaling=None, **_):
+    """FlashAttention 2's variable-length kernel as its documentation defines it (flash-attn >= 2.1), in float64:
+    each sequence's queries attend its keys causally aligned at the bottom right (query i sees keys
+    j <= i + Sk - Sq) and, with a window, keys j >= i + Sk - Sq - (w - 1). Takes and returns what transformers'
+    ``flash_attention_forward`` does (``[1, H, Tq, D]`` in, ``([1, Tq, H, D], None)`` out)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    outs = []
+    for n in range(len(cu_seq_lens_q) - 1):
+        qs, qe, ks, ke = int(cu_seq_lens_q[n]), int(cu_seq_lens_q[n + 1]), int(cu_seq_lens_k[n]), int(cu_seq_lens_k[n + 1])
+        sq, sk = qe - qs, ke - ks
+        assert sq <= max_length_q and sk <= max_length_k
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        allowed = j <= i + sk - sq
+        if sliding_window is not None:
+            allowed &= j >= i + sk - sq - (sliding_window - 1)
+        scores = q[0, :, qs:qe] @ k[0, :, ks:ke].transpose(-1, -2) * scaling  # [H, sq, sk]
+        outs.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v[0, :, ks:ke])
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0), None  # [1, Tq, H, D]
+
+
+@pytest.mark.parametrize("rows", list(POSITIONS))
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flash_pieces_give_the_masked_attention(rows, window, cp):
+    """The FlashAttention 2 path under cp (``flash_varlen_attention``): one variable-length sequence per piece of a
+    document in a rank's chunks, against the dense-mask attention of the same queries and gathered keys, for every
+    rank. The kernel is stood in for by its documented semantics on the CPU; tests/gpu runs flash-attn itself."""
+    import math
+
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from hybridtrain.parallel.context_parallel import flash_segments, flash_varlen_attention
+
+    positions = POSITIONS[rows]
+    torch.manual_seed(1)
+    heads, kv_heads, dim = 4, 2, 8
+    key = torch.randn(2, kv_heads, S, dim, dtype=torch.float64)
+    value = torch.randn(2, kv_heads, S, dim, dtype=torch.float64)
+    for rank in range(cp):
+        idx = chunk_indices(S, cp, rank)
+        query = torch.randn(2, heads, len(idx), dim, dtype=torch.float64)
+        got, _ = flash_varlen_attention(_varlen_reference, None, query, key, value, positions, idx,
+                                        sliding_window=window, scaling=1 / math.sqrt(dim))
+        mask = cp_attention_mask(positions, idx, window, torch.float64, additive=False)  # [B, 1, Sq, S]
+        want = scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
+                                            attn_mask=mask).transpose(1, 2)  # [B, Sq, H, D]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        seg = flash_segments(positions, idx)
+        assert int(seg.cu_q[-1]) == 2 * len(idx) and int(seg.cu_k[-1]) == len(seg.key_index)

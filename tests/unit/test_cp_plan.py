@@ -35,18 +35,25 @@ def test_cp_rule_names_the_key(case):
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
-def test_cp_refuses_a_kernel_without_a_dense_mask():
-    """FlashAttention 2 (whose varlen path under cp is not written yet) is refused naming the kernels that run;
-    checked on the rule itself, since without the flash-attn package the plan refuses the kernel earlier."""
+@pytest.mark.parametrize("installed, refused", [((2, 0), True), ((2, 6), False)])
+def test_cp_with_flash_needs_bottom_right_alignment(installed, refused, monkeypatch):
+    """FlashAttention 2 under cp needs flash-attn >= 2.1 (causal masks of fewer queries than keys aligned at the
+    bottom right, which the pieces rely on); checked on the rule itself, since without the flash-attn package here
+    the plan refuses the kernel earlier."""
+    import hybridtrain.plan.context as context
     from hybridtrain.models.families import family_of
-    from hybridtrain.plan.context import check_context_parallel
 
+    monkeypatch.setattr(context, "flash_attn_version", lambda: installed)
     cfg = compose("+recipe=llama_tiny", "parallel.cp=2")
     cfg.model.attn_implementation = "flash_attention_2"
+    if not refused:
+        assert context.check_context_parallel(cfg, family_of(cfg.model), None) == 2
+        return
     with pytest.raises(PlanError) as info:
-        check_context_parallel(cfg, family_of(cfg.model), None)
+        context.check_context_parallel(cfg, family_of(cfg.model), None)
     assert info.value.key == "model.attn_implementation"
-    assert "with parallel.cp=2" in str(info.value) and "model.attn_implementation=sdpa" in str(info.value)
+    assert "flash-attn 2.0 aligns the causal mask at the top left" in str(info.value)
+    assert "install flash-attn >= 2.1" in str(info.value)
 
 
 def test_a_context_parallel_layout_plans_over_dp_x_cp():

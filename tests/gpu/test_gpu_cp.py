@@ -1,0 +1,67 @@
+"""GPU tier: context parallelism's FlashAttention 2 path (``model.attn_implementation=flash_attention_2`` with
+``parallel.cp`` > 1, issue 31.6). Each rank's queries against the gathered keys go to flash-attn's
+variable-length kernel as one sequence per piece of a document in the rank's chunks
+(``hybridtrain.parallel.context_parallel.flash_varlen_attention``); here, through transformers' own
+``flash_attention_forward`` on a real attention module, they must equal the dense-mask attention of the same
+queries and keys (the mask of ``cp_attention_mask``), for every rank of cp = 2 and 4, packed documents crossing
+the chunks, with and without a sliding window. The CPU tier checks the same pieces against the kernel's
+documented semantics (tests/unit/test_context_parallel.py); this is the kernel itself (bottom-right causal
+alignment, window, grouped-query heads). bf16 in, compared with fp32 attention of the same bf16 values."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+S = 64
+
+
+def _need_flash() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("needs the flash-attn package (pip install flash-attn)")
+
+
+def _positions(rows: str) -> torch.Tensor:
+    if rows == "unpacked":
+        return torch.arange(S).expand(2, S)
+    docs = [[13, 20, 9, 22], [5, 40, 19]]  # lengths: boundaries inside the chunks of cp = 2 (16) and 4 (8)
+    return torch.tensor([[p for n in row for p in range(n)] for row in docs])
+
+
+@pytest.mark.parametrize("rows", ["unpacked", "packed"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flash_pieces_equal_the_masked_attention_on_the_gpu(rows, window, cp):
+    _need_flash()
+    from torch.nn.functional import scaled_dot_product_attention
+    from transformers import LlamaConfig
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from hybridtrain.parallel.context import chunk_indices
+    from hybridtrain.parallel.context_parallel import cp_attention_mask, flash_varlen_attention
+
+    heads, kv_heads, dim = 8, 2, 64
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         num_hidden_layers=1, attn_implementation="flash_attention_2")
+    module = LlamaAttention(config, layer_idx=0).to("cuda", torch.bfloat16)
+    positions = _positions(rows).cuda()
+    torch.manual_seed(3)
+    key = torch.randn(2, kv_heads, S, dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(2, kv_heads, S, dim, device="cuda", dtype=torch.bfloat16)
+    for rank in range(cp):
+        idx = chunk_indices(S, cp, rank).cuda()
+        query = torch.randn(2, heads, len(idx), dim, device="cuda", dtype=torch.bfloat16)
+        got, _ = flash_varlen_attention(flash_attention_forward, module, query, key, value, positions, idx,
+                                        sliding_window=window, scaling=1 / math.sqrt(dim), dropout=0.0)
+        mask = cp_attention_mask(positions, idx, window, torch.float32, additive=False)
+        want = scaled_dot_product_attention(query.float(), key.float().repeat_interleave(heads // kv_heads, 1),
+                                            value.float().repeat_interleave(heads // kv_heads, 1),
+                                            attn_mask=mask).transpose(1, 2)  # [B, Sq, H, D]
+        assert torch.isfinite(got).all()
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2e-2, f"rank {rank}: flash pieces differ from the masked attention by {err}"
