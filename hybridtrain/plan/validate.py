@@ -226,6 +226,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     # Loop.
     _need(tr.max_steps >= 1, "trainer.max_steps", f"must be >= 1, got {tr.max_steps}")
     _need(tr.log_every >= 1, "trainer.log_every", f"must be >= 1, got {tr.log_every}")
+    _need(tr.loss_chunk_tokens >= 1, "trainer.loss_chunk_tokens",
+          f"must be >= 1 (tokens per piece of the LM head and loss), got {tr.loss_chunk_tokens}")
     _need(0 <= cfg.optim.warmup_steps <= tr.max_steps, "optim.warmup_steps",
           f"{cfg.optim.warmup_steps} must be in [0, trainer.max_steps={tr.max_steps}]")
     _need(cfg.optim.lr > 0, "optim.lr", f"must be > 0, got {cfg.optim.lr}")

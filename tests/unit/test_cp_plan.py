@@ -19,6 +19,8 @@ CASES = {  # id -> (overrides, machine, key, fragments of the message)
                              "model.config.reorder_and_upcast_attn", ["bypasses transformers' attention functions"]),
     "more_ranks_than_gpus": (("+recipe=llama_tiny", "parallel.cp=4", "parallel.tp=4"), GPUS, "parallel.cp",
                              ["cp x tp x pp = 4 x 4 x 1 = 16 ranks exceed the 8 devices"]),
+    "loss_chunk_below_one": (("+recipe=llama_tiny", "trainer.loss_chunk_tokens=0"), CPU, "trainer.loss_chunk_tokens",
+                             ["must be >= 1 (tokens per piece of the LM head and loss), got 0"]),
     "dp_does_not_fit": (("+recipe=llama_tiny", "parallel.cp=2", "parallel.tp=2", "parallel.dp=4"), GPUS,
                         "parallel.dp", ["dp x cp x tp x pp = 4 x 2 x 2 x 1 = 16 does not fit the 8 devices",
                                         "use dp <= 2"]),
