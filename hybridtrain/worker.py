@@ -226,9 +226,11 @@ def run_or_report(run_dir: Path) -> int:
 
         hide_gpus(os.environ)  # CPU processes see no GPU, whatever their launcher exported (before torch looks)
         if os.environ.get("HYBRIDTRAIN_CONTROLLER"):  # started by the deepspeed runner: die with the controller
-            from hybridtrain.launch.parent import watch_controller
+            from hybridtrain.launch.parent import LIFELINE_ENV, hold_lifeline, watch_controller
 
-            watch_controller(os.environ["HYBRIDTRAIN_CONTROLLER"])
+            # on the controller's host its pidfd; on another host (ssh) the controller's lifeline
+            if not watch_controller(os.environ["HYBRIDTRAIN_CONTROLLER"]) and os.environ.get(LIFELINE_ENV):
+                hold_lifeline(os.environ[LIFELINE_ENV])
         if os.environ.get("HYBRIDTRAIN_LAUNCHER") == "slurm":  # an srun task: RANK etc. from SLURM's variables
             from hybridtrain.launch import env
 

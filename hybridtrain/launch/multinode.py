@@ -24,7 +24,7 @@ from hybridtrain.config.schema import MultinodeLauncherConfig
 from hybridtrain.launch.devices import cpu_ranks_env
 from hybridtrain.launch.local import report_stop, threads_per_rank
 from hybridtrain.launch.output import Output
-from hybridtrain.launch.parent import controller_env, parent_death
+from hybridtrain.launch.parent import Lifeline, controller_env, parent_death
 from hybridtrain.errors import PlanError
 from hybridtrain.plan.devices import uses_gpus
 from hybridtrain.plan.types import Machine, Plan
@@ -71,9 +71,11 @@ def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine
     if launcher.hostfile is None:
         hostfile.write_text("".join(f"{h} slots={s}\n" for h, s in found))
     threads = threads_per_rank(launcher, plan, machine)
-    # CONTROLLER_ENV: the ranks on this host die with this process (hybridtrain.launch.parent.watch_controller)
+    # CONTROLLER_ENV: the ranks on this host die with this process (hybridtrain.launch.parent.watch_controller),
+    # the lifeline: those on the other hosts (hold_lifeline); it lives as long as this process
+    lifeline = Lifeline(toward=found[0][0])
     extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env(),
+             "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env(), **lifeline.env(),
              **cpu_ranks_env(uses_gpus(launcher, machine))}  # CPU processes: the worker hides the GPUs (hide_gpus)
     # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file
     env_file = RunDir(run_dir).deepspeed_env

@@ -111,3 +111,15 @@ def test_resume_under_another_layout_continues_the_losses(family, before, after,
     want = [r["loss"] for r in reference_run(cfg)]
     got = [m["loss"] for m in metrics(first)][:2] + [m["loss"] for m in metrics(resumed)]
     assert got == pytest.approx(want, rel=1e-4)
+
+
+CP_CI = {"gemma2"}
+"""Context parallelism in CI: Gemma 2 (eager soft-capped attention alternating sliding and full layers, the
+embedding scale, the logit soft-cap); every other family in the slow tier."""
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in CP_CI else [pytest.mark.slow]) for f in NEW])
+def test_family_context_parallel_equals_transformers(family, family_folders, oracle, tmp_path):
+    """cp = 2 x tp = 2 (issue 31.1): each rank's chunks of every row, the attention over the gathered keys and
+    values; transformers' losses and gradient norms, and the export's logits gathered over cp and tp."""
+    _check_run(family, (1, 2, 1), family_folders, oracle, tmp_path, "parallel.cp=2")

@@ -285,6 +285,57 @@ def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
                 pass
 
 
+def test_a_rank_on_another_host_dies_with_the_controller(tmp_path):
+    """A rank of ``launcher=multinode`` on a host other than the controller's (the ssh path; the controller may
+    run on a login node with no rank) holds the controller's lifeline (``hybridtrain.launch.parent.Lifeline``, a
+    TCP connection the controller keeps open) and ends itself when the controller is SIGKILLed. The rank stand-in
+    connects to it as a rank on another host does (``hold_lifeline``: the pidfd path needs the same host)."""
+    import psutil
+
+    rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import LIFELINE_ENV, hold_lifeline\n"
+            "assert hold_lifeline(os.environ[LIFELINE_ENV])\nprint('holding', flush=True)\ntime.sleep(120)\n")
+    controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import Lifeline\n"
+                  "lifeline = Lifeline(toward='127.0.0.1')\n"
+                  f"subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, **lifeline.env()}},\n"
+                  "                 start_new_session=True)\n"  # not a child's death signal: only the lifeline
+                  "time.sleep(120)\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(REPO)))
+    tree = []
+    try:
+        deadline = time.monotonic() + 60
+        while "holding" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "holding" in out.read_text(), out.read_text()
+        tree = _descendants(proc.pid)
+        holder = [p for p in tree if p.cmdline()[-1] == rank]
+        assert len(holder) == 1, tree
+        proc.kill()
+        proc.wait()
+        psutil.wait_procs(holder, timeout=10)
+        assert not _alive(holder), "the rank outlived its controller"
+    finally:
+        proc.kill()
+        for p in _alive(tree):
+            p.kill()
+
+
+def test_an_unreachable_lifeline_is_said_and_not_fatal(capsys):
+    """A rank that cannot reach the controller's lifeline says so and trains on (it then ends at its next
+    collective with the dead ranks, as before the lifeline existed)."""
+    import socket
+
+    from hybridtrain.launch.parent import hold_lifeline
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert hold_lifeline(f"127.0.0.1:{port}", timeout=2) is False
+    assert "cannot reach the controller at 127.0.0.1:" in capsys.readouterr().out
+
+
 def test_a_rank_the_runner_started_dies_with_the_controller(tmp_path):
     """The ranks of ``launcher=multinode`` are the deepspeed runner's grandchildren: each watches the
     controller named by ``HYBRIDTRAIN_CONTROLLER`` (``hybridtrain.launch.parent.watch_controller``). A stand-in
