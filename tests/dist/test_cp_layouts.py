@@ -5,7 +5,7 @@ same data order), with whole rows (the embedded corpus streamed into blocks) and
 ``data.seq_len=64`` cut into 4 or 8 chunks). The gradient norms match too (clipping sees the global norm).
 
 ``gpt_tiny`` (GPT-2: learned positions, sdpa) and ``llama_tiny`` (rotary, grouped-query attention) each run
-in real ``python -m hybridtrain`` runs through the launcher. CI runs one layout of each; the slow tier the rest.
+in real ``python -m hybridtrain`` runs through the launcher. CI runs one layout; the slow tier the rest.
 """
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ most crossing a chunk boundary at cp = 2 (chunks of 16) and cp = 4 (chunks of 8)
 LAYOUTS = [  # (dp, cp, tp, pp)
     (1, 2, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2), (2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2),
 ]
-CI = {("gpt_tiny", (2, 2, 1, 1), "rows"), ("llama_tiny", (1, 2, 2, 2), "packed")}
-"""The layouts CI runs: data x context parallel with ZeRO-1 over dp x cp (GPT-2, whole rows), and context x
-tensor x pipeline with packed documents (Llama)."""
+CI = {("llama_tiny", (1, 2, 1, 2), "packed")}
+"""The layout CI runs here: context x pipeline parallel with packed documents (Llama). CI also runs cp in the
+sequential engine with ZeRO-1 over the cp pair and tensor parallelism (Gemma 2, tests/dist/test_family_layouts.py),
+with an MoE model (tests/dist/test_moe_layouts.py), and the attention alone at cp = 2 and 4
+(tests/dist/test_cp_attention.py); the other layouts run in the slow tier."""
 
 CASES = [pytest.param(recipe, layout, rows, id="dp{}_cp{}_tp{}_pp{}-{}-{}".format(*layout, recipe, rows),
                       marks=[] if (recipe, layout, rows) in CI else [pytest.mark.slow])
@@ -88,6 +90,7 @@ def test_context_parallel_composes(case, baseline, tmp_path):
     _assert_matches(tmp_path, baseline("llama_tiny", "packed", *shared), case)
 
 
+@pytest.mark.slow  # CI saves and exports at cp = 2 in test_family_layouts.py (Gemma 2); resuming is slow-tier
 def test_context_parallel_checkpoint_resumes_anywhere_and_exports(baseline, tmp_path):
     """A dp=1 x cp=2 x tp=2 run (ZeRO-1 over the cp pair) saves at step 2 with its logits: the export's
     transformers logits equal the saved ones (gathered over cp and tp), the export's loss is the run's, and the
