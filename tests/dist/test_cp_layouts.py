@@ -75,6 +75,7 @@ COMPOSED = {  # id -> (layout, overrides the run adds, overrides the baseline sh
     "lora": ((1, 2, 2, 2), (), LORA),
     "logits_in_pieces": ((1, 2, 2, 2), ("trainer.loss_chunk_tokens=6",), ()),
     "logits_in_pieces_pp1": ((2, 2, 1, 1), ("trainer.loss_chunk_tokens=6",), ()),
+    "logits_in_pieces_zero3": ((1, 2, 2, 1), ("trainer.loss_chunk_tokens=6", "parallel.zero_stage=3"), ()),
 }
 """Context parallelism with the rest (issue 31.1): activation checkpointing (the all-gather recomputed in the
 backward), ZeRO-2 and ZeRO-3 over dp x cp, LoRA (its baseline is LoRA at (1,1,1,1)), the LM head and loss in
