@@ -17,7 +17,7 @@ boundaries (flash varlen, flex) is the way past it at long context.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -97,6 +97,9 @@ class CPAttention:
     segments: Optional["FlashSegments"] = None
     """FlashAttention 2's pieces (:func:`flash_segments`) of these rows for this rank, made once per micro-batch and
     shared by the blocks (``None``: made at the call)."""
+    masks: dict = field(default_factory=dict, repr=False)
+    """The masks made so far for these rows, by ``(window, dtype, additive)``: one per micro-batch and kind of
+    layer, shared by every block (autograd then keeps one tensor for the backward, not one per block)."""
 
 
 BASES = ("sdpa", "eager", "flash_attention_2")
@@ -160,9 +163,13 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     # The layer's window as the families hand it to flash attention (Mistral from the config, Qwen 2 and Gemma 2
     # per layer, None on full layers); the module attribute for a family that does not pass it.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    # Built per call (per layer): [B, S/cp, S] index comparisons, small next to the attention's own [B, H, S/cp, S].
-    mask = cp_attention_mask(positions, cp.indices(seq).to(query.device), window, query.dtype,
-                             additive=ctx.base == "eager")  # [B, 1, S/cp, S]
+    # Additive for sdpa too: torch's sdpa turns a boolean mask into a new float one at every call, which each
+    # block's backward would then keep; one float mask made here is kept once for all of them.
+    additive = True
+    mask = ctx.masks.get((window, query.dtype, additive))
+    if mask is None:  # the first block of this micro-batch with this window: [B (or 1), 1, S/cp, S]
+        mask = ctx.masks[window, query.dtype, additive] = cp_attention_mask(
+            positions, cp.indices(seq).to(query.device), window, query.dtype, additive=additive)
     return base(module, query, key, value, mask, **kwargs)
 
 
