@@ -66,7 +66,8 @@ def estimated_bytes(cp: int, seq_len: int, steps: int) -> int:
     from hybridtrain.plan.calibrate import Rates
 
     cfg = cli.compose(overrides(cp, seq_len, steps))
-    rates = Rates(flops=1e10, latency=1e-4, bandwidth=1e9, device="cpu", threads=1, layer_overhead=5e-4)  # memory only
+    # the memory estimate does not read the rates
+    rates = Rates(flops=1e10, latency=1e-4, bandwidth=1e9, device="cpu", threads=1, layer_overhead=5e-4)
     return estimate_layout(cfg, model_config(cfg), Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=2), rates).memory
 
 
@@ -129,7 +130,7 @@ def compare(work: Path, rounds: int, quick: bool, done: dict, alternate, seq_len
             "ratios": {"tokens_per_sec_cp2_over_cp1": speed_ab, "per_rank_tokens_per_sec_cp2_over_cp1_half": rank_ac,
                        "peak_rss_mib_cp1_minus_cp2": mem_ab, "peak_rss_mib_cp2_minus_cp1_half": mem_ac},
             "estimate_mib": est, "raw": res, "seq_len": seq_len, "steps": steps,
-            "plot": {"labels": ["cp=2", "cp=1", f"cp=1 seq/2"], "values": [med(k, "tokens_per_sec") for k in sides],
+            "plot": {"labels": ["cp=2", "cp=1", "cp=1 seq/2"], "values": [med(k, "tokens_per_sec") for k in sides],
                      "ylabel": "tokens/s"}}
 
 

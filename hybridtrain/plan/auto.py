@@ -3,7 +3,8 @@ one's step time, pick the fastest.
 
 A candidate is (dp, cp, tp, pp, micro-batch size, ZeRO stage, activation checkpointing) with
 ``dp x cp x tp x pp = plan.world_size``; context parallelism (``cp`` > 1, ``docs/long-context.md``) is
-searched for a long sequence, one at which no layout of whole rows fits the budget (:func:`search`). Every candidate goes through the plan's own rules
+searched for a long sequence, one at which no layout of whole rows fits the budget (:func:`search`).
+Every candidate goes through the plan's own rules
 (:func:`~hybridtrain.plan.validate.build_plan`: tp dividing the heads, pp up to the blocks, ZeRO 0-1
 with pp > 1, no 16-bit ZeRO-0, no TP group across nodes, ...), so auto never picks a layout the plan
 then refuses; its stage boundaries are the plan's (the memory-aware balanced partition). Memory comes
@@ -25,11 +26,11 @@ cluster's GPUs derived from ``launcher.gpu_type``):
 * context parallelism: per block an all-gather of the whole row's keys and values forward
   (``2 x b x s x kv_heads x head_dim`` elements, ``(cp - 1) / cp`` of them over the link) and the
   reduce-scatter of their gradients backward;
-* data parallelism (over the data axis ``dp x cp``): the ring all-reduce of the stage's gradients once per step, plus the
-  all-gather of the updated partitions (ZeRO-1/2: 1.5x) and of the parameters in forward and
+* data parallelism (over the data axis ``dp x cp``): the ring all-reduce of the stage's gradients once
+  per step, plus the all-gather of the updated partitions (ZeRO-1/2: 1.5x) and of the parameters in forward and
   backward (ZeRO-3: 2.5x), and the AdamW update of the rank's share.
 
-A data-parallel or pipeline group that spans nodes communicates at the inter-node rate
+A data-parallel, context-parallel or pipeline group that spans nodes communicates at the inter-node rate
 (:meth:`~hybridtrain.plan.calibrate.Rates.link`); TP groups never do (the plan refuses them).
 """
 from __future__ import annotations
