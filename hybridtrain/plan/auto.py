@@ -124,6 +124,8 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     (``cores`` per node; 0: unknown, no oversubscription). With ``cp`` > 1: ``cp_facts``, the model's facts
     at ``data.seq_len / cp`` (the rank's tokens, for its memory), and ``kv_width``, KV heads x head width."""
     dims = plan.dims  # the candidate's degrees, as the plan built from it holds them
+    if dims.cp > 1 and cp_facts is None:
+        raise ValueError(f"estimate of {c.label()}: cp > 1 needs cp_facts, the model's facts at seq_len / cp")
     s, h = facts.seq_len, facts.hidden
     w = 4 if plan.precision == "fp32" else 2
     m = plan.grad_accum
