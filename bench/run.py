@@ -10,7 +10,9 @@
 Comparisons (``bench/README.md``, ``docs/benchmarks.md``): ``overhead`` (1,1,1) vs plain transformers
 + torch.optim.AdamW and the HF Trainer (on each model of ``--models``, ``bench/models.py``); ``pipeline`` pp=2 with 8 micro-batches vs 1; ``dp`` dp=2 vs dp=1; ``tp`` tp=2 vs
 tp=1 with the all-reduce share; ``memory`` model-state bytes per rank vs the ideal split;
-``startup`` launch to first step vs a minimal DeepSpeed script. Each writes its rows into
+``startup`` launch to first step vs a minimal DeepSpeed script; ``cp`` context parallelism at cp=2 vs cp=1
+at the same sequence length and at half of it (``bench/bench_cp.py``; not in the default list: its own long-row
+model, run it with ``--only cp``). Each writes its rows into
 ``bench/results/suite_DATE.md`` / ``.json`` / ``.png`` together with the machine line (CPU, cores,
 versions, load average). The GPU MFU comparison is ``python -m bench.gpu_mfu``.
 """
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, alternate, machine, machine_line
+from bench.bench_cp import compare as cp_compare
 from bench.comparisons import COMPARISONS, _model, soak
 from bench.models import MODELS
 from bench.report import write_report
@@ -45,9 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
     names = ["soak"] if args.soak else (args.only.split(",") if args.only else list(COMPARISONS))
-    unknown = [n for n in names if n not in COMPARISONS and n != "soak"]
+    comparisons = {**COMPARISONS, "cp": cp_compare}  # cp: only on request (--only cp)
+    unknown = [n for n in names if n not in comparisons and n != "soak"]
     if unknown:
-        parser.error(f"unknown comparison(s) {unknown}; choose from {list(COMPARISONS)}")
+        parser.error(f"unknown comparison(s) {unknown}; choose from {list(comparisons)}")
     models = args.models.split(",") if args.models else [None]
     if [m for m in models if m is not None and m not in MODELS]:
         parser.error(f"unknown model(s) in {args.models!r}; choose from {list(MODELS)}")
@@ -79,7 +83,7 @@ def main() -> None:
                     md = write_report(results, args.out, report)
                 continue
             else:
-                results["sections"][name] = COMPARISONS[name](work / name, rounds, args.quick, done_runs, alternate)
+                results["sections"][name] = comparisons[name](work / name, rounds, args.quick, done_runs, alternate)
             results["sections"][name]["seconds"] = time.perf_counter() - t0
             info["loadavg_end"] = os.getloadavg()
             md = write_report(results, args.out, report)  # after every section: a cut-short suite keeps its results
