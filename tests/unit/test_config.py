@@ -33,7 +33,7 @@ def test_recipe_composes_and_validates(recipe, hf_llama):
     par = cfg.parallel
     assert (plan.dims.tp, plan.dims.pp) == (par.tp, par.pp)
     assert par.dp is None or plan.dims.dp == par.dp
-    assert plan.world_size == plan.dims.dp * plan.dims.tp * plan.dims.pp
+    assert plan.world_size == plan.dims.world == plan.dims.dp * plan.dims.cp * plan.dims.tp * plan.dims.pp
     assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.dims.dp == cfg.trainer.global_batch_size
     assert plan.tokens_per_step == cfg.trainer.global_batch_size * cfg.data.seq_len
     assert plan.padded_vocab_size % (plan.dims.tp * cfg.model.vocab_pad_multiple) == 0
