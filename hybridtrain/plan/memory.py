@@ -42,6 +42,7 @@ to ``min(pp - s, m)`` micro-batches.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,22 +143,107 @@ def attention_flags(cfg) -> dict[str, bool]:
     return {"eager": attn == "eager", "mask": packed and attn == "sdpa"}
 
 
+@dataclass(frozen=True)
+class Activations:
+    """What a family's decoder block and the layers around it keep for the backward, in bytes, measured by
+    ``bench/activations.py`` (the constants of :data:`ACTIVATIONS`): per token of the micro-batch and per unit of a
+    width for the token-wise terms, per element for eager's attention matrix.
+
+    Token-wise, a block keeps ``hidden h + mlp I + query q + kv k`` bytes per token (``q`` = heads x head dimension,
+    ``k`` = KV heads x head dimension; GPT-2 and GPT-NeoX, whose ``q = k = h``, have them folded into ``hidden``);
+    eager adds ``scores`` per element of ``[b, a, s, s]``; outside the blocks the model keeps ``outside h + vocab V / t``
+    per token (the embedding's output, the final norm, the head's input, the logits and the loss's fp32
+    log-softmax). The rest follows from the attention's shapes (:func:`attention_extra`)."""
+
+    hidden: float
+    mlp: float
+    query: float = 0.0
+    kv: float = 0.0
+    scores: float = 0.0
+    outside: float = 0.0
+    vocab: float = 4.0
+
+
+ACTIVATIONS: dict[tuple[str, str], Activations] = {
+    ("gemma", "bf16"): Activations(hidden=20.196, mlp=8.082, query=4.516, kv=4.132, scores=5.984, outside=10.016, vocab=3.979),  # fit 0.3%
+    ("gemma", "fp32"): Activations(hidden=24.196, mlp=16.082, query=9.016, kv=8.132, scores=3.984, outside=12.016, vocab=3.947),  # fit 0.2%
+    ("gemma2", "bf16"): Activations(hidden=36.137, mlp=8.037, query=4.507, kv=4.059, scores=7.999, outside=10.016, vocab=6.01),  # fit 0.1%
+    ("gemma2", "fp32"): Activations(hidden=40.137, mlp=16.037, query=9.007, kv=8.059, scores=7.999, outside=12.016, vocab=8.01),  # fit 0.1%
+    ("gpt2", "bf16"): Activations(hidden=16.875, mlp=9.875, scores=1.984, outside=4.0, vocab=4.014),  # fit 0.4%
+    ("gpt2", "fp32"): Activations(hidden=33.05, mlp=19.85, scores=3.984, outside=8.0, vocab=4.016),  # fit 0.3%
+    ("gpt_neox", "bf16"): Activations(hidden=20.352, mlp=4.114, scores=5.922, outside=3.875, vocab=4.01),  # fit 0.6%
+    ("gpt_neox", "fp32"): Activations(hidden=40.523, mlp=8.136, scores=3.859, outside=7.75, vocab=4.012),  # fit 0.4%
+    ("llama", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("llama", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("mistral", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("mistral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("olmo2", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979),  # fit 0.3%
+    ("olmo2", "fp32"): Activations(hidden=24.197, mlp=16.099, query=17.039, kv=16.316, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("phi3", "bf16"): Activations(hidden=16.164, mlp=8.082, query=8.533, kv=6.263, scores=5.828, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("phi3", "fp32"): Activations(hidden=24.164, mlp=16.082, query=17.033, kv=12.263, scores=3.672, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("qwen2", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("qwen2", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("qwen3", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979),  # fit 0.4%
+    ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
+}
+"""Measured :class:`Activations` by ``(model_type, precision)`` (``"fp32"``, ``"bf16"``; fp16 reads bf16), fitted by
+``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
+at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
+FALLBACK = "llama"
+"""The family whose constants a family without measurements (``model.family=auto``, MoE families) is given."""
+
+
+def activations_of(model_type: str, precision: str) -> Activations:
+    """The measured constants of a family (:data:`ACTIVATIONS`; :data:`FALLBACK`'s for an unmeasured family)."""
+    p = "fp32" if precision == "fp32" else "bf16"
+    return ACTIVATIONS.get((model_type, p)) or ACTIVATIONS[(FALLBACK, p)]
+
+
+def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, eager: bool, mask: bool) -> float:
+    """Bytes one block's attention keeps beyond its token-wise terms that follow from shapes alone, for ``local`` of
+    the row's ``seq`` tokens on this rank (``local = seq / cp``), ``q`` / ``kv`` the query and key widths on the rank.
+
+    Plain causal sdpa at cp = 1 keeps its own keys and values (in the token-wise ``kv`` term) and no mask: 0.
+    Eager, and sdpa given a mask (packed records; always at cp > 1, where the mask is by global token index), keep
+    the keys and values repeated to every query head over the whole row, ``2 w q s b``, in place of the ``2 w k
+    s/cp b`` of the token-wise term; sdpa keeps the mask in the activation dtype, ``w`` per element of
+    ``[b, 1, s/cp, s]`` (measured exactly on CPU, ``bench/activations.py``)."""
+    if not (eager or mask):
+        return 0.0
+    repeated = 2 * w * batch * (q * seq - kv * local)
+    return repeated + (0.0 if eager else w * batch * local * seq)
+
+
 def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
-                     checkpointing: bool, eager: bool, mask: bool = False) -> int:
-    """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward)."""
-    s, b, h, a = facts.seq_len, micro_batch, facts.hidden, facts.heads
+                     checkpointing: bool, eager: bool, mask: bool = False, cp: int = 1) -> int:
+    """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward), from the family's
+    measured :class:`Activations`.
+
+    At ``cp`` > 1 a rank holds ``s / cp`` tokens of each row: the token-wise terms shrink by ``cp``; the attention
+    keeps the keys and values of the whole row and the attention over ``[s / cp, s]`` (eager's matrix, or the mask the
+    context-parallel sdpa always gets, :func:`attention_extra`). With tensor parallelism the MLP, query, key and
+    value terms and the attention matrix are split over ``tp``, the ``hidden`` terms (norms, residuals) are not. With
+    activation checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time (its
+    whole activations: the peak during the backward)."""
+    s, b = facts.seq_len, micro_batch
+    local = s // cp  # this rank's tokens of a row
+    h = facts.hidden
+    q, kv = (facts.q_dim or h) // tp, (facts.kv_dim or h) // tp
+    mlp = facts.intermediate or 4 * h
     w = 4 if precision == "fp32" else 2
-    full = s * b * h * (10 + 24 / tp) * w / 2 + (5 * a * s * s * b / tp * w / 2 if eager else 0)
-    full += s * s * b * w if mask else 0  # sdpa's block-causal mask of packed records
+    c = activations_of(facts.family.model_type, precision)
+    full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
+    full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
+    full += attention_extra(s, local, b, q, kv, w, eager, mask or cp > 1)
     blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
-        total = blocks * s * b * h * w + full  # inputs kept + one block recomputed
+        total = blocks * local * b * h * w + full  # inputs kept + one block recomputed
     else:
         total = blocks * full
     if any(u.kind is Kind.HEAD for u in units):
-        total += 2 * 4 * s * b * facts.padded_vocab / tp
-    if any(u.kind is Kind.EMBED for u in units):
-        total += s * b * h * w
+        total += local * b * c.vocab * facts.padded_vocab / tp
+    ends = sum(u.kind in (Kind.EMBED, Kind.HEAD) for u in units)  # the outside terms, half at each end of the model
+    total += local * b * c.outside * h * ends / 2
     return int(total)
 
 
@@ -195,9 +281,33 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
         trained = [n for u in units for n in lora(u.name)]
         frozen = stage_param_sizes(units, dims.tp) + [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
         params, grads, optim = model_state(trained, zero, dims.data, precision, frozen=frozen)
-    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask)
+    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask, dims.cp)
     return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
                       reduction_buffer(sum(trained), zero, dims.data, precision))
+
+
+def longest_seq_len(facts: ModelFacts, bounds: list[int], dims: ParallelDims, budget: float, *, zero: int,
+                    precision: str, micro_batch: int, micro_batches: int, checkpointing: bool, eager: bool = False,
+                    mask: bool = False, limit: int = 1 << 24) -> int:
+    """The longest ``data.seq_len`` (a multiple of ``2 x cp``, the context-parallel chunks) at which every rank of the
+    layout fits ``budget`` bytes (:func:`rank_memory` of each stage), 0 if none does; searched up to ``limit``.
+    Model state does not depend on the sequence, activations grow with it, so the search is a bisection."""
+    step = 2 * dims.cp
+
+    def fits(seq: int) -> bool:
+        at = dataclasses.replace(facts, seq_len=seq)
+        return all(rank_memory(at, bounds, st, dims, zero=zero, precision=precision, micro_batch=micro_batch,
+                               micro_batches=micro_batches, checkpointing=checkpointing, eager=eager,
+                               mask=mask).total <= budget for st in range(dims.pp))
+
+    lo, hi = 0, limit // step  # in chunks of `step` tokens: lo fits (or is 0), hi + 1 does not
+    if not fits(step):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
 
 
 def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches: int, padded_vocab: int,
