@@ -28,17 +28,40 @@ dp in fp32 (``communication_data_type``). Where DeepSpeed's engine all-reduces t
 5e8 elements, counted apart (:func:`reduction_buffer`, ``RankMemory.reduce``); with one replica the
 reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validate.py``).
 
-Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
-sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
-``s b h (10 + 24/t) x w/2`` plus ``5 a s^2 b / t x w/2`` for the attention matrix with the eager
-kernel (sdpa does not keep it). Packed records (``data.packing=documents``) with sdpa add the
-block-causal mask sdpa keeps for the backward, ``s^2 b x w`` per block (``[b, 1, s, s]`` in the
-activation dtype, shared by the heads: measured on CPU in ``tests/unit/test_packing.py``);
-FlashAttention 2 takes the records' boundaries as offsets and keeps no mask, eager keeps its own
-mask either way. The activations' shapes do not change with packing. With activation
-checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time. The
-last stage adds the logits and their softmax in fp32 ``2 x 4 s b V/t``. In 1F1B stage ``s`` holds up
-to ``min(pp - s, m)`` micro-batches.
+Activations (per micro-batch, per rank; measured, not assumed: ``bench/activations.py`` counts every tensor autograd
+saves for the backward through hybridtrain's own layers, per storage, parameters excluded, and
+``bench/results/activations_2026-12-03_160400.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
+``h`` hidden, ``I`` MLP width, ``q`` / ``k`` query and key widths (heads x head dim), ``a`` heads, ``t`` = tp,
+``w`` activation bytes, ``V`` padded vocabulary; per block, bytes per token (bf16 / fp32, :data:`ACTIVATIONS`):
+
+=========== =================================== =================================== ======== ==========
+family      bf16: ``h``, ``I``, ``q``, ``k``    fp32: ``h``, ``I``, ``q``, ``k``    eager/el outside h
+=========== =================================== =================================== ======== ==========
+llama       16.2, 8.1, 4.5, 4.3                 24.2, 16.1, 9.0, 8.3                6.0 / 4  8 / 12
+mistral     as llama                            as llama                            6.0 / 4  8 / 12
+qwen2       as llama                            as llama                            6.0 / 4  8 / 12
+qwen3       16.4, 8.2, 10.4, 10.5 (q/k norms)   24.4, 16.2, 16.9, 16.5              6.0 / 4  8 / 12
+gemma       20.2, 8.1, 4.5, 4.1                 24.2, 16.1, 9.0, 8.1                6.0 / 4  10 / 12
+gemma2      36.1, 8.0, 4.5, 4.1 (eager only)    40.1, 16.0, 9.0, 8.1                8.0 / 8  10 / 12
+phi3        16.2, 8.1, 8.5, 6.3                 24.2, 16.1, 17.0, 12.3              5.8 / 3.7 8 / 12
+olmo2       20.2, 8.1, 13.0, 12.3 (q/k norms)   24.2, 16.1, 17.0, 16.3              6.0 / 4  10 / 12
+gpt2        16.9 (q = k = h), 9.9               33.1, 19.9                          2.0 / 4  4 / 8
+gpt_neox    20.4 (q = k = h), 4.1               40.5, 8.1                           5.9 / 3.9 3.9 / 7.8
+=========== =================================== =================================== ======== ==========
+
+so a Llama-2-7B block keeps about ``47 s b h`` bytes in bf16 (the old assumed ``34 s b h`` was low; the head's
+``8 s b V`` was twice the one fp32 ``[s, V]`` the loss keeps: ``4 s b V / t``, Gemma 2 6-8 with its soft-cap).
+``eager/el``: eager's bytes per element of the attention matrix ``a s^2 b / t``. The rest follows from the shapes
+(:func:`attention_extra`): eager, and sdpa given a mask (packed records, ``data.packing=documents``; every block at
+cp > 1), keep the keys and values repeated to every head over the whole row, ``2 w q s b``, in place of sdpa's own
+``2 w k s b``, and sdpa keeps its mask in the activation dtype, ``w`` per element of ``[b, 1, s/cp, s]`` (one per
+block). FlashAttention 2 takes the records' boundaries as offsets and keeps no mask (not measured here: GPU only).
+With context parallelism the token-wise terms are at ``s / cp`` tokens; with tensor parallelism the ``I``, ``q``,
+``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
+model's, not measured). With activation checkpointing a block keeps only its input ``s b h w`` and one block is
+recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
+``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. Families without measurements
+(``model.family=auto``, the MoE families) get Llama's constants (:data:`FALLBACK`).
 """
 from __future__ import annotations
 
