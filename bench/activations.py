@@ -1,7 +1,7 @@
 """Activation memory, measured: the bytes of the tensors autograd keeps for the backward of one micro-batch.
 
-    python -m bench.activations                  # every family, kernel, dtype, checkpointing, packing; cp=1 and 2
-    python -m bench.activations --families llama --seq 512 1024
+    python -m bench.activations                  # every family's fitting rows, then the cp = 1 and cp = 2 rows
+    python -m bench.activations --families llama --no-cp
 
 The count is exact and independent of machine load: ``torch.autograd.graph.saved_tensors_hooks`` sees every
 tensor saved for the backward while hybridtrain's own layers (:func:`hybridtrain.models.stages.sequential_model`)
@@ -11,7 +11,7 @@ With activation checkpointing (``parallel.activation_checkpointing=true``) the c
 pre-hook, the storage the checkpoint holds for the recomputation) and, during the backward, one block recomputed
 at a time, whose saved tensors are those of the same block run without checkpointing (``block`` below).
 
-Context parallelism (``--cp 2``) runs the same model on two gloo ranks (:func:`hybridtrain.parallel.spawn.run_world`),
+Context parallelism (the cp rows, :data:`CP_CASES`) runs the same model on two gloo ranks (:func:`hybridtrain.parallel.spawn.run_world`),
 each given whole rows (the embedding takes the rank's chunks); the count is per rank.
 
 What the plan estimates from these numbers (``hybridtrain/plan/memory.py``, :func:`activation_bytes`) is checked
