@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, padded_vocab
+from hybridtrain.models.families.base import head_dim_of, kv_heads_of, mlp_width_of
 from hybridtrain.models.units import Kind, Unit, model_units
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
@@ -82,6 +83,12 @@ class ModelFacts:
     seq_len: int
     padded_vocab: int
     units: list[UnitFacts] = field(default_factory=list)
+    intermediate: int = 0
+    """The dense MLP's width (``config.intermediate_size``; GPT-2's ``n_inner`` or 4 x hidden)."""
+    q_dim: int = 0
+    """Query width, heads x head dimension (0: the hidden size)."""
+    kv_dim: int = 0
+    """Key (and value) width, key-value heads x head dimension (0: the hidden size)."""
 
     @property
     def names(self) -> list[str]:
@@ -133,8 +140,11 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
-    return ModelFacts(family=family, hidden=hidden, heads=int(getattr(hf_config, family.heads)),
-                      num_layers=layers, seq_len=seq_len, padded_vocab=vocab, units=units)
+    heads, head_dim = int(getattr(hf_config, family.heads)), head_dim_of(family, hf_config)
+    width = mlp_width_of(family, hf_config)
+    return ModelFacts(family=family, hidden=hidden, heads=heads, num_layers=layers, seq_len=seq_len,
+                      padded_vocab=vocab, units=units, intermediate=width, q_dim=heads * head_dim,
+                      kv_dim=kv_heads_of(family, hf_config) * head_dim)
 
 
 def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int, ep: int = 1) -> int:

@@ -28,20 +28,44 @@ dp in fp32 (``communication_data_type``). Where DeepSpeed's engine all-reduces t
 5e8 elements, counted apart (:func:`reduction_buffer`, ``RankMemory.reduce``); with one replica the
 reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bits is refused by the plan (``hybridtrain/plan/validate.py``).
 
-Activations (per micro-batch, per block; Korthikanti et al. 2022 with tensor parallelism, no
-sequence parallelism; ``s`` seq len, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` = tp):
-``s b h (10 + 24/t) x w/2`` plus ``5 a s^2 b / t x w/2`` for the attention matrix with the eager
-kernel (sdpa does not keep it). Packed records (``data.packing=documents``) with sdpa add the
-block-causal mask sdpa keeps for the backward, ``s^2 b x w`` per block (``[b, 1, s, s]`` in the
-activation dtype, shared by the heads: measured on CPU in ``tests/unit/test_packing.py``);
-FlashAttention 2 takes the records' boundaries as offsets and keeps no mask, eager keeps its own
-mask either way. The activations' shapes do not change with packing. With activation
-checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time. The
-last stage adds the logits and their softmax in fp32 ``2 x 4 s b V/t``. In 1F1B stage ``s`` holds up
-to ``min(pp - s, m)`` micro-batches.
+Activations (per micro-batch, per rank; measured, not assumed: ``bench/activations.py`` counts every tensor autograd
+saves for the backward through hybridtrain's own layers, per storage, parameters excluded, and
+``bench/results/activations_2026-12-03_160400.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
+``h`` hidden, ``I`` MLP width, ``q`` / ``k`` query and key widths (heads x head dim), ``a`` heads, ``t`` = tp,
+``w`` activation bytes, ``V`` padded vocabulary; per block, bytes per token (bf16 / fp32, :data:`ACTIVATIONS`):
+
+=========== =================================== =================================== ======== ==========
+family      bf16: ``h``, ``I``, ``q``, ``k``    fp32: ``h``, ``I``, ``q``, ``k``    eager/el outside h
+=========== =================================== =================================== ======== ==========
+llama       16.2, 8.1, 4.5, 4.3                 24.2, 16.1, 9.0, 8.3                6.0 / 4  8 / 12
+mistral     as llama                            as llama                            6.0 / 4  8 / 12
+qwen2       as llama                            as llama                            6.0 / 4  8 / 12
+qwen3       16.4, 8.2, 10.4, 10.5 (q/k norms)   24.4, 16.2, 16.9, 16.5              6.0 / 4  8 / 12
+gemma       20.2, 8.1, 4.5, 4.1                 24.2, 16.1, 9.0, 8.1                6.0 / 4  10 / 12
+gemma2      36.1, 8.0, 4.5, 4.1 (eager only)    40.1, 16.0, 9.0, 8.1                8.0 / 8  10 / 12
+phi3        16.2, 8.1, 8.5, 6.3                 24.2, 16.1, 17.0, 12.3              5.8 / 3.7 8 / 12
+olmo2       20.2, 8.1, 13.0, 12.3 (q/k norms)   24.2, 16.1, 17.0, 16.3              6.0 / 4  10 / 12
+gpt2        16.9 (q = k = h), 9.9               33.1, 19.9                          2.0 / 4  4 / 8
+gpt_neox    20.4 (q = k = h), 4.1               40.5, 8.1                           5.9 / 3.9 3.9 / 7.8
+=========== =================================== =================================== ======== ==========
+
+so a Llama-2-7B block keeps about ``47 s b h`` bytes in bf16 (the old assumed ``34 s b h`` was low; the head's
+``8 s b V`` was twice the one fp32 ``[s, V]`` the loss keeps: ``4 s b V / t``, Gemma 2 6-8 with its soft-cap).
+``eager/el``: eager's bytes per element of the attention matrix ``a s^2 b / t``. The rest follows from the shapes
+(:func:`attention_extra`): eager, and sdpa given a mask (packed records, ``data.packing=documents``; every block at
+cp > 1), keep the keys and values repeated to every head over the whole row, ``2 w q s b``, in place of sdpa's own
+``2 w k s b``, and sdpa keeps its mask in the activation dtype, ``w`` per element of ``[b, 1, s/cp, s]`` (one per
+block). FlashAttention 2 takes the records' boundaries as offsets and keeps no mask (not measured here: GPU only).
+With context parallelism the token-wise terms are at ``s / cp`` tokens; with tensor parallelism the ``I``, ``q``,
+``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
+model's, not measured). With activation checkpointing a block keeps only its input ``s b h w`` and one block is
+recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
+``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. Families without measurements
+(``model.family=auto``, the MoE families) get Llama's constants (:data:`FALLBACK`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,22 +166,107 @@ def attention_flags(cfg) -> dict[str, bool]:
     return {"eager": attn == "eager", "mask": packed and attn == "sdpa"}
 
 
+@dataclass(frozen=True)
+class Activations:
+    """What a family's decoder block and the layers around it keep for the backward, in bytes, measured by
+    ``bench/activations.py`` (the constants of :data:`ACTIVATIONS`): per token of the micro-batch and per unit of a
+    width for the token-wise terms, per element for eager's attention matrix.
+
+    Token-wise, a block keeps ``hidden h + mlp I + query q + kv k`` bytes per token (``q`` = heads x head dimension,
+    ``k`` = KV heads x head dimension; GPT-2 and GPT-NeoX, whose ``q = k = h``, have them folded into ``hidden``);
+    eager adds ``scores`` per element of ``[b, a, s, s]``; outside the blocks the model keeps ``outside h + vocab V / t``
+    per token (the embedding's output, the final norm, the head's input, the logits and the loss's fp32
+    log-softmax). The rest follows from the attention's shapes (:func:`attention_extra`)."""
+
+    hidden: float
+    mlp: float
+    query: float = 0.0
+    kv: float = 0.0
+    scores: float = 0.0
+    outside: float = 0.0
+    vocab: float = 4.0
+
+
+ACTIVATIONS: dict[tuple[str, str], Activations] = {
+    ("gemma", "bf16"): Activations(hidden=20.196, mlp=8.082, query=4.516, kv=4.132, scores=5.984, outside=10.016, vocab=3.979),  # fit 0.3%
+    ("gemma", "fp32"): Activations(hidden=24.196, mlp=16.082, query=9.016, kv=8.132, scores=3.984, outside=12.016, vocab=3.947),  # fit 0.2%
+    ("gemma2", "bf16"): Activations(hidden=36.137, mlp=8.037, query=4.507, kv=4.059, scores=7.999, outside=10.016, vocab=6.01),  # fit 0.1%
+    ("gemma2", "fp32"): Activations(hidden=40.137, mlp=16.037, query=9.007, kv=8.059, scores=7.999, outside=12.016, vocab=8.01),  # fit 0.1%
+    ("gpt2", "bf16"): Activations(hidden=16.875, mlp=9.875, scores=1.984, outside=4.0, vocab=4.014),  # fit 0.4%
+    ("gpt2", "fp32"): Activations(hidden=33.05, mlp=19.85, scores=3.984, outside=8.0, vocab=4.016),  # fit 0.3%
+    ("gpt_neox", "bf16"): Activations(hidden=20.352, mlp=4.114, scores=5.922, outside=3.875, vocab=4.01),  # fit 0.6%
+    ("gpt_neox", "fp32"): Activations(hidden=40.523, mlp=8.136, scores=3.859, outside=7.75, vocab=4.012),  # fit 0.4%
+    ("llama", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("llama", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("mistral", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("mistral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("olmo2", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979),  # fit 0.3%
+    ("olmo2", "fp32"): Activations(hidden=24.197, mlp=16.099, query=17.039, kv=16.316, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("phi3", "bf16"): Activations(hidden=16.164, mlp=8.082, query=8.533, kv=6.263, scores=5.828, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("phi3", "fp32"): Activations(hidden=24.164, mlp=16.082, query=17.033, kv=12.263, scores=3.672, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("qwen2", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("qwen2", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("qwen3", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979),  # fit 0.4%
+    ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
+}
+"""Measured :class:`Activations` by ``(model_type, precision)`` (``"fp32"``, ``"bf16"``; fp16 reads bf16), fitted by
+``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
+at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
+FALLBACK = "llama"
+"""The family whose constants a family without measurements (``model.family=auto``, MoE families) is given."""
+
+
+def activations_of(model_type: str, precision: str) -> Activations:
+    """The measured constants of a family (:data:`ACTIVATIONS`; :data:`FALLBACK`'s for an unmeasured family)."""
+    p = "fp32" if precision == "fp32" else "bf16"
+    return ACTIVATIONS.get((model_type, p)) or ACTIVATIONS[(FALLBACK, p)]
+
+
+def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, eager: bool, mask: bool) -> float:
+    """Bytes one block's attention keeps beyond its token-wise terms that follow from shapes alone, for ``local`` of
+    the row's ``seq`` tokens on this rank (``local = seq / cp``), ``q`` / ``kv`` the query and key widths on the rank.
+
+    Plain causal sdpa at cp = 1 keeps its own keys and values (in the token-wise ``kv`` term) and no mask: 0.
+    Eager, and sdpa given a mask (packed records; always at cp > 1, where the mask is by global token index), keep
+    the keys and values repeated to every query head over the whole row, ``2 w q s b``, in place of the ``2 w k
+    s/cp b`` of the token-wise term; sdpa keeps the mask in the activation dtype, ``w`` per element of
+    ``[b, 1, s/cp, s]`` (measured exactly on CPU, ``bench/activations.py``)."""
+    if not (eager or mask):
+        return 0.0
+    repeated = 2 * w * batch * (q * seq - kv * local)
+    return repeated + (0.0 if eager else w * batch * local * seq)
+
+
 def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
-                     checkpointing: bool, eager: bool, mask: bool = False) -> int:
-    """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward)."""
-    s, b, h, a = facts.seq_len, micro_batch, facts.hidden, facts.heads
+                     checkpointing: bool, eager: bool, mask: bool = False, cp: int = 1) -> int:
+    """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward), from the family's
+    measured :class:`Activations`.
+
+    At ``cp`` > 1 a rank holds ``s / cp`` tokens of each row: the token-wise terms shrink by ``cp``; the attention
+    keeps the keys and values of the whole row and the attention over ``[s / cp, s]`` (eager's matrix, or the mask the
+    context-parallel sdpa always gets, :func:`attention_extra`). With tensor parallelism the MLP, query, key and
+    value terms and the attention matrix are split over ``tp``, the ``hidden`` terms (norms, residuals) are not. With
+    activation checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time (its
+    whole activations: the peak during the backward)."""
+    s, b = facts.seq_len, micro_batch
+    local = s // cp  # this rank's tokens of a row
+    h = facts.hidden
+    q, kv = (facts.q_dim or h) // tp, (facts.kv_dim or h) // tp
+    mlp = facts.intermediate or 4 * h
     w = 4 if precision == "fp32" else 2
-    full = s * b * h * (10 + 24 / tp) * w / 2 + (5 * a * s * s * b / tp * w / 2 if eager else 0)
-    full += s * s * b * w if mask else 0  # sdpa's block-causal mask of packed records
+    c = activations_of(facts.family.model_type, precision)
+    full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
+    full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
+    full += attention_extra(s, local, b, q, kv, w, eager, mask or cp > 1)
     blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
-        total = blocks * s * b * h * w + full  # inputs kept + one block recomputed
+        total = blocks * local * b * h * w + full  # inputs kept + one block recomputed
     else:
         total = blocks * full
     if any(u.kind is Kind.HEAD for u in units):
-        total += 2 * 4 * s * b * facts.padded_vocab / tp
-    if any(u.kind is Kind.EMBED for u in units):
-        total += s * b * h * w
+        total += local * b * c.vocab * facts.padded_vocab / tp
+    ends = sum(u.kind in (Kind.EMBED, Kind.HEAD) for u in units)  # the outside terms, half at each end of the model
+    total += local * b * c.outside * h * ends / 2
     return int(total)
 
 
@@ -195,9 +304,33 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
         trained = [n for u in units for n in lora(u.name)]
         frozen = stage_param_sizes(units, dims.tp) + [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
         params, grads, optim = model_state(trained, zero, dims.data, precision, frozen=frozen)
-    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask)
+    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask, dims.cp)
     return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
                       reduction_buffer(sum(trained), zero, dims.data, precision))
+
+
+def longest_seq_len(facts: ModelFacts, bounds: list[int], dims: ParallelDims, budget: float, *, zero: int,
+                    precision: str, micro_batch: int, micro_batches: int, checkpointing: bool, eager: bool = False,
+                    mask: bool = False, limit: int = 1 << 24) -> int:
+    """The longest ``data.seq_len`` (a multiple of ``2 x cp``, the context-parallel chunks) at which every rank of the
+    layout fits ``budget`` bytes (:func:`rank_memory` of each stage), 0 if none does; searched up to ``limit``.
+    Model state does not depend on the sequence, activations grow with it, so the search is a bisection."""
+    step = 2 * dims.cp
+
+    def fits(seq: int) -> bool:
+        at = dataclasses.replace(facts, seq_len=seq)
+        return all(rank_memory(at, bounds, st, dims, zero=zero, precision=precision, micro_batch=micro_batch,
+                               micro_batches=micro_batches, checkpointing=checkpointing, eager=eager,
+                               mask=mask).total <= budget for st in range(dims.pp))
+
+    lo, hi = 0, limit // step  # in chunks of `step` tokens: lo fits (or is 0), hi + 1 does not
+    if not fits(step):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
 
 
 def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches: int, padded_vocab: int,

@@ -286,7 +286,8 @@ def _saved_bytes(block, x: torch.Tensor, positions: torch.Tensor) -> int:
 @pytest.mark.parametrize("recipe", ["gpt_tiny", "llama_tiny"])
 def test_memory_estimate_follows_what_packing_adds(recipe):
     """Packing changes no activation shape; sdpa keeps the block-causal ``[b, 1, s, s]`` mask for the
-    backward, which the estimate adds (``mask``). Measured on one block: the estimate with packing
+    backward, which the estimate adds (``mask``), and with grouped-query heads the keys and values repeated to
+    every head (sdpa given a mask does not use its GQA path). Measured on one block: the estimate with packing
     (the measured block without packing plus the estimated mask) is within 10% of the measurement."""
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.models.stages import DecoderBlock
@@ -308,7 +309,8 @@ def test_memory_estimate_follows_what_packing_adds(recipe):
     one_block = [u for u in facts.units if u.kind.name == "BLOCK"][:1]
     added = (activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=True)
              - activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=False))
-    assert added == s * s * b * 4  # [b, 1, s, s] fp32
+    repeated = 2 * 4 * b * (facts.q_dim - facts.kv_dim) * s  # sdpa given a mask repeats grouped KV heads (fp32)
+    assert added == s * s * b * 4 + repeated  # [b, 1, s, s] fp32, and the repeated keys and values
     if recipe == "gpt_tiny":  # multi-head attention: the mask is all packing adds
         assert packed - plain == added
     assert abs(plain + added - packed) <= 0.10 * packed, (plain, packed, added)

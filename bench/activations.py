@@ -1,0 +1,361 @@
+"""Activation memory, measured: the bytes of the tensors autograd keeps for the backward of one micro-batch.
+
+    python -m bench.activations                  # every family's fitting rows, then the cp = 1 and cp = 2 rows
+    python -m bench.activations --families llama --no-cp
+
+The count is exact and independent of machine load: ``torch.autograd.graph.saved_tensors_hooks`` sees every
+tensor saved for the backward while hybridtrain's own layers (:func:`hybridtrain.models.stages.sequential_model`)
+run ``model(inputs, labels)``; each is counted once per storage (views share one), parameters and buffers left out.
+With activation checkpointing (``parallel.activation_checkpointing=true``) the checkpointed blocks save through
+``torch.utils.checkpoint``'s own hooks instead; what they keep is each block's input (counted by a forward
+pre-hook, the storage the checkpoint holds for the recomputation) and, during the backward, one block recomputed
+at a time, whose saved tensors are those of the same block run without checkpointing (``block`` below).
+
+Context parallelism (the cp rows, :data:`CP_CASES`) runs the same model on two gloo ranks (:func:`hybridtrain.parallel.spawn.run_world`),
+each given whole rows (the embedding takes the rank's chunks); the count is per rank.
+
+What the plan estimates from these numbers (``hybridtrain/plan/memory.py``, :func:`activation_bytes`) is checked
+against them in ``tests/unit/test_activation_memory.py``. Results go to ``bench/results/activations_DATE.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+SHAPES: dict[str, dict] = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=128),
+    "mistral": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=128, sliding_window=4096),
+    "qwen2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=128),
+    "qwen3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                  intermediate_size=128),
+    "gemma": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                  intermediate_size=128, pad_token_id=0),
+    "gemma2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                   intermediate_size=128, query_pre_attn_scalar=16, sliding_window=4096, pad_token_id=0),
+    "phi3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=128, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "olmo2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=128, pad_token_id=1),
+    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
+                     use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
+}
+"""Each family's small shape (HF names; MLP width 2 x hidden): two blocks, 8 query heads, 4 KV heads where the family
+has grouped-query attention. Sliding windows (Mistral, Gemma 2) are longer than the rows: a window shorter than the
+row makes sdpa keep a mask, which the plan does not count yet."""
+VOCAB = 2048
+HIDDEN_KEYS = ("hidden_size", "n_embd")
+
+
+def config(family: str, seq_len: int, *, attn: str = "sdpa", precision: str = "fp32", checkpointing: bool = False,
+           packed: bool = False, shape: dict | None = None):
+    """``(cfg, hf_config)`` of ``family``'s small shape (:data:`SHAPES` updated with ``shape``, HF names), composed
+    as a run composes it (``++model.config.KEY=VALUE`` overrides, :func:`hybridtrain.plan.model_config`)."""
+    from hybridtrain.cli import compose
+    from hybridtrain.plan import model_config
+
+    shape = {**SHAPES[family], **(shape or {})}
+    shape["n_positions" if family == "gpt2" else "max_position_embeddings"] = max(2048, seq_len)
+    overrides = [f"model={family}", f"model.attn_implementation={attn}", f"data.seq_len={seq_len}",
+                 f"trainer.precision={precision}", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
+                 f"data.packing={'documents' if packed else 'none'}", f"++model.config.vocab_size={VOCAB}"]
+    overrides += [f"++model.config.{k}={v}" for k, v in shape.items()]
+    cfg = compose(overrides)
+    return cfg, model_config(cfg)
+
+
+def row_positions(seq_len: int, packed: bool) -> torch.Tensor:
+    """Position ids of one row: ``arange``, or three packed records (restarts at 0) of 1/2, 1/4, 1/4 of the row."""
+    if not packed:
+        return torch.arange(seq_len)
+    cuts = [seq_len // 2, seq_len // 4, seq_len - seq_len // 2 - seq_len // 4]
+    return torch.cat([torch.arange(n) for n in cuts])
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves while active, parameters and buffers excluded."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.skip:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage too (a checkpointed block's input, held for the recomputation)."""
+        self.pack(t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    @contextlib.contextmanager
+    def counting(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield self
+
+
+def _count(model, inputs, labels, checkpointing: bool) -> tuple[int, int]:
+    """``(saved bytes of model(inputs, labels), saved bytes of its first block alone)``; runs the backward."""
+    from hybridtrain.models.stages import DecoderBlock
+
+    counter = SavedBytes(model)
+    blocks = [m for m in model.layers if isinstance(m, DecoderBlock)]
+    hooks = []
+    if checkpointing:  # the checkpoint holds each block's input for the recomputation
+        hooks = [b.register_forward_pre_hook(lambda m, args: counter.add(args[0][0])) for b in blocks]
+    first: dict[str, int] = {}
+
+    def capture_first(module, args):
+        first["input"] = args[0]
+
+    hooks.append(blocks[0].register_forward_pre_hook(capture_first))
+    with counter.counting():
+        loss = model(inputs, labels)
+    total = counter.total
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    # the first block alone, without checkpointing: what a recomputation keeps during the backward
+    x = first["input"]
+    hidden = x[0].detach().requires_grad_(True)
+    alone = SavedBytes(model)
+    saved_flag = blocks[0].checkpointing
+    blocks[0].checkpointing = False
+    with alone.counting():
+        out = blocks[0]((hidden, *x[1:]))
+    blocks[0].checkpointing = saved_flag
+    out[0].float().sum().backward()
+    return total, alone.total
+
+
+def _model(cfg, hf, cp=None):
+    from hybridtrain.models import moe
+    from hybridtrain.models.build import ModelBuilder
+    from hybridtrain.models.families.base import padded_vocab
+    from hybridtrain.models.stages import sequential_model
+    from hybridtrain.parallel.context import CPContext, TPContext
+    from hybridtrain.parallel.layers import VocabParallelLoss
+
+    tp, cp = TPContext(), cp or CPContext()
+    padded = padded_vocab(int(hf.vocab_size), 1)
+    builder = ModelBuilder.for_run(cfg, hf, tp, padded, cp=cp)
+    model = sequential_model(builder, moe.loss_of(VocabParallelLoss(padded, tp, cp), builder.family, hf))
+    if cfg.trainer.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    return model.train(), padded
+
+
+def measure(family: str, seq_len: int, *, batch: int = 1, attn: str = "sdpa", precision: str = "fp32",
+            checkpointing: bool = False, packed: bool = False, shape: dict | None = None, cp=None) -> dict:
+    """Saved bytes of one micro-batch ``[batch, seq_len]`` (with labels) through ``family``'s model on this rank:
+    ``total`` (the whole model, what the plan's :func:`activation_bytes` estimates) and ``block`` (one block run
+    alone, without checkpointing). ``cp``: this rank's :class:`CPContext` in a context-parallel world."""
+    cfg, hf = config(family, seq_len, attn=attn, precision=precision, checkpointing=checkpointing, packed=packed,
+                     shape=shape)
+    torch.manual_seed(0)
+    model, padded = _model(cfg, hf, cp)
+    ids = torch.randint(0, int(hf.vocab_size), (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    pos = row_positions(seq_len, packed).repeat(batch, 1)
+    total, block = _count(model, (ids, pos), ids.clone(), checkpointing)
+    return dict(family=family, seq_len=seq_len, batch=batch, attn=attn, precision=precision,
+                checkpointing=checkpointing, packed=packed, shape=shape or {}, **dims(cfg, hf),
+                padded_vocab=padded, cp=1 if cp is None else cp.size, total=total, block=block)
+
+
+def dims(cfg, hf) -> dict:
+    """The shape the plan reads (:class:`~hybridtrain.plan.costs.ModelFacts`): hidden, MLP width, query and
+    key-value widths, heads, blocks."""
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.models.families import family_of
+
+    f = model_facts(family_of(cfg.model), hf, int(cfg.data.seq_len))
+    return dict(hidden=f.hidden, intermediate=f.intermediate, q_dim=f.q_dim, kv_dim=f.kv_dim, heads=f.heads,
+                blocks=f.num_layers)
+
+
+def estimate(row: dict, cp: int | None = None) -> int:
+    """The plan's activation bytes (:func:`hybridtrain.plan.memory.activation_bytes`) of a measured row's model, all
+    its units on one rank, at the row's cp (or ``cp``)."""
+    from hybridtrain.models.families import family_of
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.memory import activation_bytes
+
+    cfg, hf = config(row["family"], row["seq_len"], attn=row["attn"], precision=row["precision"],
+                     checkpointing=row["checkpointing"], packed=row["packed"], shape=row["shape"])
+    facts = model_facts(family_of(cfg.model), hf, row["seq_len"])
+    return activation_bytes(facts.units, facts, row["batch"], 1, row["precision"], row["checkpointing"],
+                            eager=row["attn"] == "eager", mask=row["packed"] and row["attn"] == "sdpa",
+                            cp=cp or row["cp"])
+
+
+def measured_peak(row: dict) -> int:
+    """What a measured rank holds at its peak: the forward's saved tensors, plus, with checkpointing, one block
+    recomputed during the backward (its saved tensors as it runs without checkpointing)."""
+    return row["total"] + (row["block"] if row["checkpointing"] else 0)
+
+
+def _cp_rank(rank: int, world: int, emit) -> None:
+    """A rank of the cp world: every case of ``HT_ACT_CASES`` (JSON) measured at cp = ``world``."""
+    import os
+
+    import torch.distributed as dist
+
+    from hybridtrain.parallel.context import CPContext
+
+    cp = CPContext(group=dist.group.WORLD, rank=rank, size=world)
+    for i, case in enumerate(json.loads(os.environ["HT_ACT_CASES"])):
+        emit(str(i), measure(**case, cp=cp))
+
+
+def measure_cp(cases: list[dict], cp: int = 2, timeout_s: float = 300.0) -> list[dict]:
+    """:func:`measure` of each case (keyword dicts) on rank 0 of a ``cp``-rank gloo world (ranks alike)."""
+    import os
+
+    from hybridtrain.parallel.spawn import run_world
+
+    os.environ["HT_ACT_CASES"] = json.dumps(cases)
+    run = run_world(_cp_rank, cp, timeout_s=timeout_s, deepspeed_comm=False)
+    assert not run.problems, run.problem_report()
+    return [run.emitted[0][str(i)] for i in range(len(cases))]
+
+
+def structural(r: dict, attn: str | None = None) -> float:
+    """Bytes of one block of row ``r`` that follow from the attention's shapes alone, no fitting: the keys and values
+    repeated to every query head over the whole row (``2 w q s b``, what eager, and sdpa given a mask, keep in place
+    of sdpa's own ``2 w k s/cp b``) and sdpa's mask in the activation dtype (``w`` per element of
+    ``[b, 1, s/cp, s]``). Plain causal sdpa at cp = 1 gets no mask: 0. Eager's attention matrix is fitted
+    (``scores``)."""
+    w = 4 if r["precision"] == "fp32" else 2
+    s, b, local = r["seq_len"], r["batch"], r["seq_len"] // r["cp"]
+    attn = attn or r["attn"]
+    masked = attn == "eager" or r["packed"] or r["cp"] > 1
+    if not masked:
+        return 0.0
+    out = 2 * w * b * (r["q_dim"] * s - r["kv_dim"] * local)
+    return out + (w * b * local * s if attn == "sdpa" else 0.0)
+
+
+def fit(rows: list[dict]) -> dict:
+    """Per ``(family, precision)``, the constants of :class:`hybridtrain.plan.memory.Activations` from the fitting rows
+    (``tag``: A base, I wider MLP, H wider hidden, D wider heads, K more KV heads, S twice the sequence, E eager,
+    P packed): least squares of the block's bytes per token over the widths, eager's bytes per element of the
+    attention matrix, the bytes outside the blocks per hidden unit and per vocabulary entry."""
+    import numpy as np
+
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault((r["family"], r["precision"]), {})[r["tag"]] = r
+    out = {}
+    for (family, precision), t in by.items():
+        a, s = t["A"], t["A"]["seq_len"]
+        scores = None
+        if a["attn"] == "eager":  # no sdpa (Gemma 2): the s^2 term from twice the sequence
+            b2 = t["S"]
+            extra = (b2["block"] - structural(b2)) - 2 * (a["block"] - structural(a))
+            scores = extra / (a["heads"] * (b2["seq_len"] ** 2 - 2 * s * s))
+        elif "E" in t:
+            e = t["E"]
+            scores = (e["block"] - structural(e) - a["block"]) / (a["heads"] * s * s)
+
+        def token_wise(r):  # the block's bytes per token without its s^2 and repeated-KV terms
+            extra = structural(r) + (scores * r["heads"] * s * s if r["attn"] == "eager" else 0.0)
+            return (r["block"] - extra) / r["seq_len"]
+
+        heads_vary = "D" in t
+        tags = [k for k in "AIHDK" if k in t]
+        x = np.array([[t[k]["hidden"], t[k]["intermediate"]] + ([t[k]["q_dim"], t[k]["kv_dim"]] if heads_vary else [])
+                      for k in tags], float)
+        y = np.array([token_wise(t[k]) for k in tags])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+
+        def outside(r):
+            return (r["total"] - r["blocks"] * r["block"]) / r["seq_len"]
+
+        h2 = t["H"]
+        per_h = (outside(h2) - outside(a)) / (h2["hidden"] - a["hidden"])
+        per_v = (outside(a) - per_h * a["hidden"]) / a["padded_vocab"]
+        const = dict(hidden=coef[0], mlp=coef[1], query=coef[2] if heads_vary else 0.0,
+                     kv=coef[3] if heads_vary else 0.0, scores=scores or 0.0, outside=per_h, vocab=per_v)
+        out[family, precision] = {k: round(float(v), 3) for k, v in const.items()}
+        out[family, precision]["fit_error"] = round(float(np.max(np.abs(x @ coef / y - 1))), 4)
+    return out
+
+
+def fitting_cases(family: str) -> list[dict]:
+    """The rows :func:`fit` reads for ``family`` in each precision: ``tag`` A the base shape at s = 256 (sdpa; eager
+    for Gemma 2, which has no sdpa), I wider MLP, H wider hidden (head widths kept), S s = 512, D wider heads, K more
+    KV heads (families with a ``head_dim``), E eager, P packed, C activation checkpointing."""
+    base = "eager" if family == "gemma2" else "sdpa"
+    hd = SHAPES[family].get("head_dim", 8)
+    heads_fixed = family in ("gpt2", "gpt_neox")  # head width = hidden / heads
+    wider_mlp = dict(n_inner=128) if family == "gpt2" else dict(intermediate_size=256)
+    wider = dict(n_embd=128) if family == "gpt2" else dict(hidden_size=128, **({} if heads_fixed else {"head_dim": hd}))
+    out = []
+    for precision in ("fp32", "bf16"):
+        tags = [("A", {}), ("I", dict(shape=wider_mlp)), ("H", dict(shape=wider)), ("S", dict(seq_len=512))]
+        if not heads_fixed:
+            tags += [("D", dict(shape=dict(head_dim=2 * hd))), ("K", dict(shape=dict(num_key_value_heads=8)))]
+        if base == "sdpa":
+            tags += [("E", dict(attn="eager")), ("P", dict(packed=True))]
+        tags += [("C", dict(checkpointing=True))]
+        out += [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": base, **kw})
+                for tag, kw in tags]
+    return out
+
+
+CP_CASES = [
+    dict(family="llama", seq_len=1024, precision="bf16", attn="sdpa", packed=True),
+    dict(family="llama", seq_len=1024, precision="bf16", attn="eager"),
+    dict(family="gpt2", seq_len=1024, precision="bf16", attn="sdpa", packed=True),
+    dict(family="llama", seq_len=1024, precision="bf16", attn="sdpa", shape=dict(hidden_size=256, head_dim=32)),
+    dict(family="llama", seq_len=1024, precision="bf16", attn="sdpa"),
+]
+"""The cp = 2 rows (and their cp = 1 twins): packed Llama (sdpa keeps a mask at cp = 1 too), eager (the attention
+matrix splits over cp), packed GPT-2, plain causal sdpa on a 256-wide Llama, and on the 64-wide one (the dense
+cp mask's worst case)."""
+
+
+def _measure_tagged(case: dict) -> dict:
+    tag = case.get("tag")
+    row = measure(**{k: v for k, v in case.items() if k != "tag"})
+    return {**row, "tag": tag} if tag else row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", nargs="*", default=list(SHAPES))
+    parser.add_argument("--no-cp", action="store_true", help="skip the two-rank cp = 2 rows")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = [_measure_tagged(c) for f in args.families for c in fitting_cases(f)]
+    result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fit(rows).items()}}
+    if not args.no_cp:
+        result["cp1"] = [measure(**c) for c in CP_CASES]
+        result["cp2"] = measure_cp(CP_CASES)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    out = Path(args.out or Path(__file__).parent / "results" / f"activations_{stamp}.json")
+    out.write_text(json.dumps(result, indent=1))
+    for key, c in result["fit"].items():
+        print(f"{key:14s} " + " ".join(f"{k}={v}" for k, v in c.items()))
+    for a, b in zip(result.get("cp1", []), result.get("cp2", [])):
+        print(f"{a['family']:6s} s={a['seq_len']} {a['attn']:5s} packed={a['packed']!s:5s} h={a['hidden']:4d} "
+              f"cp1={a['total']:>10d} cp2={b['total']:>10d} ratio={b['total'] / a['total']:.3f}")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The plan's activation memory (``hybridtrain/plan/memory.py``) against the bytes autograd really keeps.
+
+Measured on CPU by ``bench/activations.py``: every tensor saved for the backward of one micro-batch through
+hybridtrain's own layers, counted once per storage, parameters excluded (exact, whatever the machine's load). The
+estimate must be within 10% for every family, at long-ish sequences (512-1024 tokens on a 64-wide model, so the
+``s^2`` terms weigh), with sdpa and eager, fp32 and bf16, packed records and activation checkpointing. The cp = 2
+measurement (two gloo ranks) is in ``tests/dist/test_activation_memory_cp.py``.
+"""
+from __future__ import annotations
+
+import pytest
+
+from bench.activations import SHAPES, estimate, measure, measured_peak
+
+TOLERANCE = 0.10
+
+
+def base_attn(family: str) -> str:
+    return "eager" if family == "gemma2" else "sdpa"  # transformers gives Gemma 2 no sdpa
+
+
+CASES = [
+    ("bf16 s=1024", dict(seq_len=1024, precision="bf16")),
+    ("fp32 eager s=512", dict(seq_len=512, precision="fp32", attn="eager")),
+    ("bf16 packed checkpointing s=1024", dict(seq_len=1024, precision="bf16", packed=True, checkpointing=True)),
+]
+"""Live measurements per family, longer than the fitting rows (s = 256, 512): the s^2 terms weigh here."""
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_estimate_is_within_10_percent_of_the_measured_activations(family):
+    """Per family, the estimate against the measured bytes for each case of :data:`CASES` (all at cp = 1)."""
+    off = {}
+    for name, case in CASES:
+        case = {"attn": base_attn(family), **case}
+        if family == "gemma2" and case["attn"] == "sdpa":
+            continue
+        row = measure(family, **case)
+        est, real = estimate(row), measured_peak(row)
+        off[name] = (est, real, est / real - 1)
+    bad = {k: v for k, v in off.items() if abs(v[2]) > TOLERANCE}
+    assert not bad, f"{family}: (estimate, measured, error) {bad}"
+
+
+def test_every_recorded_row_is_within_10_percent():
+    """Every row of the newest ``bench/results/activations_*.json``: the fitting rows of every family (widths,
+    kernels, dtypes, packing, checkpointing) and the cp = 1 and cp = 2 rows (two gloo ranks, per rank)."""
+    import json
+
+    from helpers.config import ROOT
+
+    result = json.loads(sorted((ROOT / "bench" / "results").glob("activations_*.json"))[-1].read_text())
+    rows = result["rows"] + result["cp1"] + result["cp2"]
+    off = [(r["family"], r.get("tag"), r["cp"], round(estimate(r) / measured_peak(r) - 1, 3)) for r in rows]
+    assert {r["family"] for r in result["rows"]} == set(SHAPES)
+    assert not [o for o in off if abs(o[-1]) > TOLERANCE], off
+
+
+def test_the_old_assumed_constant_undercounted_the_attention_and_overcounted_the_head():
+    """What the measurement changed: the block's bf16 bytes per ``s b h`` of a Llama shape are the family's (MLP
+    and heads counted by their widths), and the head keeps one fp32 ``[s, V]`` tensor, not two."""
+    from hybridtrain.plan.memory import activations_of
+
+    llama = activations_of("llama", "bf16")
+    h, mlp, q, kv = 4096, 11008, 4096, 4096  # Llama-2-7B
+    per_h = (llama.hidden * h + llama.mlp * mlp + llama.query * q + llama.kv * kv) / h
+    assert 40 < per_h < 70, per_h
+    assert 3.9 < llama.vocab < 4.1
+
+
+def _longest(budget_gib: int, **kernel) -> dict[int, int]:
+    """The plan's longest ``data.seq_len`` at cp = 1 and 2 for Llama-2-7B on 8 ranks (tp = 2, dp x cp = 4, ZeRO-1,
+    bf16, activation checkpointing) within ``budget_gib`` per rank."""
+    from helpers.config import compose
+    from hybridtrain.models.families import family_of
+    from hybridtrain.parallel.dims import ParallelDims
+    from hybridtrain.plan import model_config
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.memory import GiB, longest_seq_len
+
+    cfg = compose("+recipe=llama_7b", "trainer.precision=bf16")
+    hf = model_config(cfg)
+    facts = model_facts(family_of(cfg.model), hf, 4096, 2)
+    return {cp: longest_seq_len(facts, [0, len(facts.units)], ParallelDims(dp=8 // cp, cp=cp, tp=2, pp=1),
+                                budget_gib * GiB, zero=1, precision="bf16", micro_batch=1, micro_batches=1,
+                                checkpointing=True, **kernel) for cp in (1, 2)}
+
+
+def test_longest_packed_sequence_that_fits_is_at_least_1_8x_longer_at_cp_2():
+    """Packed records with sdpa (a mask at both cp): the plan's longest sequence on 40 GiB ranks at cp = 2 is at
+    least 1.8x that at cp = 1 (17,134 -> 31,952 tokens)."""
+    longest = _longest(40, mask=True)
+    assert longest[1] > 4096 and longest[2] >= 1.8 * longest[1], longest
+
+
+@pytest.mark.xfail(strict=True, reason="cp's sdpa keeps a dense [b, 1, s/cp, s] mask per block where plain causal "
+                   "sdpa at cp = 1 keeps none: at 80 GiB the longest sequence grows 1.27x (106,436 -> 135,392), not "
+                   "1.8x; needs a mask-free causal kernel over the rank's chunks")
+def test_longest_plain_causal_sequence_is_at_least_1_8x_longer_at_cp_2():
+    longest = _longest(80)
+    assert longest[2] >= 1.8 * longest[1], longest
