@@ -43,7 +43,7 @@ from hybridtrain.models.units import Kind
 from hybridtrain.plan.calibrate import Rates, planned_rates
 from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
 from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for, uses_gpus
-from hybridtrain.plan.memory import attention_flags, in_flight, rank_memory, stage_param_sizes
+from hybridtrain.plan.memory import memory_flags, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Machine, Plan
 from hybridtrain.plan.validate import apply_world_size, build_plan, vocab_pad_multiple
 
@@ -104,28 +104,13 @@ def _allgather(nbytes: float, n: int, link: tuple[float, float]) -> float:
     return 0.0 if n <= 1 else latency + (n - 1) / n * nbytes / bandwidth
 
 
-def cp_activation_bytes(facts: ModelFacts, blocks: int, micro_batch: int, cp: int, kv_width: int, precision: str) -> int:
-    """What the all-gather form of context parallelism keeps per micro-batch beyond the ``seq / cp`` tokens'
-    activations: per block the gathered keys and values of the whole row (``2 x b x s x kv_width``, saved by the
-    attention kernel for its backward) and the dense mask of the rank's queries against the row
-    (``[b, 1, s / cp, s]``, counted at the activation width as memory.py counts sdpa's packed-row mask).
-    Here only until :mod:`hybridtrain.plan.memory` has cp terms of its own."""
-    if cp <= 1:
-        return 0
-    s, b = facts.seq_len, micro_batch
-    w = 4 if precision == "fp32" else 2
-    return int(blocks * (2 * b * s * kv_width * w + b * (s // cp) * s * w))
-
-
 def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Rates, ranks_per_node: int,
-             cores: int, cp_facts: ModelFacts | None = None, kv_width: int = 0) -> Candidate:
+             cores: int, kv_width: int = 0) -> Candidate:
     """``c`` with its step time, memory, stage bounds and time breakdown filled in, for its validated
     ``plan`` (whose stage bounds it uses) on ``cfg.launcher.nodes`` nodes of ``ranks_per_node`` ranks
-    (``cores`` per node; 0: unknown, no oversubscription). With ``cp`` > 1: ``cp_facts``, the model's facts
-    at ``data.seq_len / cp`` (the rank's tokens, for its memory), and ``kv_width``, KV heads x head width."""
+    (``cores`` per node; 0: unknown, no oversubscription). ``kv_width``: KV heads x head width (the all-gather of
+    context parallelism)."""
     dims = plan.dims  # the candidate's degrees, as the plan built from it holds them
-    if dims.cp > 1 and cp_facts is None:
-        raise ValueError(f"estimate of {c.label()}: cp > 1 needs cp_facts, the model's facts at seq_len / cp")
     s, h = facts.seq_len, facts.hidden
     w = 4 if plan.precision == "fp32" else 2
     m = plan.grad_accum
@@ -167,15 +152,11 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
         dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, dims.data, dp_link))
         share = params if c.zero_stage == 0 else params / dims.data
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
-        # cp > 1: the rank's seq / cp tokens through memory.py's formulas (cp_facts), plus what the all-gather
-        # keeps (cp_activation_bytes) per in-flight micro-batch. memory.py's own cp terms replace both when
-        # activation_bytes takes cp.
-        mem = rank_memory(cp_facts if dims.cp > 1 else facts, bounds, st, dims, zero=plan.zero_stage,
-                          precision=plan.precision, micro_batch=c.micro_batch_size, micro_batches=m,
-                          checkpointing=c.activation_checkpointing, **attention_flags(cfg))
-        extra = cp_activation_bytes(facts, sum(u.kind is Kind.BLOCK for u in units), c.micro_batch_size, dims.cp,
-                                    kv_width, plan.precision) * in_flight(st, dims.pp, m)
-        worst_mem = max(worst_mem, mem.total + extra)
+        # memory.py's formulas at cp > 1 too: the rank's seq / cp tokens, the gathered keys and values, the mask
+        mem = rank_memory(facts, bounds, st, dims, zero=plan.zero_stage, precision=plan.precision,
+                          micro_batch=c.micro_batch_size, micro_batches=m, checkpointing=c.activation_checkpointing,
+                          **memory_flags(cfg))
+        worst_mem = max(worst_mem, mem.total)
     total = pipeline + dp_comm + optim
     parts = {"compute+comm per micro-batch (slowest stage)": slowest, "micro-batches": m,
              "bubble": (dims.pp - 1) * slowest, "tp_comm per micro-batch": tp_comm,
@@ -304,8 +285,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None,
             except PlanError as err:
                 refused.append((c, err))
                 continue
-            scored.append(estimate(c, plan, facts_at(c.tp), trial, rates, per_node, machine.cpu_cores,
-                                   facts_at(c.tp, c.cp) if c.cp > 1 else None, kv_width))
+            scored.append(estimate(c, plan, facts_at(c.tp), trial, rates, per_node, machine.cpu_cores, kv_width))
 
     # Whole rows first. cp enters for a long sequence, one at which no layout of whole rows fits: its ranks
     # split the compute as dp's do but add the keys' and values' all-gathers, so the cost model would rank
@@ -350,9 +330,8 @@ def estimate_layout(cfg: Config, hf_config, machine: Machine, rates: Rates) -> C
     c = Candidate(dims.dp, dims.tp, dims.pp, plan.micro_batch_size, plan.zero_stage, bool(par.activation_checkpointing),
                   cp=dims.cp)
     facts = model_facts(family, hf_config, cfg.data.seq_len, dims.tp, pad)
-    cp_facts = model_facts(family, hf_config, cfg.data.seq_len // dims.cp, dims.tp, pad) if dims.cp > 1 else None
     per_node = max(1, plan.world_size // plan.nodes)
-    return estimate(c, plan, facts, cfg, rates, per_node, machine.cpu_cores, cp_facts,
+    return estimate(c, plan, facts, cfg, rates, per_node, machine.cpu_cores,
                     kv_heads_of(family, hf_config) * head_dim_of(family, hf_config))
 
 

@@ -6,7 +6,7 @@ from hybridtrain.models.families import family_of
 from hybridtrain.plan.costs import model_facts
 from hybridtrain.plan.hf import model_config
 from hybridtrain.plan.lora import lora_memory
-from hybridtrain.plan.memory import RankMemory, attention_flags, rank_memory
+from hybridtrain.plan.memory import RankMemory, memory_flags, rank_memory
 from hybridtrain.rundir import RunDir
 
 
@@ -20,4 +20,4 @@ def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
     return rank_memory(facts, plan.stage_bounds, stage, plan.dims, zero=plan.zero_stage,
                        precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
                        checkpointing=cfg.parallel.activation_checkpointing, lora=lora_memory(cfg, hf_config, plan),
-                       **attention_flags(cfg))
+                       **memory_flags(cfg))

@@ -166,6 +166,12 @@ def attention_flags(cfg) -> dict[str, bool]:
     return {"eager": attn == "eager", "mask": packed and attn == "sdpa"}
 
 
+def memory_flags(cfg) -> dict:
+    """The keywords of :func:`rank_memory` that come from the config: :func:`attention_flags` and ``loss_chunk``
+    (``trainer.loss_chunk_tokens``: the head's logits one piece at a time beyond it)."""
+    return {**attention_flags(cfg), "loss_chunk": int(cfg.trainer.loss_chunk_tokens)}
+
+
 @dataclass(frozen=True)
 class Activations:
     """What a family's decoder block and the layers around it keep for the backward, in bytes, measured by
@@ -222,7 +228,8 @@ def activations_of(model_type: str, precision: str) -> Activations:
     return ACTIVATIONS.get((model_type, p)) or ACTIVATIONS[(FALLBACK, p)]
 
 
-def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, eager: bool, mask: bool) -> float:
+def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, eager: bool, mask: bool,
+                    mask_per_block: bool = True) -> float:
     """Bytes one block's attention keeps beyond its token-wise terms that follow from shapes alone, for ``local`` of
     the row's ``seq`` tokens on this rank (``local = seq / cp``), ``q`` / ``kv`` the query and key widths on the rank.
 
@@ -230,15 +237,18 @@ def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, e
     Eager, and sdpa given a mask (packed records; always at cp > 1, where the mask is by global token index), keep
     the keys and values repeated to every query head over the whole row, ``2 w q s b``, in place of the ``2 w k
     s/cp b`` of the token-wise term; sdpa keeps the mask in the activation dtype, ``w`` per element of
-    ``[b, 1, s/cp, s]`` (measured exactly on CPU, ``bench/activations.py``)."""
+    ``[b, 1, s/cp, s]`` (measured exactly on CPU, ``bench/activations.py``), unless ``mask_per_block`` is False: the
+    context-parallel attention makes one mask per micro-batch that every block shares (counted once per stage by
+    :func:`activation_bytes`)."""
     if not (eager or mask):
         return 0.0
     repeated = 2 * w * batch * (q * seq - kv * local)
-    return repeated + (0.0 if eager else w * batch * local * seq)
+    return repeated + (0.0 if eager or not mask_per_block else w * batch * local * seq)
 
 
 def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
-                     checkpointing: bool, eager: bool, mask: bool = False, cp: int = 1) -> int:
+                     checkpointing: bool, eager: bool, mask: bool = False, cp: int = 1,
+                     loss_chunk: int | None = None) -> int:
     """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward), from the family's
     measured :class:`Activations`.
 
@@ -247,7 +257,9 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     context-parallel sdpa always gets, :func:`attention_extra`). With tensor parallelism the MLP, query, key and
     value terms and the attention matrix are split over ``tp``, the ``hidden`` terms (norms, residuals) are not. With
     activation checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time (its
-    whole activations: the peak during the backward)."""
+    whole activations: the peak during the backward). ``loss_chunk`` (``trainer.loss_chunk_tokens``): a rank whose
+    micro-batch holds more tokens makes the logits one piece at a time (``VocabParallelLoss``), so the head's
+    term counts one piece."""
     s, b = facts.seq_len, micro_batch
     local = s // cp  # this rank's tokens of a row
     h = facts.hidden
@@ -257,14 +269,18 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     c = activations_of(facts.family.model_type, precision)
     full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
     full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
-    full += attention_extra(s, local, b, q, kv, w, eager, mask or cp > 1)
+    shared_mask = cp > 1 and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
+    full += attention_extra(s, local, b, q, kv, w, eager, mask or cp > 1, mask_per_block=not shared_mask)
     blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
         total = blocks * local * b * h * w + full  # inputs kept + one block recomputed
     else:
         total = blocks * full
+    if shared_mask and blocks:  # [b, 1, s/cp, s] in the activation dtype; one row for all when rows are not packed
+        total += w * (b if mask else 1) * local * s
     if any(u.kind is Kind.HEAD for u in units):
-        total += local * b * c.vocab * facts.padded_vocab / tp
+        head_tokens = local * b if not loss_chunk or local * b <= loss_chunk else loss_chunk
+        total += head_tokens * c.vocab * facts.padded_vocab / tp
     ends = sum(u.kind in (Kind.EMBED, Kind.HEAD) for u in units)  # the outside terms, half at each end of the model
     total += local * b * c.outside * h * ends / 2
     return int(total)
@@ -278,19 +294,19 @@ def in_flight(stage: int, pp: int, micro_batches: int) -> int:
 def rank_memory(facts: ModelFacts, bounds: list[int], stage: int, dims: ParallelDims, *, zero: int,
                 precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
                 eager: bool = False, mask: bool = False,
-                lora: Callable[[str], list[int]] | None = None) -> RankMemory:
+                lora: Callable[[str], list[int]] | None = None, loss_chunk: int | None = None) -> RankMemory:
     """Estimated memory of a rank of pipeline stage ``stage`` of the layout ``dims`` (``eager``, ``mask``:
-    :func:`attention_flags`). ``lora(unit name)``: the element counts of the LoRA matrices a TP rank holds in
+    :func:`attention_flags`; ``loss_chunk``: ``trainer.loss_chunk_tokens``, :func:`activation_bytes`). ``lora(unit name)``: the element counts of the LoRA matrices a TP rank holds in
     that unit (``finetune.method=lora``: the rest is frozen)."""
     return units_memory(facts, bounds[stage], bounds[stage + 1], stage, dims, zero=zero, precision=precision,
                         micro_batch=micro_batch, micro_batches=micro_batches, checkpointing=checkpointing,
-                        eager=eager, mask=mask, lora=lora)
+                        eager=eager, mask=mask, lora=lora, loss_chunk=loss_chunk)
 
 
 def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: ParallelDims, *, zero: int,
                  precision: str, micro_batch: int, micro_batches: int, checkpointing: bool,
                  eager: bool = False, mask: bool = False,
-                 lora: Callable[[str], list[int]] | None = None) -> RankMemory:
+                 lora: Callable[[str], list[int]] | None = None, loss_chunk: int | None = None) -> RankMemory:
     """:func:`rank_memory` of a stage ``stage`` holding the units ``facts.units[start:stop]``."""
     units = facts.units[start:stop]
     if lora is None:
@@ -304,14 +320,15 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
         trained = [n for u in units for n in lora(u.name)]
         frozen = stage_param_sizes(units, dims.tp) + [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
         params, grads, optim = model_state(trained, zero, dims.data, precision, frozen=frozen)
-    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask, dims.cp)
+    act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask, dims.cp,
+                           loss_chunk)
     return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
                       reduction_buffer(sum(trained), zero, dims.data, precision))
 
 
 def longest_seq_len(facts: ModelFacts, bounds: list[int], dims: ParallelDims, budget: float, *, zero: int,
                     precision: str, micro_batch: int, micro_batches: int, checkpointing: bool, eager: bool = False,
-                    mask: bool = False, limit: int = 1 << 24) -> int:
+                    mask: bool = False, limit: int = 1 << 24, loss_chunk: int | None = None) -> int:
     """The longest ``data.seq_len`` (a multiple of ``2 x cp``, the context-parallel chunks) at which every rank of the
     layout fits ``budget`` bytes (:func:`rank_memory` of each stage), 0 if none does; searched up to ``limit``.
     Model state does not depend on the sequence, activations grow with it, so the search is a bisection."""
@@ -321,7 +338,7 @@ def longest_seq_len(facts: ModelFacts, bounds: list[int], dims: ParallelDims, bu
         at = dataclasses.replace(facts, seq_len=seq)
         return all(rank_memory(at, bounds, st, dims, zero=zero, precision=precision, micro_batch=micro_batch,
                                micro_batches=micro_batches, checkpointing=checkpointing, eager=eager,
-                               mask=mask).total <= budget for st in range(dims.pp))
+                               mask=mask, loss_chunk=loss_chunk).total <= budget for st in range(dims.pp))
 
     lo, hi = 0, limit // step  # in chunks of `step` tokens: lo fits (or is 0), hi + 1 does not
     if not fits(step):
@@ -354,7 +371,7 @@ def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches
             mem = units_memory(facts, start, stop, stage, dims, zero=zero,
                                precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
                                micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
-                               **attention_flags(cfg))
+                               **memory_flags(cfg))
             known[stage, start, stop] = mem.total <= limit
         return known[stage, start, stop]
 
