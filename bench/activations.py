@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import json
 from pathlib import Path
 
@@ -187,16 +188,26 @@ def dims(cfg, hf) -> dict:
                 blocks=f.num_layers)
 
 
+@functools.lru_cache(maxsize=None)
+def _facts(family: str, shape: str):
+    """The plan's :class:`~hybridtrain.plan.costs.ModelFacts` of a family's shape (JSON ``shape``) at s = 1024: kernel,
+    dtype, packing and checkpointing do not change them, the sequence is set per row."""
+    from hybridtrain.models.families import family_of
+    from hybridtrain.plan.costs import model_facts
+
+    cfg, hf = config(family, 1024, attn="eager", shape=json.loads(shape))  # every family has eager (Gemma 2 no sdpa)
+    return model_facts(family_of(cfg.model), hf, 1024)
+
+
 def estimate(row: dict, cp: int | None = None) -> int:
     """The plan's activation bytes (:func:`hybridtrain.plan.memory.activation_bytes`) of a measured row's model, all
     its units on one rank, at the row's cp (or ``cp``)."""
-    from hybridtrain.models.families import family_of
-    from hybridtrain.plan.costs import model_facts
+    import dataclasses
+
     from hybridtrain.plan.memory import activation_bytes
 
-    cfg, hf = config(row["family"], row["seq_len"], attn=row["attn"], precision=row["precision"],
-                     checkpointing=row["checkpointing"], packed=row["packed"], shape=row["shape"])
-    facts = model_facts(family_of(cfg.model), hf, row["seq_len"])
+    facts = dataclasses.replace(_facts(row["family"], json.dumps(row["shape"], sort_keys=True)),
+                                seq_len=row["seq_len"])
     return activation_bytes(facts.units, facts, row["batch"], 1, row["precision"], row["checkpointing"],
                             eager=row["attn"] == "eager", mask=row["packed"] and row["attn"] == "sdpa",
                             cp=cp or row["cp"])
