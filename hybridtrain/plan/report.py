@@ -102,7 +102,8 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                 f"stage {st.stage}: {st.memory.total / GiB:.2f} GiB per rank exceeds the budget of "
                 f"{device_memory / GiB:.2f} GiB (plan.device_memory_gb or the device's memory; on GPUs less "
                 "plan.memory_headroom and plan.memory_reserved_gb); raise tp/pp/dp with ZeRO, turn on "
-                "parallel.activation_checkpointing or lower parallel.micro_batch_size")
+                "parallel.activation_checkpointing, lower parallel.micro_batch_size, or split long sequences with "
+                "parallel.cp (docs/long-context.md)")
     if plan.dims.pp > 1 and bubble > 0.25:
         report.warnings.append(f"pipeline bubble {bubble:.0%}: raise the micro-batches per step "
                                f"(trainer.global_batch_size / (micro x dp) = {plan.grad_accum})")
