@@ -27,7 +27,12 @@ CASES = [
 """Live measurements per family, longer than the fitting rows (s = 256, 512): the s^2 terms weigh here."""
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
+LIVE_CI = {"llama", "gemma2"}
+"""Measured live in CI: Llama (the constants most families share) and Gemma 2 (eager, soft-caps); the other
+families in the slow tier (every family's fitting rows are still checked in CI, from the recorded results)."""
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in LIVE_CI else [pytest.mark.slow]) for f in SHAPES])
 def test_estimate_is_within_10_percent_of_the_measured_activations(family):
     """Per family, the estimate against the measured bytes for each case of :data:`CASES` (all at cp = 1)."""
     off = {}
