@@ -219,7 +219,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [
-    (["parallel.zero_stage=3"], "parallel", "resume with parallel.pp=1 parallel.dp=1 parallel.tp=1"),
+    (["parallel.zero_stage=3"], "parallel", "resume with parallel.pp=1 parallel.dp=1 parallel.cp=1 parallel.tp=1"),
     (["trainer.max_steps=6"], "trainer.max_steps", "at step 6 already"),
     (["trainer.global_batch_size=24"], "trainer.global_batch_size", "resume with trainer.global_batch_size=12"),
     (["model.config.n_layer=2"], "model.config.n_layer", "resume with the same model"),
@@ -321,7 +321,8 @@ def _save_probe(rank: int, world: int, emit) -> None:
 
         engine = SimpleNamespace(device=torch.device("cpu"), module=Stage(named), save_checkpoint=ds_save,
                                  optimizer=SimpleNamespace(state=state))
-        return SimpleNamespace(engine=engine, tp=tp, tp_rank=groups.coords.tp, dp_rank=groups.coords.dp, stage=0,
+        return SimpleNamespace(engine=engine, tp=tp, tp_rank=groups.coords.tp, dp_rank=groups.coords.dp,
+                               data_rank=groups.coords.dp * groups.dims.cp + groups.coords.cp, stage=0,
                                lora=None, model_state_bytes={"optim": 0, "params": 0})
 
     run_dir = Path(os.environ[SAVE_ENV])
