@@ -135,7 +135,9 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     attention (``kwargs["cp_context"]``, a :class:`CPAttention`); returns its ``(output [B, S/cp, H, D], weights)``.
 
     ``attention_mask`` must be ``None``: transformers' mask builders return ``None`` for an implementation they do not
-    know, and a padding mask has no meaning here (rows are packed; documents are told apart by position ids)."""
+    know, and a padding mask has no meaning here (rows are packed; documents are told apart by position ids).
+    Training only (``use_cache=False``, as ``plan/hf.py`` sets it): with a KV cache the module would store this rank's
+    keys alone."""
     ctx: Optional[CPAttention] = kwargs.pop("cp_context", None)
     if not isinstance(ctx, CPAttention):
         raise ValueError(f"{ATTENTION_NAME} attention needs the keyword cp_context=CPAttention(...) in the model's "

@@ -38,14 +38,13 @@ ROWS = {
 
 _ATTN = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
              max_position_embeddings=S, intermediate_size=64)
-MODULES = {  # case -> (model type, attention implementation, layer, config overrides)
-    "llama_gqa_sdpa": ("llama", "sdpa", 0, dict(attention_bias=True)),
-    "llama_gqa_eager": ("llama", "eager", 0, {}),
-    "mistral_sliding_sdpa": ("mistral", "sdpa", 0, dict(sliding_window=5)),
-    "gemma2_softcap_sliding_eager": ("gemma2", "eager", 0, dict(head_dim=8, query_pre_attn_scalar=8,
-                                                              attn_logit_softcapping=1.0, sliding_window=5)),
-    "gemma2_softcap_full_eager": ("gemma2", "eager", 1, dict(head_dim=8, query_pre_attn_scalar=8,
-                                                           attn_logit_softcapping=1.0, sliding_window=5)),
+_GEMMA2 = dict(head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=1.0, sliding_window=5)
+MODULES = {  # case -> (model type, attention implementation, layer, sliding-window layer?, config overrides)
+    "llama_gqa_sdpa": ("llama", "sdpa", 0, False, dict(attention_bias=True)),
+    "llama_gqa_eager": ("llama", "eager", 0, False, {}),
+    "mistral_sliding_sdpa": ("mistral", "sdpa", 0, True, dict(sliding_window=5)),
+    "gemma2_softcap_sliding_eager": ("gemma2", "eager", 0, True, _GEMMA2),  # layer 0 of Gemma 2 slides, 1 is full
+    "gemma2_softcap_full_eager": ("gemma2", "eager", 1, False, _GEMMA2),
 }
 
 Checks = Dict[str, Tuple[Any, Any]]
@@ -79,14 +78,15 @@ def case_attention(cp, case: str, rows: str) -> Checks:
 
     from hybridtrain.parallel.context_parallel import CPAttention, register_attention
 
-    model_type, impl, layer, overrides = MODULES[case]
+    model_type, impl, layer, sliding, overrides = MODULES[case]
     config, full, rotary = _build(model_type, impl, layer, overrides)
     positions = _positions(ROWS[rows])
     torch.manual_seed(2)
     x = torch.randn(B, S, HIDDEN, dtype=torch.float64)
     g = torch.randn(B, S, HIDDEN, dtype=torch.float64)
     rope = rotary(x, position_ids=positions)  # (cos, sin), each [B, S, D]
-    sliding = getattr(full, "sliding_window", None) or (model_type == "mistral")
+    window = 5 if sliding else None
+    assert getattr(full, "sliding_window", window) == window, (case, full.sliding_window)  # Gemma 2's layer kinds
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
     mask = make_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
 

@@ -62,6 +62,7 @@ def test_without_a_process_group_tensors_pass_through():
     t = torch.arange(3.0)
     assert collectives.all_reduce(t, "cpu") is t
     assert [x.tolist() for x in collectives.all_gather(t, "cpu")] == [[0.0, 1.0, 2.0]]
+    assert collectives.all_gather_autograd(t, None) == [t]
     collectives.barrier("cpu")  # nothing to wait for
     assert collectives.comm_device() == torch.device("cpu")
 

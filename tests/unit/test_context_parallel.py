@@ -176,3 +176,22 @@ def test_flash_pieces_give_the_masked_attention(rows, window, cp):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         seg = flash_segments(positions, idx)
         assert int(seg.cu_q[-1]) == 2 * len(idx) and int(seg.cu_k[-1]) == len(seg.key_index)
+
+
+def test_whole_model_hands_cp_context_to_every_layer():
+    """The keyword reaches the attention through transformers' own forward (model -> layers -> attention) and the
+    model's mask builders step aside (they return None for an implementation they do not know): at cp = 1 a whole
+    packed Mistral equals its sdpa twin. Without a KV cache, as in training (masking_utils detects packing only then)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                           intermediate_size=32, vocab_size=20, max_position_embeddings=S, sliding_window=5,
+                           attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).double()
+    ids = torch.randint(0, 20, (2, S))
+    positions = POSITIONS["packed"]
+    want = model(input_ids=ids, position_ids=positions).logits
+    model.config._attn_implementation = register_attention()
+    got = model(input_ids=ids, position_ids=positions, cp_context=CPAttention(CPContext(), "sdpa", positions)).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
