@@ -12,7 +12,7 @@ import pytest
 
 from bench.activations import CP_CASES, estimate, measure, measure_cp
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # CI checks the recorded cp rows (tests/unit/test_activation_memory.py); the live two-rank measurement is slow-tier
 
 CASES = CP_CASES
 

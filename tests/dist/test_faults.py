@@ -285,20 +285,11 @@ def test_ranks_die_with_a_sigkilled_controller(preload, tmp_path):
                 pass
 
 
-def test_a_rank_on_another_host_dies_with_the_controller(tmp_path):
-    """A rank of ``launcher=multinode`` on a host other than the controller's (the ssh path; the controller may
-    run on a login node with no rank) holds the controller's lifeline (``hybridtrain.launch.parent.Lifeline``, a
-    TCP connection the controller keeps open) and ends itself when the controller is SIGKILLed. The rank stand-in
-    connects to it as a rank on another host does (``hold_lifeline``: the pidfd path needs the same host)."""
+def _assert_rank_dies_with_its_controller(tmp_path, controller: str, rank: str, ready: str) -> None:
+    """Run the stand-in ``controller`` (Python source), wait until its stand-in ``rank`` prints ``ready``, SIGKILL
+    the controller and assert the rank is gone within 10 s."""
     import psutil
 
-    rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import LIFELINE_ENV, hold_lifeline\n"
-            "assert hold_lifeline(os.environ[LIFELINE_ENV])\nprint('holding', flush=True)\ntime.sleep(120)\n")
-    controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import Lifeline\n"
-                  "lifeline = Lifeline(toward='127.0.0.1')\n"
-                  f"subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, **lifeline.env()}},\n"
-                  "                 start_new_session=True)\n"  # not a child's death signal: only the lifeline
-                  "time.sleep(120)\n")
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
         proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
@@ -306,20 +297,35 @@ def test_a_rank_on_another_host_dies_with_the_controller(tmp_path):
     tree = []
     try:
         deadline = time.monotonic() + 60
-        while "holding" not in out.read_text() and time.monotonic() < deadline:
+        while ready not in out.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "holding" in out.read_text(), out.read_text()
+        assert ready in out.read_text(), out.read_text()
         tree = _descendants(proc.pid)
-        holder = [p for p in tree if p.cmdline()[-1] == rank]
-        assert len(holder) == 1, tree
+        ranks = [p for p in tree if p.cmdline()[-1] == rank]
+        assert len(ranks) == 1, tree
         proc.kill()
         proc.wait()
-        psutil.wait_procs(holder, timeout=10)
-        assert not _alive(holder), "the rank outlived its controller"
+        psutil.wait_procs(ranks, timeout=10)
+        assert not _alive(ranks), "the rank outlived its controller"
     finally:
         proc.kill()
         for p in _alive(tree):
             p.kill()
+
+
+def test_a_rank_on_another_host_dies_with_the_controller(tmp_path):
+    """A rank of ``launcher=multinode`` on a host other than the controller's (the ssh path; the controller may
+    run on a login node with no rank) holds the controller's lifeline (``hybridtrain.launch.parent.Lifeline``, a
+    TCP connection the controller keeps open) and ends itself when the controller is SIGKILLed. The rank stand-in
+    connects to it as a rank on another host does (``hold_lifeline``: the pidfd path needs the same host)."""
+    rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import LIFELINE_ENV, hold_lifeline\n"
+            "assert hold_lifeline(os.environ[LIFELINE_ENV])\nprint('holding', flush=True)\ntime.sleep(120)\n")
+    controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import Lifeline\n"
+                  "lifeline = Lifeline(toward='127.0.0.1')\n"
+                  f"subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, **lifeline.env()}},\n"
+                  "                 start_new_session=True)\n"  # not a child's death signal: only the lifeline
+                  "time.sleep(120)\n")
+    _assert_rank_dies_with_its_controller(tmp_path, controller, rank, "holding")
 
 
 def test_an_unreachable_lifeline_is_said_and_not_fatal(capsys):
@@ -340,8 +346,6 @@ def test_a_rank_the_runner_started_dies_with_the_controller(tmp_path):
     """The ranks of ``launcher=multinode`` are the deepspeed runner's grandchildren: each watches the
     controller named by ``HYBRIDTRAIN_CONTROLLER`` (``hybridtrain.launch.parent.watch_controller``). A stand-in
     controller starts a stand-in launcher, which starts the watching rank; the controller is SIGKILLed."""
-    import psutil
-
     rank = ("import os, sys, time\nfrom hybridtrain.launch.parent import watch_controller\n"
             "assert watch_controller(os.environ['HYBRIDTRAIN_CONTROLLER'])\nprint('watching', flush=True)\n"
             "time.sleep(120)\n")
@@ -349,24 +353,4 @@ def test_a_rank_the_runner_started_dies_with_the_controller(tmp_path):
     controller = ("import os, subprocess, sys, time\nfrom hybridtrain.launch.parent import controller_env\n"
                   f"subprocess.Popen([sys.executable, '-c', {launcher!r}], env={{**os.environ, **controller_env()}})\n"
                   "time.sleep(120)\n")
-    out = tmp_path / "out.txt"
-    with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=str(REPO)))
-    tree = []
-    try:
-        deadline = time.monotonic() + 60
-        while "watching" not in out.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "watching" in out.read_text(), out.read_text()
-        tree = _descendants(proc.pid)
-        watcher = [p for p in tree if p.cmdline()[-1] == rank]
-        assert len(watcher) == 1, tree
-        proc.kill()
-        proc.wait()
-        psutil.wait_procs(watcher, timeout=10)
-        assert not _alive(watcher), "the rank outlived its controller"
-    finally:
-        proc.kill()
-        for p in _alive(tree):
-            p.kill()
+    _assert_rank_dies_with_its_controller(tmp_path, controller, rank, "watching")
