@@ -190,7 +190,9 @@ class BlockInputs:
         with torch.no_grad():
             segments = flash_segments(pos, idx) if self.cp_base == "flash_attention_2" else None  # one host copy
             args = {"attention_mask": None,
-                    "cp_context": CPAttention(self.cp, self.cp_base, position_ids=pos, segments=segments)}
+                    # Unpacked rows are one document each: no position ids, so sdpa runs mask-free.
+                    "cp_context": CPAttention(self.cp, self.cp_base, position_ids=pos if self.packed else None,
+                                              segments=segments)}
             cos_sin = None
             if rotary is not None:
                 cos, sin = rotary(hidden, position_ids=pos)  # [B, S, D] each

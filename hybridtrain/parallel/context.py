@@ -79,6 +79,16 @@ class CPContext:
         tokens (:func:`chunk_indices`)."""
         return chunk_indices(seq_len, self.size, self.rank)
 
+    def ranges(self, seq_len: int) -> list[tuple[int, int]]:
+        """The same tokens as :meth:`indices`, as contiguous ``[start, stop)`` runs in the order the rank holds them:
+        ``[(0, seq_len)]`` at ``size = 1``, else chunk ``rank`` and chunk ``2 x size - 1 - rank``."""
+        if self.size == 1:
+            return [(0, seq_len)]
+        chunk_indices(seq_len, self.size, self.rank)  # the same checks and messages
+        c = seq_len // (2 * self.size)
+        tail = 2 * self.size - 1 - self.rank
+        return [(self.rank * c, (self.rank + 1) * c), (tail * c, (tail + 1) * c)]
+
 
 def chunk_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The global token indices (int64 ``[seq_len / cp]``) that cp rank ``rank`` holds of a row of ``seq_len``

@@ -11,8 +11,11 @@ The HF attention modules stay as they are: :func:`register_attention` adds :func
 transformers' ``AttentionInterface``, a model selects it with ``config._attn_implementation``, and the cp group comes
 per call through the ``cp_context`` keyword (a :class:`CPAttention`).
 
-The mask is dense (``[B, 1, S / cp, S]``), as transformers' sdpa and eager masks are; a kernel taking document
-boundaries (flash varlen, flex) is the way past it at long context.
+Plain causal rows under sdpa (one document per row, no sliding window, no attention dropout) need no mask: each of
+the rank's two chunks attends to the keys up to its end, bottom-right causal (:mod:`hybridtrain.parallel.causal_chunks`).
+Packed documents and sliding windows under sdpa or eager get the dense mask (``[B, 1, S / cp, S]``, made once per
+micro-batch), as transformers' own sdpa and eager masks are; FlashAttention 2 takes the documents as variable-length
+sequences (:func:`flash_segments`) and keeps no mask.
 """
 from __future__ import annotations
 
@@ -103,9 +106,10 @@ class CPAttention:
 
 
 BASES = ("sdpa", "eager", "flash_attention_2")
-"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: sdpa and eager with
-the dense ``[B, 1, Sq, S]`` mask; FlashAttention 2 through its variable-length kernel, one sequence per piece of a
-document in a rank's chunks (:func:`flash_segments`), which keeps no mask."""
+"""The attentions :func:`context_parallel_attention` can run on the gathered keys and values: sdpa (mask-free on
+plain causal rows, :mod:`~hybridtrain.parallel.causal_chunks`) and eager with the dense ``[B, 1, Sq, S]`` mask;
+FlashAttention 2 through its variable-length kernel, one sequence per piece of a document in a rank's chunks
+(:func:`flash_segments`), which keeps no mask."""
 
 
 def _base_function(module: torch.nn.Module, base: str):
@@ -131,8 +135,9 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
                                attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """transformers' attention-function signature over this rank's tokens: ``query`` ``[B, H, S/cp, D]``, ``key`` and
     ``value`` ``[B, Hkv, S/cp, D]`` (grouped-query heads are repeated inside the base function). Gathers the row's keys
-    and values over the cp group, builds the global-index mask (:func:`cp_attention_mask`) and runs the base
-    attention (``kwargs["cp_context"]``, a :class:`CPAttention`); returns its ``(output [B, S/cp, H, D], weights)``.
+    and values over the cp group and runs the base attention: mask-free for sdpa on plain causal rows
+    (:func:`~hybridtrain.parallel.causal_chunks.runs_attention`), else with the global-index mask
+    (:func:`cp_attention_mask`) (``kwargs["cp_context"]``, a :class:`CPAttention`); returns its ``(output [B, S/cp, H, D], weights)``.
 
     ``attention_mask`` must be ``None``: transformers' mask builders return ``None`` for an implementation they do not
     know, and a padding mask has no meaning here (rows are packed; documents are told apart by position ids).
@@ -165,6 +170,11 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     # The layer's window as the families hand it to flash attention (Mistral from the config, Qwen 2 and Gemma 2
     # per layer, None on full layers); the module attribute for a family that does not pass it.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if ctx.base == "sdpa" and ctx.position_ids is None and window is None and _mask_free(kwargs):
+        from hybridtrain.parallel.causal_chunks import runs_attention
+
+        out = runs_attention(query, key, value, cp.ranges(seq), kwargs.get("scaling"))  # [B, H, S/cp, D]
+        return out.transpose(1, 2).contiguous(), None  # as transformers' sdpa_attention_forward returns it
     # Additive for sdpa too: torch's sdpa turns a boolean mask into a new float one at every call, which each
     # block's backward would then keep; one float mask made here is kept once for all of them.
     additive = True
@@ -173,6 +183,16 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
         mask = ctx.masks[window, query.dtype, additive] = cp_attention_mask(
             positions, cp.indices(seq).to(query.device), window, query.dtype, additive=additive)
     return base(module, query, key, value, mask, **kwargs)
+
+
+MASKED_ONLY = ("softcap", "position_bias", "s_aux", "sinks")
+"""Keywords of the attention call that only the base attention with a mask handles (sdpa raises on a soft-cap itself)."""
+
+
+def _mask_free(kwargs: dict) -> bool:
+    """Whether sdpa's call can run mask-free over the rank's chunks (:mod:`~hybridtrain.parallel.causal_chunks`):
+    no attention dropout (the kernels merged there run without it) and none of :data:`MASKED_ONLY`."""
+    return not kwargs.get("dropout") and all(kwargs.get(k) is None for k in MASKED_ONLY)
 
 
 def register_attention() -> str:

@@ -52,11 +52,12 @@ gpt_neox    20.4 (q = k = h), 4.1               40.5, 8.1                       
 so a Llama-2-7B block keeps about ``47 s b h`` bytes in bf16 (the old assumed ``34 s b h`` was low; the head's
 ``8 s b V`` was twice the one fp32 ``[s, V]`` the loss keeps: ``4 s b V / t``, Gemma 2 6-8 with its soft-cap).
 ``eager/el``: eager's bytes per element of the attention matrix ``a s^2 b / t``. The rest follows from the shapes
-(:func:`attention_extra`): eager, and sdpa given a mask (packed records, ``data.packing=documents``; every block at
-cp > 1), keep the keys and values repeated to every head over the whole row, ``2 w q s b``, in place of sdpa's own
-``2 w k s b``, and sdpa keeps its mask in the activation dtype, ``w`` per element of ``[b, 1, s/cp, s]`` (one per
-block). FlashAttention 2 takes the records' boundaries as offsets and keeps no mask (not measured here: GPU only).
-With context parallelism the token-wise terms are at ``s / cp`` tokens; with tensor parallelism the ``I``, ``q``,
+(:func:`attention_extra`): eager, and sdpa given a mask (packed records, ``data.packing=documents``), keep the keys
+and values repeated to every head over the whole row, ``2 w q s b``, in place of sdpa's own ``2 w k s b``, and sdpa
+keeps its mask in the activation dtype, ``w`` per element of ``[b, 1, s/cp, s]`` (one per block; at cp > 1 one per
+stage). FlashAttention 2 takes the records' boundaries as offsets and keeps no mask (not measured here: GPU only).
+With context parallelism the token-wise terms are at ``s / cp`` tokens, and plain causal sdpa keeps the gathered
+keys and values of the whole row, ``2 w k s b``, with no mask (``hybridtrain/parallel/causal_chunks.py``); with tensor parallelism the ``I``, ``q``,
 ``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
 model's, not measured). With activation checkpointing a block keeps only its input ``s b h w`` and one block is
 recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
@@ -234,7 +235,7 @@ def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, e
     the row's ``seq`` tokens on this rank (``local = seq / cp``), ``q`` / ``kv`` the query and key widths on the rank.
 
     Plain causal sdpa at cp = 1 keeps its own keys and values (in the token-wise ``kv`` term) and no mask: 0.
-    Eager, and sdpa given a mask (packed records; always at cp > 1, where the mask is by global token index), keep
+    Eager, and sdpa given a mask (packed records; at cp > 1 the mask is by global token index), keep
     the keys and values repeated to every query head over the whole row, ``2 w q s b``, in place of the ``2 w k
     s/cp b`` of the token-wise term; sdpa keeps the mask in the activation dtype, ``w`` per element of
     ``[b, 1, s/cp, s]`` (measured exactly on CPU, ``bench/activations.py``), unless ``mask_per_block`` is False: the
@@ -253,8 +254,9 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     measured :class:`Activations`.
 
     At ``cp`` > 1 a rank holds ``s / cp`` tokens of each row: the token-wise terms shrink by ``cp``; the attention
-    keeps the keys and values of the whole row and the attention over ``[s / cp, s]`` (eager's matrix, or the mask the
-    context-parallel sdpa always gets, :func:`attention_extra`). With tensor parallelism the MLP, query, key and
+    keeps the keys and values of the whole row: plain causal sdpa (no packed records) unrepeated and with no mask
+    (``hybridtrain/parallel/causal_chunks.py``), eager and packed sdpa repeated to every head with the attention over
+    ``[s / cp, s]`` (eager's matrix, or the mask, :func:`attention_extra`). With tensor parallelism the MLP, query, key and
     value terms and the attention matrix are split over ``tp``, the ``hidden`` terms (norms, residuals) are not. With
     activation checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time (its
     whole activations: the peak during the backward). ``loss_chunk`` (``trainer.loss_chunk_tokens``): a rank whose
@@ -269,15 +271,18 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     c = activations_of(facts.family.model_type, precision)
     full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
     full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
-    shared_mask = cp > 1 and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
-    full += attention_extra(s, local, b, q, kv, w, eager, mask or cp > 1, mask_per_block=not shared_mask)
+    shared_mask = cp > 1 and mask and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
+    if cp > 1 and not (eager or mask):  # mask-free causal chunks: the gathered keys and values, heads unrepeated
+        full += 2 * w * b * kv * (s - local)
+    else:
+        full += attention_extra(s, local, b, q, kv, w, eager, mask, mask_per_block=not shared_mask)
     blocks = sum(u.kind is Kind.BLOCK for u in units)
     if checkpointing and blocks:
         total = blocks * local * b * h * w + full  # inputs kept + one block recomputed
     else:
         total = blocks * full
-    if shared_mask and blocks:  # [b, 1, s/cp, s] in the activation dtype; one row for all when rows are not packed
-        total += w * (b if mask else 1) * local * s
+    if shared_mask and blocks:  # [b, 1, s/cp, s] in the activation dtype
+        total += w * b * local * s
     if any(u.kind is Kind.HEAD for u in units):
         head_tokens = local * b if not loss_chunk or local * b <= loss_chunk else loss_chunk
         total += head_tokens * c.vocab * facts.padded_vocab / tp

@@ -1,7 +1,9 @@
 """Context parallelism's attention (``hybridtrain/parallel/context_parallel.py``) against one-process attention, in
 outputs and gradients: real HF attention modules (Llama with grouped-query attention, sdpa and eager; Mistral with a
 sliding window; Gemma 2 eager with logit soft-capping, a sliding and a full layer), on unpacked rows and on packed
-rows whose documents cross chunk boundaries (each row packed differently), at cp = 2 and cp = 4.
+rows whose documents cross chunk boundaries (each row packed differently), at cp = 2 and cp = 4. Unpacked rows
+come without position ids, as the stages pass them: Llama's plain causal sdpa then runs mask-free
+(``hybridtrain/parallel/causal_chunks.py``), the other cases with the global-index mask.
 
 All cases run in ONE spawned world of 4 gloo ranks: on the cp group of ranks {0, 1}, then on all four. Every rank
 builds the same module, inputs and upstream gradient from a fixed seed in float64 and computes the reference on the
@@ -100,8 +102,14 @@ def case_attention(cp, case: str, rows: str) -> Checks:
 
     idx = cp.indices(S)  # this rank's tokens
     x_loc = x[:, idx].clone().requires_grad_()  # [B, S/cp, hidden]
+    packed = rows == "packed"
+    ctx = CPAttention(cp, impl, positions if packed else None)  # as the stages pass them: None for unpacked rows
     y, _ = local(x_loc, position_embeddings=(rope[0][:, idx], rope[1][:, idx]), attention_mask=None,
-                 position_ids=positions[:, idx], cp_context=CPAttention(cp, impl, positions))
+                 position_ids=positions[:, idx], cp_context=ctx)
+    if impl == "sdpa" and not (packed or sliding):  # plain causal sdpa runs mask-free (causal_chunks.py)
+        assert not ctx.masks, f"plain causal sdpa made masks {list(ctx.masks)}"
+    else:
+        assert ctx.masks or impl == "flash_attention_2", "a masked case made no mask"
     y.backward(g[:, idx])
 
     checks: Checks = {"output": (y.detach(), y_ref.detach()[:, idx]), "input grad": (x_loc.grad, x_ref.grad[:, idx])}

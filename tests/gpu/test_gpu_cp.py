@@ -65,3 +65,49 @@ def test_flash_pieces_equal_the_masked_attention_on_the_gpu(rows, window, cp):
         assert torch.isfinite(got).all()
         err = (got.float() - want).abs().max().item()
         assert err <= 2e-2, f"rank {rank}: flash pieces differ from the masked attention by {err}"
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_mask_free_causal_chunks_equal_the_dense_mask_on_the_gpu(heads, dtype):
+    """Plain causal sdpa under cp (``hybridtrain.parallel.causal_chunks``): on CUDA each chunk goes through torch's
+    lower-right causal bias (FlashAttention or memory-efficient attention, no mask tensor). Outputs and the
+    gradients of query, key and value equal fp32 attention with the dense bottom-right mask; in bf16 at 32k keys
+    the forward and backward allocate less than one dense boolean ``[Lq, Lk]`` mask would."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hybridtrain.parallel.causal_chunks import lower_right_causal
+
+    h, hk = heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype).requires_grad_()
+
+    lq, lk, d = 256, 1024, 64
+    q, k, v = rand(2, h, lq, d), rand(2, hk, lk, d), rand(2, hk, lk, d)
+    up = torch.randn(2, h, lq, d, device="cuda", generator=g).to(dtype)
+    out = lower_right_causal(q, k, v, None)
+    out.backward(up)
+    got = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    n = h // hk
+    s = (qf @ kf.repeat_interleave(n, 1).transpose(-1, -2)) / math.sqrt(d)
+    i, j = torch.arange(lq, device="cuda")[:, None], torch.arange(lk, device="cuda")[None]
+    ref = s.masked_fill(j > i + lk - lq, float("-inf")).softmax(-1) @ vf.repeat_interleave(n, 1)
+    ref.backward(up.float())
+    want = [ref, qf.grad, kf.grad, vf.grad]
+    tol = 3e-2 if dtype is torch.bfloat16 else 2e-3
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max()) < tol * max(1.0, float(b.abs().max()))
+
+    if dtype is not torch.bfloat16:
+        return  # fp32 takes memory-efficient attention, with grouped heads repeated: its memory is not the point
+    lq, lk = 8192, 32768  # a dense boolean mask alone would be 256 MiB; everything else here is linear, ~100 MiB
+    q, k, v = rand(1, h, lq, d), rand(1, hk, lk, d), rand(1, hk, lk, d)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lower_right_causal(q, k, v, None).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < lq * lk, "the CUDA path materialized a mask"
