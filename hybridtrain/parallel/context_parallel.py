@@ -235,33 +235,33 @@ def flash_segments(positions: torch.Tensor, q_index: torch.Tensor) -> FlashSegme
     ``[qs, qe)`` of one document starting at ``ds``; its keys ``[ds, qe)``; so query ``qs + i`` sees keys up to
     itself, within its document: the mask of :func:`cp_attention_mask`, with no mask tensor. A sliding window
     ``(w - 1, w - 1)`` (transformers' ``window_size``) is aligned the same way. Computed on the host (the offsets
-    must be host integers for the kernel's launch): one copy of the position ids per stage and micro-batch."""
+    must be host integers for the kernel's launch): one copy of the position ids per stage and micro-batch, then
+    tensor operations only (no loop over tokens or pieces)."""
     pos = positions.detach().cpu()
-    q = q_index.detach().cpu()
+    q = q_index.detach().cpu().long()
     batch, seq = pos.shape
+    local = q.numel()
     restart = torch.ones_like(pos, dtype=torch.bool)
     restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # a document starts where the position ids do not count on
     ar = torch.arange(seq).expand(batch, seq)
     starts = torch.where(restart, ar, torch.zeros_like(ar)).cummax(dim=1).values  # [B, S] start of each token's document
-    keys, cu_q, cu_k = [], [0], [0]
-    qi = q.tolist()
-    for b in range(batch):
-        start_of = starts[b].tolist()
-        i = 0
-        while i < len(qi):  # runs of consecutive tokens of one document: a new piece at a chunk or document edge
-            j = i + 1
-            while j < len(qi) and qi[j] == qi[j - 1] + 1 and start_of[qi[j]] == start_of[qi[i]]:
-                j += 1
-            qs, qe, ds = qi[i], qi[j - 1] + 1, start_of[qi[i]]
-            keys.append(torch.arange(b * seq + ds, b * seq + qe))
-            cu_q.append(cu_q[-1] + (qe - qs))
-            cu_k.append(cu_k[-1] + (qe - ds))
-            i = j
-    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    doc = starts[:, q]  # [B, Sq] the document start of each of the rank's tokens
+    # A piece starts at a row's first query, at a chunk edge (the indices jump) and at a document's start.
+    new = torch.ones(batch, local, dtype=torch.bool)
+    new[:, 1:] = (q[1:] != q[:-1] + 1) | (doc[:, 1:] != doc[:, :-1])
+    first = new.reshape(-1).nonzero().squeeze(1)  # each piece's first query, flattened over the batch
+    last = torch.cat([first[1:], torch.tensor([batch * local])]) - 1
+    flat_q = q.repeat(batch)
+    row = first // local
+    qs, qe, ds = flat_q[first], flat_q[last] + 1, doc.reshape(-1)[first]  # queries [qs, qe), keys [ds, qe)
+    len_q, len_k = qe - qs, qe - ds
+    zero = torch.zeros(1, dtype=torch.long)
+    cu_q, cu_k = torch.cat([zero, len_q.cumsum(0)]), torch.cat([zero, len_k.cumsum(0)])
+    piece = torch.repeat_interleave(torch.arange(first.numel()), len_k)  # the piece of each key slot
+    keys = (row * seq + ds)[piece] + torch.arange(int(cu_k[-1])) - cu_k[:-1][piece]
     device = positions.device
-    return FlashSegments(torch.cat(keys).to(device), torch.tensor(cu_q, dtype=torch.int32, device=device),
-                         torch.tensor(cu_k, dtype=torch.int32, device=device), max(lengths_q), max(lengths_k))
+    return FlashSegments(keys.to(device), cu_q.to(torch.int32).to(device), cu_k.to(torch.int32).to(device),
+                         int(len_q.max()), int(len_k.max()))
 
 
 def flash_varlen_attention(flash, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
