@@ -3,7 +3,8 @@ one's step time, pick the fastest.
 
 A candidate is (dp, cp, tp, pp, micro-batch size, ZeRO stage, activation checkpointing) with
 ``dp x cp x tp x pp = plan.world_size``; context parallelism (``cp`` > 1, ``docs/long-context.md``) is
-searched for a long sequence, one at which no layout of whole rows fits the budget (:func:`search`).
+searched for every cp the sequence allows (:func:`search`): the cost model picks it where whole rows do not fit,
+or fit only with activation checkpointing.
 Every candidate goes through the plan's own rules
 (:func:`~hybridtrain.plan.validate.build_plan`: tp dividing the heads, pp up to the blocks, ZeRO 0-1
 with pp > 1, no 16-bit ZeRO-0, no TP group across nodes, ...), so auto never picks a layout the plan
@@ -287,14 +288,11 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None,
                 continue
             scored.append(estimate(c, plan, facts_at(c.tp), trial, rates, per_node, machine.cpu_cores, kv_width))
 
-    # Whole rows first. cp enters for a long sequence, one at which no layout of whole rows fits: its ranks
-    # split the compute as dp's do but add the keys' and values' all-gathers, so the cost model would rank
-    # cp above dp never, and above tp or pp only where dp is out of batch. (That last case is not searched
-    # yet: the plan report's memory of a cp layout waits on memory.py's cp terms, docs/planning.md.)
-    score([1])
-    long_context = [cp for cp in context_degrees(cfg.data.seq_len, world) if cp > 1]
-    if long_context and budget and not any(c.memory <= budget for c in scored):
-        score(long_context)
+    # Every cp degree the row allows: a cp layout splits the compute as dp does and adds the keys' and values'
+    # all-gathers, so the cost model ranks it below dp of the same ranks, and above whole rows where they fit
+    # only with activation checkpointing (its recomputed forward costs more than the gathers), where dp is
+    # out of batch, or where nothing of whole rows fits the budget (a long sequence).
+    score(context_degrees(cfg.data.seq_len, world))
     if not scored:
         example = ""
         if refused:

@@ -179,9 +179,10 @@ def _search(*overrides: str):
 
 def test_auto_enumerates_valid_layouts_and_picks_the_fastest_that_fits():
     cfg, choice = _search("+recipe=gpt_tiny", "parallel=auto", "plan.world_size=4", "model.config.n_head=4")
-    layouts = {(c.dp, c.tp, c.pp) for c in choice.ranked}
+    layouts = {(c.dp, c.tp, c.pp) for c in choice.ranked if c.cp == 1}
     assert layouts == {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
-    assert all(c.dp * c.tp * c.pp == 4 and 12 % (c.micro_batch_size * c.dp) == 0 for c in choice.ranked)
+    assert {c.cp for c in choice.ranked} == {1, 2, 4}  # every cp the 32-token rows allow is scored too
+    assert all(c.dp * c.cp * c.tp * c.pp == 4 and 12 % (c.micro_batch_size * c.dp) == 0 for c in choice.ranked)
     assert all(c.zero_stage <= 1 for c in choice.ranked if c.pp > 1)
     assert choice.best.step_time == min(c.step_time for c in choice.ranked)
     text = choice.explain(3)
