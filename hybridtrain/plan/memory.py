@@ -57,8 +57,8 @@ and values repeated to every head over the whole row, ``2 w q s b``, in place of
 keeps its mask in the activation dtype, ``w`` per element of ``[b, 1, s/cp, s]`` (one per block; at cp > 1 one per
 stage). FlashAttention 2 takes the records' boundaries as offsets and keeps no mask (not measured here: GPU only).
 With context parallelism the token-wise terms are at ``s / cp`` tokens, and plain causal sdpa keeps the gathered
-keys and values of the whole row, ``2 w k s b``, with no mask (``hybridtrain/parallel/causal_chunks.py``); with tensor parallelism the ``I``, ``q``,
-``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
+keys and values of the whole row, ``2 w k s b`` on top of its own (measured), with no mask
+(``hybridtrain/parallel/causal_chunks.py``); with tensor parallelism the ``I``, ``q``, ``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
 model's, not measured). With activation checkpointing a block keeps only its input ``s b h w`` and one block is
 recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
 ``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. Families without measurements
@@ -272,8 +272,8 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
     full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
     shared_mask = cp > 1 and mask and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
-    if cp > 1 and not (eager or mask):  # mask-free causal chunks: the gathered keys and values, heads unrepeated
-        full += 2 * w * b * kv * (s - local)
+    if cp > 1 and not (eager or mask):  # mask-free causal chunks: the gathered keys and values of the whole row
+        full += 2 * w * b * kv * s  # (heads unrepeated), kept on top of the rank's own (measured)
     else:
         full += attention_extra(s, local, b, q, kv, w, eager, mask, mask_per_block=not shared_mask)
     blocks = sum(u.kind is Kind.BLOCK for u in units)
