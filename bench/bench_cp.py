@@ -11,7 +11,7 @@ tokens as a cp rank of A). Reported per side: tokens/s (median over the steps af
 resident memory of each rank (``VmHWM``, polled from ``/proc`` while the run lives: it includes the Python,
 torch and DeepSpeed baseline of a process, about the same on every side), and auto's estimate of the fullest
 rank (:func:`hybridtrain.plan.auto.estimate_layout`, the cp terms included; without that baseline). A against
-B is what cp buys at one length; A against C is what cp's all-gathered keys and values, its dense mask and
+B is what cp buys at one length; A against C is what cp's all-gathered keys and values (with packed rows its dense mask) and
 its communication cost over a rank holding the same tokens alone. Results: ``bench/results/cp_DATE.{md,json}``.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def compare(work: Path, rounds: int, quick: bool, done: dict, alternate, seq_len
     summary = (f"A / B tokens/s: **{speed_ab:.2f}x** (ideal 2x: each rank does half the attention and MLP work); "
                f"per rank A / C: **{rank_ac:.2f}x** (ideal 1x). Peak RSS per rank, B - A: **{mem_ab:.0f} MiB** "
                f"(estimated {est['cp1'] - est['cp2']:.0f}); A - C: **{mem_ac:.0f} MiB** (estimated "
-               f"{est['cp2'] - est['cp1_half']:.0f}: the gathered keys and values and the dense mask).")
+               f"{est['cp2'] - est['cp1_half']:.0f}: the gathered keys and values).")
     return {"title": f"Context parallelism: cp=2 vs cp=1 at seq {seq_len} and at {half}",
             "what": ("`+recipe=llama_long` (2 layers, hidden 64, fp32, micro-batch 1, global batch 2), one thread "
                      f"per rank, {steps} steps, medians after the first step; sides alternate A B C A B C. Peak RSS: "
