@@ -173,6 +173,7 @@ def _marker_class():
         def __init__(self, num_experts: int, ep: int):
             nn.Module.__init__(self)  # not MoE.__init__: no DeepSpeed experts, gate or groups
             self.num_experts, self.ep_size = num_experts, ep
+            self.num_local_experts = num_experts // ep  # read by DeepSpeed's MoE checkpoint save
             self.expert_group_name = expert_group_name(ep)
             self.enable_expert_tensor_parallelism = True
 

@@ -106,13 +106,6 @@ def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: 
                         "parallel.ep=1")
     if cfg.finetune.method == "lora":
         raise PlanError("finetune.method", f"LoRA with parallel.ep={ep} is not supported yet; use parallel.ep=1")
-    tr = cfg.trainer
-    saving = [k for k, on in (("trainer.save_every", tr.save_every), ("trainer.save_final", tr.save_final),
-                              ("trainer.save_logits", tr.save_logits), ("trainer.resume", tr.resume)) if on]
-    if saving:
-        raise PlanError(saving[0], f"{saving[0]} with parallel.ep={ep}: checkpoints of expert-parallel runs are not "
-                        "supported yet (each rank holds other experts); use parallel.ep=1 to save, or "
-                        "trainer.save_final=false and trainer.save_every=0")
     return ep
 
 
