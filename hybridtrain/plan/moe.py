@@ -83,7 +83,9 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
 
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
     """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
-    divide dp and the experts, and what expert parallelism cannot do yet is refused."""
+    divide dp and the experts, and what expert parallelism cannot do yet is refused (ZeRO-2/3, bf16/fp16,
+    LoRA). Checkpoints are allowed: the save gathers every expert into ``hf/`` and ``optim/`` and a resume
+    reads them back through those (:mod:`hybridtrain.checkpoint.reshard`)."""
     ep = int(cfg.parallel.ep)
     if ep == 1:
         return ep
