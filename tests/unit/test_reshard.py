@@ -80,3 +80,20 @@ def test_hf_shape_joins_the_experts_over_ep_and_the_width_over_tp():
     local = torch.nn.Parameter(torch.zeros(E // 2, 2 * I // 3, H))  # ep = 2, tp = 3
     assert hf_shape(local, EXPERT_CASES["experts.gate_up_proj"][1], 3, 2) == (E, 2 * I, H)
     assert hf_shape(local, Split(dim=1, fused=2), 3, 2) == (E // 2, 2 * I, H)  # not experts: ep does not apply
+
+
+@pytest.mark.parametrize("saved,now_ep,through", [
+    ({"dp": 2, "tp": 1}, 1, False),  # the same plan: DeepSpeed's ds/
+    ({"dp": 2, "tp": 1, "ep": 2}, 2, True),  # the same plan at ep = 2: ds/ holds data rank 0's experts only
+    ({"dp": 2, "tp": 1, "ep": 2}, 1, True),  # ep 2 -> 1
+    ({"dp": 2, "tp": 1}, 2, True),  # ep 1 -> 2
+])
+def test_every_expert_parallel_resume_goes_through_hf(saved, now_ep, through):
+    from types import SimpleNamespace
+
+    from hybridtrain.worker import through_hf
+
+    layout = {"dp": 2, "tp": 1, **({"ep": now_ep} if now_ep > 1 else {})}
+    plan = SimpleNamespace(layout=lambda: layout, padded_vocab_size=PADDED, dims=SimpleNamespace(ep=now_ep))
+    assert through_hf(saved, plan, PADDED) is through
+    assert through_hf(saved, plan, PADDED + 2)  # another vocabulary padding: always
