@@ -12,7 +12,8 @@ resume at ep = 2 (the same layout) and one at ep = 1, which saves at step 4; fro
 resume at ep = 2. Every resumed loss equals the uninterrupted run's (1e-4), and the AdamW moments of every
 expert at step 6 after ep 2 -> 1 -> 2 equal the uninterrupted run's (so the moments resumed, not only the
 weights); the ep = 2 run's final checkpoint exports to a folder whose transformers logits equal hybridtrain's
-(``trainer.save_logits``, 1e-5) with all 8 experts in it. Slow: layouts with tp = 2 and pp = 2 on either side.
+(``trainer.save_logits``, 1e-5) with all 8 experts in it. Slow: layouts with tp = 2 and pp = 2 on either side,
+and dp = 4 x ep = 2 (ZeRO-1 partitions each expert's state over its 2 replicas) resumed at dp = 2.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ SLOW = {  # (the saving run's layout, the resuming run's layout): 2 or 4 ranks e
                                ("parallel.dp=2", "parallel.pp=2")),
     "dp2_pp2_ep2_to_dp4_ep4": (("parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=0"),
                                ("parallel.dp=4", "parallel.ep=4")),
+    "dp4_ep2_to_dp2": (("parallel.dp=4", "parallel.ep=2"), ("parallel.dp=2",)),  # ZeRO-1 over 2 replicas of each expert
     "tp2_pp2_to_dp2_tp2_ep2": (("parallel.tp=2", "parallel.pp=2"), ("parallel.dp=2", "parallel.tp=2", "parallel.ep=2")),
 }
 
