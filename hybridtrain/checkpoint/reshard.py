@@ -11,7 +11,8 @@ leave the HF export to do; this path is online, plan-free and shares the HF name
 Every resume of an expert-parallel run (``parallel.ep`` > 1 in the checkpoint or in the run) takes this path:
 DeepSpeed's ``ds/`` model state, written by data-parallel rank 0, holds that rank's ``E / ep`` experts only (its
 MoE save writes other ranks' experts only for DeepSpeed's own MoE layers, which hybridtrain does not use), while
-``hf/`` and ``optim/`` hold every expert, gathered over the expert-parallel group at the save. Each rank reads its ``E / ep`` experts of each MoE layer back.
+``hf/`` and ``optim/`` hold every expert, gathered over the expert-parallel group at the save. Each rank reads
+its ``E / ep`` experts of each MoE layer back.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ EXPERT_CASES = {  # transformers' fused 3-D experts: dim 0 over ep, the width ov
 @pytest.fixture(scope="module")
 def expert_weights(tmp_path_factory):
     folder = tmp_path_factory.mktemp("experts")
-    save_file({name: t.contiguous() for name, (t, _) in EXPERT_CASES.items()}, str(folder / "optim-stage000.safetensors"))
+    tensors = {name: t.contiguous() for name, (t, _) in EXPERT_CASES.items()}
+    save_file(tensors, str(folder / "optim-stage000.safetensors"))
     return SafetensorsWeights(folder)
 
 
