@@ -36,27 +36,16 @@ def from_hf(tensor: torch.Tensor, split: Split, tp: TPContext, padded_vocab: int
     return shard_tensor(t, split.dim, split.fused, tp.rank, tp.size)
 
 
-def expert_slice(tensor: torch.Tensor, split: Split, ep: EPContext | None) -> torch.Tensor:
-    """This expert-parallel rank's experts (``[E / ep, ...]`` of ``[E, ...]``) of an MoE layer's expert tensor;
-    any other tensor (or ``ep`` of one rank) as it is."""
-    if not split.experts or ep is None or ep.size == 1:
-        return tensor
-    start, stop = ep.shard(tensor.shape[0])
-    return tensor[start:stop].contiguous()
-
-
 def read_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: int,
                ep: EPContext | None = None) -> torch.Tensor:
     """:func:`from_hf` of tensor ``name`` of ``weights`` (a ``SafetensorsWeights``), reading only
-    this rank's slice from the file (safetensors slicing), as float32; an MoE layer's experts cut to this
-    rank's ``E / ep`` (:func:`expert_slice`)."""
-    return expert_slice(_read_tp_local(weights, name, split, tp, padded_vocab), split, ep)
-
-
-def _read_tp_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: int) -> torch.Tensor:
-    """:func:`read_local` before the expert slice: this TP rank's part of the whole tensor."""
+    this rank's slice from the file (safetensors slicing), as float32; of an MoE layer's experts only this
+    expert-parallel rank's ``E / ep`` (``ep``), each its TP slice."""
     from hybridtrain.models.weights import read_rows, read_shard
 
+    if split.experts and ep is not None and ep.size > 1:  # the experts' HF layout is the local one
+        assert split.dim is not None and not split.transpose and split.vocab is None, split
+        return read_shard(weights, name, split.dim, split.fused, tp.rank, tp.size, (ep.rank, ep.size))
     if split.dim is None or tp.size == 1:
         return from_hf(weights.get(name), split, tp, padded_vocab)
     if split.vocab is not None:  # this rank's rows of the padded vocabulary; zeros past the real ones

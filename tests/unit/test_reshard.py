@@ -98,3 +98,23 @@ def test_every_expert_parallel_resume_goes_through_hf(saved, now_ep, through):
     plan = SimpleNamespace(layout=lambda: layout, padded_vocab_size=PADDED, dims=SimpleNamespace(ep=now_ep))
     assert through_hf(saved, plan, PADDED) is through
     assert through_hf(saved, plan, PADDED + 2)  # another vocabulary padding: always
+
+
+@pytest.mark.parametrize("leaf,dim,fused", [("gate_up_proj", 1, 2), ("down_proj", 2, 1)])
+def test_each_ep_rank_reads_only_its_experts_from_per_expert_and_fused_tensors(tmp_path, leaf, dim, fused):
+    """A ``save_pretrained`` folder (per-expert 2-D tensors) and a fused one (hybridtrain's ``hf/``): the ep ranks'
+    reads (``experts=(rank, ep)``) joined along dim 0 are the TP slice of all experts."""
+    from helpers.moe import make_moe_checkpoint
+    from hybridtrain.models.weights import read_experts_shard
+
+    folder = make_moe_checkpoint(tmp_path / "twin", "qwen3_moe")
+    name = f"model.layers.1.mlp.experts.{leaf}"
+    per_expert = SafetensorsWeights(folder)
+    whole = read_experts_shard(per_expert, name, dim, fused, 1, 2, "qwen3_moe")  # tp rank 1 of 2, every expert
+    save_file({name: whole.contiguous()}, str(tmp_path / "fused.safetensors"))  # a fused tensor (of the TP slice)
+    fused_file = SafetensorsWeights(tmp_path)
+    for ep in (2, 4):
+        parts = [read_experts_shard(per_expert, name, dim, fused, 1, 2, "qwen3_moe", (r, ep)) for r in range(ep)]
+        assert torch.equal(torch.cat(parts), whole), (leaf, ep)
+        parts = [read_experts_shard(fused_file, name, dim, fused, 0, 1, "qwen3_moe", (r, ep)) for r in range(ep)]
+        assert torch.equal(torch.cat(parts), whole), (leaf, ep)
