@@ -147,7 +147,8 @@ class ModelBuilder:
         return shard, start
 
     def block(self, index: int) -> nn.Module:
-        """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
+        """Decoder block ``index`` with its planned modules replaced by this rank's TP shards (and, at ep > 1, its
+        MoE layer's experts by this rank's ``E / ep``, the only ones read from a checkpoint)."""
         prefix = f"{self.family.blocks}.{index}"
         split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.reads_shards())
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
