@@ -71,7 +71,7 @@ def run(run_dir: Path) -> int:
     torch.manual_seed(cfg.trainer.seed)
     hf_config = model_config(cfg)
     resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None  # the launcher checked it
-    reshard = resume is not None and (_saved_plan(resume) != plan.layout() or _saved_vocab(resume) != plan.padded_vocab_size)
+    reshard = resume is not None and through_hf(_saved_plan(resume), plan, _saved_vocab(resume))
     # a LoRA run's adapters come from the checkpoint (same plan: DeepSpeed then loads the same values)
     adapters = CheckpointDir(resume).adapter if resume and cfg.finetune.method == "lora" else None
     built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None,
@@ -161,6 +161,13 @@ def _saved_vocab(checkpoint: Path) -> int:
     return int(json.loads(CheckpointDir(checkpoint).plan_file.read_text())["padded_vocab_size"])
 
 
+def through_hf(saved: dict, plan, saved_vocab: int) -> bool:
+    """Whether a resume from a checkpoint of layout ``saved`` (``meta.json``'s plan) and padded vocabulary
+    ``saved_vocab`` builds from its ``hf/`` and ``optim/`` (re-sharding) rather than DeepSpeed's ``ds/``: another
+    layout or vocabulary padding, or expert parallelism on either side (``ds/`` holds data rank 0's experts only)."""
+    return saved != plan.layout() or saved_vocab != plan.padded_vocab_size or max(saved.get("ep", 1), plan.dims.ep) > 1
+
+
 def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     """Restore everything from ``checkpoint``; return the step to continue from.
 
@@ -180,7 +187,9 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     else:
         load_verified(built, checkpoint, rank, plan.world_size)  # digests of ds/ checked before DeepSpeed unpickles
     if rank == 0:
-        how = f"re-sharded from {_saved_plan(checkpoint)}" if reshard else "same plan"
+        saved = _saved_plan(checkpoint)
+        how = ("same plan" if not reshard else f"re-sharded from {saved}" if saved != plan.layout()
+               else "same plan, through hf/ and optim/: expert parallel")
         print(f"[hybridtrain] resumed from {checkpoint} at step {step} ({how})", flush=True)
     return step
 

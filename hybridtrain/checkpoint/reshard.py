@@ -1,4 +1,4 @@
-"""Resume under another (dp, tp, pp): optimizer state through HF names.
+"""Resume under another (dp, tp, pp, ep): optimizer state through HF names.
 
 A checkpoint stores, besides DeepSpeed's own (plan-specific) state, every weight and every
 AdamW moment as a full HF-named tensor (``hf/`` and ``optim/``). Resuming under a different plan
@@ -7,6 +7,12 @@ DeepSpeed's optimizer through its ``safe_set_full_optimizer_state`` API, and set
 schedule. Written here rather than through DeepSpeed's offline universal-checkpoint converter,
 whose merge needs per-parameter patterns for fused q|k|v and padded vocabularies and would still
 leave the HF export to do; this path is online, plan-free and shares the HF name mapping.
+
+Every resume of an expert-parallel run (``parallel.ep`` > 1 in the checkpoint or in the run) takes this path:
+DeepSpeed's ``ds/`` model state, written by data-parallel rank 0, holds that rank's ``E / ep`` experts only (its
+MoE save writes other ranks' experts only for DeepSpeed's own MoE layers, which hybridtrain does not use), while
+``hf/`` and ``optim/`` hold every expert, gathered over the expert-parallel group at the save. Each rank reads
+its ``E / ep`` experts of each MoE layer back.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hybridtrain.parallel.context import TPContext
+from hybridtrain.parallel.context import EPContext, TPContext
 from hybridtrain.parallel.slicing import Split, shard_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -30,11 +36,16 @@ def from_hf(tensor: torch.Tensor, split: Split, tp: TPContext, padded_vocab: int
     return shard_tensor(t, split.dim, split.fused, tp.rank, tp.size)
 
 
-def read_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: int) -> torch.Tensor:
+def read_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: int,
+               ep: EPContext | None = None) -> torch.Tensor:
     """:func:`from_hf` of tensor ``name`` of ``weights`` (a ``SafetensorsWeights``), reading only
-    this rank's slice from the file (safetensors slicing), as float32."""
+    this rank's slice from the file (safetensors slicing), as float32; of an MoE layer's experts only this
+    expert-parallel rank's ``E / ep`` (``ep``), each its TP slice."""
     from hybridtrain.models.weights import read_rows, read_shard
 
+    if split.experts and ep is not None and ep.size > 1:  # the experts' HF layout is the local one
+        assert split.dim is not None and not split.transpose and split.vocab is None, split
+        return read_shard(weights, name, split.dim, split.fused, tp.rank, tp.size, (ep.rank, ep.size))
     if split.dim is None or tp.size == 1:
         return from_hf(weights.get(name), split, tp, padded_vocab)
     if split.vocab is not None:  # this rank's rows of the padded vocabulary; zeros past the real ones
@@ -86,7 +97,7 @@ def load_moments(built, params: list, folder: Path, step: int, padded_vocab: int
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for name, param, split in params:
         for key in MOMENTS:
-            local = read_local(moments, f"{key}.{name}", split, built.tp, padded_vocab)  # this rank's slice only
+            local = read_local(moments, f"{key}.{name}", split, built.tp, padded_vocab, built.ep)  # this rank's slice
             if zero:
                 safe_set_full_optimizer_state(param, local.to(param.device), key)
             else:  # ZeRO-0: the torch optimizer holds the parameters themselves

@@ -63,15 +63,17 @@ class StageFiles:
 
     Data-axis rank 0's (``dp x cp``) TP rank 0 of each stage writes them (:attr:`writes`). The tensors are gathered
     to it one at a time and streamed into their files (:class:`~hybridtrain.checkpoint.stream.StreamedSafetensors`):
-    no rank holds the stage's state on the host, the writer one full tensor at a time."""
+    no rank holds the stage's state on the host, the writer one full tensor at a time. With ``parallel.ep`` > 1
+    every MoE layer's experts are gathered over the writer's expert-parallel group first (data ranks
+    ``0 .. ep - 1``, each holding ``E / ep`` of them), so the files hold all ``E`` whichever rank trained them."""
 
     def __init__(self, built, plan, named: list, trained: list):
         self.built, self.named, self.trained = built, named, trained
         self.writes = built.tp_rank == 0 and built.data_rank == 0 and bool(named)
-        size = built.tp.size
-        self.weights = {n: hf_shape(p, s, size) for n, p, s in named if not is_lora(n)}
+        size, ep = built.tp.size, built.ep.size
+        self.weights = {n: hf_shape(p, s, size, ep) for n, p, s in named if not is_lora(n)}
         self.adapters = {peft_name(n): hf_shape(p, s, size) for n, p, s in named if is_lora(n)}  # peft's names
-        self.moments = {f"{key}.{n}": hf_shape(p, s, size) for key in MOMENTS for n, p, s in trained}
+        self.moments = {f"{key}.{n}": hf_shape(p, s, size, ep) for key in MOMENTS for n, p, s in trained}
 
     @classmethod
     def of(cls, built, plan) -> "StageFiles":
@@ -92,20 +94,21 @@ class StageFiles:
 
         built, stage = self.built, self.built.stage
         gathers = built.data_rank == 0  # only the writer's TP group gathers over TP
+        ep = dict(ep=built.ep, ep_gathers=built.data_rank < built.ep.size)  # the writer's expert-parallel group
         parts = [(ckpt.hf_part(stage), self.weights), (ckpt.adapter_part(stage), self.adapters),
                  (ckpt.optim_part(stage), self.moments)]
         with ExitStack() as stack:
             hf, adapter, optim = [stack.enter_context(StreamedSafetensors(
                 path, {n: (shape, torch.float32) for n, shape in specs.items()}, {"format": "pt"}))
                 if self.writes and specs else None for path, specs in parts]
-            for name, tensor in gathered(self.named, built.tp, built.engine.device, gathers):
+            for name, tensor in gathered(self.named, built.tp, built.engine.device, gathers, **ep):
                 if tensor is not None:
                     (adapter.write(peft_name(name), tensor) if is_lora(name) else hf.write(name, tensor))
             if self.trained:
                 relink_zero_state(built.engine.optimizer)
             for key in MOMENTS if self.trained else ():
                 value = lambda p, key=key: full_moment(built.engine, p, key)  # noqa: E731
-                for name, tensor in gathered(self.trained, built.tp, built.engine.device, gathers, value):
+                for name, tensor in gathered(self.trained, built.tp, built.engine.device, gathers, value, **ep):
                     if tensor is not None:
                         optim.write(f"{key}.{name}", tensor)
 

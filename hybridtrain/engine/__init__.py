@@ -186,6 +186,12 @@ class Built:
         return self.groups.tp
 
     @property
+    def ep(self) -> Any:
+        """This rank's :class:`~hybridtrain.parallel.context.EPContext` (size 1 without expert parallelism).
+        Data ranks ``0 .. ep - 1`` form the expert-parallel group of the rank that writes checkpoints."""
+        return self.groups.ep
+
+    @property
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the engine: ``params``, ``grads``, ``optim``
         (master copies, AdamW moments) and ``total``. After the first step: the peaks measured

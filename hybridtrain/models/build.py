@@ -147,27 +147,35 @@ class ModelBuilder:
         return shard, start
 
     def block(self, index: int) -> nn.Module:
-        """Decoder block ``index`` with its planned modules replaced by this rank's TP shards."""
+        """Decoder block ``index`` with its planned modules replaced by this rank's TP shards (and, at ep > 1, its
+        MoE layer's experts by this rank's ``E / ep``, the only ones read from a checkpoint)."""
         prefix = f"{self.family.blocks}.{index}"
         split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.reads_shards())
         keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
+        ep_split = self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config)
         read = None
         if self.weights is not None:  # pretrained: read only this rank's shard of each split module
             from hybridtrain.models.weights import read_experts_shard, read_shard
+
+            experts = (self.ep.rank, self.ep.size) if ep_split else None  # and only this ep rank's experts
 
             def read(path: str, dim: int | None, fused) -> torch.Tensor:
                 if dim is None:  # replicated (a row-parallel bias)
                     return self.weights.get(f"{prefix}.{path}")
                 if self.family.moe is not None and path.startswith(f"{self.family.moe.experts}."):
                     return read_experts_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank,
-                                              self.tp.size, self.family.model_type)
+                                              self.tp.size, self.family.model_type, experts)
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)
+            if ep_split:
+                from hybridtrain.parallel.experts import keep_expert_rows
+
+                keep_expert_rows(block.get_submodule(self.family.moe.experts), self.ep)  # read as [E / ep, ...]
         shard_block(block, self.family, self.hf_config, self.tp, read)
-        if self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config):
+        if ep_split:
             from hybridtrain.parallel.experts import split_experts_over_ep
 
-            split_experts_over_ep(block.get_submodule(self.family.moe.experts), self.ep)
+            split_experts_over_ep(block.get_submodule(self.family.moe.experts), self.ep, sliced=read is not None)
         if self.lora is not None:
             add_lora(block, prefix, self.family, self.hf_config, self.tp, self.lora, self.seed, self.adapter)
         return block

@@ -185,44 +185,57 @@ class SafetensorsWeights:
             raise CheckpointError(f"{path}: cannot read {name!r} ({err}); the file may be truncated or corrupt") from None
 
 
-def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int) -> torch.Tensor:
+def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int,
+               experts: tuple[int, int] | None = None) -> torch.Tensor:
     """Only this rank's part of tensor ``name``: along ``dim`` (HF layout), each of ``fused`` equal
-    sub-blocks cut into ``size`` chunks, chunk ``rank`` of each, read with safetensors slicing."""
+    sub-blocks cut into ``size`` chunks, chunk ``rank`` of each, read with safetensors slicing. ``experts``
+    ``(ep_rank, ep)``: of a 3-D experts tensor (``dim`` >= 1) only that expert-parallel rank's equal run of
+    dimension 0 too (its ``E / ep`` experts)."""
 
     from hybridtrain.parallel.slicing import shard_ranges
 
     def cut(view):
-        ranges = shard_ranges(view.get_shape()[dim], fused, rank, size)
-        return [view[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in ranges]  # any dim (3-D experts: 1, 2)
+        shape = view.get_shape()
+        ranges = shard_ranges(shape[dim], fused, rank, size)
+        lead: tuple = (slice(None),) * dim
+        if experts is not None:  # [E / ep, ...] of [E, ...]
+            assert dim >= 1 and shape[0] % experts[1] == 0, (name, shape, experts)
+            step = shape[0] // experts[1]
+            lead = (slice(experts[0] * step, (experts[0] + 1) * step),) + lead[1:]
+        return [view[lead + (slice(lo, hi),)] for lo, hi in ranges]  # any dim (3-D experts: 1, 2)
 
     return torch.cat(weights.sliced(name, cut), dim=dim).float()
 
 
 def read_experts_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int,
-                       model_type: str) -> torch.Tensor:
+                       model_type: str, experts: tuple[int, int] | None = None) -> torch.Tensor:
     """This rank's part of a fused 3-D experts tensor ``name`` (``...mlp.experts.gate_up_proj [E, 2I, H]``,
     ``down_proj [E, H, I]``), split along ``dim`` (1 or 2; ``fused`` blocks): read as it is where the folder
     holds it fused (hybridtrain's own checkpoints), else from the per-expert 2-D tensors ``save_pretrained``
     and the published checkpoints hold (``mlp.experts.3.gate_proj.weight`` ...), by transformers' own
     conversion for ``model_type`` (``transformers.conversion_mapping``: ``MergeModulelist(dim=0)`` over the
-    experts, then ``Concatenate(dim=1)`` of gate and up). Each per-expert tensor is read as its slice only."""
+    experts, then ``Concatenate(dim=1)`` of gate and up). Each per-expert tensor is read as its slice only. ``experts``
+    ``(ep_rank, ep)``: only that expert-parallel rank's ``E / ep`` experts (the others are not read)."""
     if name in weights:
-        return read_shard(weights, name, dim, fused, rank, size)
+        return read_shard(weights, name, dim, fused, rank, size, experts)
     sources = _expert_sources(name, model_type)
     if sources is None or fused not in (1, len(sources)):
         raise CheckpointError(f"{weights.folder}: tensor {name!r} is missing from the checkpoint, and transformers' "
                               f"conversion for {model_type!r} gives no per-expert tensors it is made of")
     parts = []
     for pattern in sources:  # gate, then up (Concatenate(dim=1) of the merged lists)
-        experts = []
-        e = 0
-        while pattern.replace("*", str(e)) in weights:
-            experts.append(read_shard(weights, pattern.replace("*", str(e)), dim - 1, 1, rank, size))
-            e += 1
-        if not experts:
+        count = 0
+        while pattern.replace("*", str(count)) in weights:
+            count += 1
+        if not count:
             raise CheckpointError(f"{weights.folder}: neither {name!r} nor its per-expert tensors "
                                   f"{pattern.replace('*', '0')!r}, ... are in the checkpoint")
-        parts.append(torch.stack(experts))  # MergeModulelist(dim=0): [E, ...]
+        ids = range(count)
+        if experts is not None:  # this expert-parallel rank's run of the experts
+            step = count // experts[1]
+            ids = range(experts[0] * step, (experts[0] + 1) * step)
+        rows = [read_shard(weights, pattern.replace("*", str(e)), dim - 1, 1, rank, size) for e in ids]
+        parts.append(torch.stack(rows))  # MergeModulelist(dim=0): [E, ...] (or [E / ep, ...])
     return torch.cat(parts, dim=1)
 
 

@@ -92,15 +92,29 @@ def expert_group_name(ep: int) -> str:
     return f"ep_size_{ep}"
 
 
-def split_experts_over_ep(module: nn.Module, ep: EPContext) -> nn.Module:
-    """Keep this rank's ``E / ep`` experts of ``module`` (already TP-sharded, :func:`shard_experts`) and route
-    its tokens to the experts' owners (:class:`ExpertDispatch`). The expert parameters are tagged for
-    DeepSpeed's MoE handling (``allreduce=False`` and the group name): their gradients are reduced over
-    the expert-data-parallel group, the ``dp / ep`` ranks holding the same experts, instead of over dp."""
+def keep_expert_rows(module: nn.Module, ep: EPContext) -> nn.Module:
+    """Give ``module``'s fused expert weights (not yet holding values: a checkpoint fills them) the shape of this
+    rank's ``E / ep`` experts, ``[E / ep, ...]`` on the meta device, so that :func:`shard_experts` reads only
+    those from the checkpoint; :func:`split_experts_over_ep` then keeps them as they are (``sliced``)."""
+    start, stop = ep.shard(int(module.num_experts))
+    for leaf, full in list(module.named_parameters(recurse=False)):
+        rows = torch.empty((stop - start, *full.shape[1:]), dtype=full.dtype, device="meta")  # [E / ep, ...]
+        setattr(module, leaf, nn.Parameter(rows, requires_grad=full.requires_grad))
+    return module
+
+
+def split_experts_over_ep(module: nn.Module, ep: EPContext, sliced: bool = False) -> nn.Module:
+    """Keep this rank's ``E / ep`` experts of ``module`` (already TP-sharded, :func:`shard_experts`; with
+    ``sliced`` they are all it holds already, read so by :func:`keep_expert_rows`) and route its tokens to the
+    experts' owners (:class:`ExpertDispatch`). The expert parameters are tagged for DeepSpeed's MoE handling
+    (``allreduce=False`` and the group name): their gradients are reduced over the expert-data-parallel group,
+    the ``dp / ep`` ranks holding the same experts, instead of over dp."""
     start, stop = ep.shard(int(module.num_experts))
     for leaf in list(dict(module.named_parameters(recurse=False))):
         full = getattr(module, leaf)
-        param = nn.Parameter(full.detach()[start:stop].clone(), requires_grad=full.requires_grad)  # [E / ep, ...]
+        rows = full.detach() if sliced else full.detach()[start:stop].clone()  # [E / ep, ...]
+        assert rows.shape[0] == stop - start, (leaf, tuple(rows.shape), ep)
+        param = nn.Parameter(rows, requires_grad=full.requires_grad)
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             if hasattr(full, attr):
                 setattr(param, attr, getattr(full, attr))
@@ -173,6 +187,7 @@ def _marker_class():
         def __init__(self, num_experts: int, ep: int):
             nn.Module.__init__(self)  # not MoE.__init__: no DeepSpeed experts, gate or groups
             self.num_experts, self.ep_size = num_experts, ep
+            self.num_local_experts = num_experts // ep  # read by DeepSpeed's MoE checkpoint save
             self.expert_group_name = expert_group_name(ep)
             self.enable_expert_tensor_parallelism = True
 

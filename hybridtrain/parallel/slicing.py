@@ -5,7 +5,8 @@ A dimension may hold fused sub-blocks: ``fused`` equal ones (GPT-2's ``c_attn`` 
 blocks of the given sizes (Phi-3's ``qkv_proj`` = q | k | v with fewer KV heads). It is split block by
 block: rank ``r`` of ``size`` keeps chunk ``r`` of each, so every rank gets matching q, k and v heads.
 :func:`hybridtrain.checkpoint.hf_state.unshard` is the inverse. :class:`Split` records, for one local
-tensor, which dimension is split this way and how HF stores it (checkpoints, re-sharding).
+tensor, which dimension is split this way, whether its leading dimension is also split over the experts
+(``parallel.ep``: contiguous runs of experts, no fusing) and how HF stores it (checkpoints, re-sharding).
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class Split:
     """HF stores this weight transposed (``Conv1D``: ``[in, out]``)."""
     vocab: Optional[int] = None
     """Keep only the first ``vocab`` rows (drop the padding added for TP)."""
+    experts: bool = False
+    """Dimension 0 lists an MoE layer's routed experts, split over ``parallel.ep`` (expert-parallel rank ``r``
+    holds experts ``[r E / ep, (r + 1) E / ep)``, each still split along :attr:`dim` over TP)."""
 
 
 def local_part(tensor, split: Split, rank: int, size: int):

@@ -224,8 +224,10 @@ class Experts(TPStyle):
     """Parameter -> (split dimension, fused blocks) in HF layout (the local layout is HF's)."""
 
     def split(self, leaf, conv1d=False, fused=1):
-        dim, blocks = self.LEAVES.get(leaf, (None, 1))
-        return Split(dim=dim, fused=blocks)
+        if leaf not in self.LEAVES:
+            return Split()
+        dim, blocks = self.LEAVES[leaf]
+        return Split(dim=dim, fused=blocks, experts=True)  # dim 0: the experts, split over parallel.ep
 
     def reads_shards(self) -> bool:
         return True

@@ -83,7 +83,9 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
 
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
     """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
-    divide dp and the experts, and what expert parallelism cannot do yet is refused."""
+    divide dp and the experts, and what expert parallelism cannot do yet is refused (ZeRO-2/3, bf16/fp16,
+    LoRA). Checkpoints are allowed: the save gathers every expert into ``hf/`` and ``optim/`` and a resume
+    reads them back through those (:mod:`hybridtrain.checkpoint.reshard`)."""
     ep = int(cfg.parallel.ep)
     if ep == 1:
         return ep
@@ -106,13 +108,6 @@ def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: 
                         "parallel.ep=1")
     if cfg.finetune.method == "lora":
         raise PlanError("finetune.method", f"LoRA with parallel.ep={ep} is not supported yet; use parallel.ep=1")
-    tr = cfg.trainer
-    saving = [k for k, on in (("trainer.save_every", tr.save_every), ("trainer.save_final", tr.save_final),
-                              ("trainer.save_logits", tr.save_logits), ("trainer.resume", tr.resume)) if on]
-    if saving:
-        raise PlanError(saving[0], f"{saving[0]} with parallel.ep={ep}: checkpoints of expert-parallel runs are not "
-                        "supported yet (each rank holds other experts); use parallel.ep=1 to save, or "
-                        "trainer.save_final=false and trainer.save_every=0")
     return ep
 
 

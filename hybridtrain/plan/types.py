@@ -70,9 +70,12 @@ class Plan:
         """What a checkpoint must match to be loaded with DeepSpeed's own state (``meta.json`` ``plan``):
         every axis's degree and the ZeRO stage (compare saved layouts through :func:`saved_layout`).
 
-        With pp > 1 the stage boundaries too: each stage's ZeRO flat buffers hold its own layers.
+        With pp > 1 the stage boundaries too: each stage's ZeRO flat buffers hold its own layers. With
+        ``parallel.ep`` > 1 its degree (``ep``; absent at 1, so layouts saved before it compare equal).
         """
         out: dict[str, Any] = {**self.dims.degrees(), "zero_stage": self.zero_stage}
+        if self.dims.ep > 1:
+            out["ep"] = self.dims.ep
         if self.dims.pp > 1:
             out["stage_bounds"] = list(self.stage_bounds)
         return out

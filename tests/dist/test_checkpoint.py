@@ -321,7 +321,7 @@ def _save_probe(rank: int, world: int, emit) -> None:
 
         engine = SimpleNamespace(device=torch.device("cpu"), module=Stage(named), save_checkpoint=ds_save,
                                  optimizer=SimpleNamespace(state=state))
-        return SimpleNamespace(engine=engine, tp=tp, tp_rank=groups.coords.tp, dp_rank=groups.coords.dp,
+        return SimpleNamespace(engine=engine, tp=tp, ep=groups.ep, tp_rank=groups.coords.tp, dp_rank=groups.coords.dp,
                                data_rank=groups.coords.dp * groups.dims.cp + groups.coords.cp, stage=0,
                                lora=None, model_state_bytes={"optim": 0, "params": 0})
 

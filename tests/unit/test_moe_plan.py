@@ -8,7 +8,6 @@ from helpers.config import compose
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
-NO_SAVE = ("trainer.save_final=false",)
 
 TINY_MOE = ("+recipe=llama_tiny", "model=qwen3_moe", "model.config.hidden_size=64", "model.config.num_hidden_layers=2",
             "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", "+model.config.head_dim=16",
@@ -27,17 +26,14 @@ def _error(*overrides: str) -> PlanError:
 CASES = {  # id -> (overrides, key, fragments of the message)
     "ep_on_a_dense_model": (("+recipe=llama_tiny", "parallel.dp=2", "parallel.ep=2"), "parallel.ep",
                             ["parallel.ep=2: llama is a dense model", "use parallel.ep=1"]),
-    "ep_not_dividing_dp": ((*TINY_MOE, "parallel.dp=3", "parallel.ep=2", "trainer.global_batch_size=12",
-                            *NO_SAVE), "parallel.ep", ["parallel.ep=2 must divide the data-parallel degree dp=3",
-                                                       "use ep in [1]"]),
-    "ep_not_dividing_experts": ((*TINY_MOE, "parallel.dp=4", "parallel.ep=4", "model.config.num_experts=6",
-                                 *NO_SAVE), "parallel.ep", ["must divide the 6 experts", "use ep in [1, 2]"]),
-    "ep_with_zero2": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", *NO_SAVE),
+    "ep_not_dividing_dp": ((*TINY_MOE, "parallel.dp=3", "parallel.ep=2", "trainer.global_batch_size=12"), "parallel.ep",
+                           ["parallel.ep=2 must divide the data-parallel degree dp=3", "use ep in [1]"]),
+    "ep_not_dividing_experts": ((*TINY_MOE, "parallel.dp=4", "parallel.ep=4", "model.config.num_experts=6"),
+                                "parallel.ep", ["must divide the 6 experts", "use ep in [1, 2]"]),
+    "ep_with_zero2": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2"),
                       "parallel.zero_stage", ["zero_stage=2 with parallel.ep=2", "use parallel.zero_stage=1"]),
-    "ep_saving_checkpoints": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2"), "trainer.save_final",
-                              ["checkpoints of expert-parallel runs are not supported yet"]),
     "ep_stage_without_experts": ((*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                                  "parallel.stage_layers=[3,2]", *NO_SAVE), "parallel.stage_layers",
+                                  "parallel.stage_layers=[3,2]"), "parallel.stage_layers",
                                  ["stage 1 (final_norm, head) holds no MoE block", "parallel.zero_stage=0"]),
     "ep_below_one": ((*TINY_MOE, "parallel.ep=0"), "parallel.ep", ["must be >= 1, got 0"]),
     "dense_blocks": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]"), "model.config.mlp_only_layers",
@@ -47,6 +43,17 @@ CASES = {  # id -> (overrides, key, fragments of the message)
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }
+
+
+def test_expert_parallel_runs_save_and_their_layout_names_ep():
+    """Checkpoints of an ep > 1 run are planned like any other (saved every step, logits, the final save), and
+    its checkpoint layout carries ep, so a resume under another ep is a layout change; at ep = 1 it has no ep
+    key, as the layouts saved before expert parallelism."""
+    plan, _ = resolve(compose(*TINY_MOE, "parallel.dp=2", "parallel.ep=2", "trainer.save_every=1",
+                              "trainer.save_logits=true"), CPU)
+    assert plan.layout()["ep"] == 2
+    plan, _ = resolve(compose(*TINY_MOE, "parallel.dp=2"), CPU)
+    assert "ep" not in plan.layout()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -108,8 +115,8 @@ def test_expert_parallel_memory_counts_experts_per_rank():
     from hybridtrain.plan.memory import rank_memory
     from hybridtrain.models.families import get_family
 
-    plans = {ep: resolve(compose(*TINY_MOE, "parallel.dp=4", f"parallel.ep={ep}", "parallel.zero_stage=0",
-                                 *NO_SAVE), CPU) for ep in (1, 2)}
+    plans = {ep: resolve(compose(*TINY_MOE, "parallel.dp=4", f"parallel.ep={ep}", "parallel.zero_stage=0"), CPU)
+             for ep in (1, 2)}
     (p1, hf), (p2, _) = plans[1], plans[2]
     assert p2.dims.ep == 2 and p2.dims.product() == "dp=4 x tp=1 x pp=1 (experts over ep=2 of the dp ranks)"
     facts = model_facts(get_family("qwen3_moe"), hf, p1.seq_len)
