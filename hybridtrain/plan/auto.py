@@ -1,9 +1,10 @@
 """``parallel=auto``: enumerate the layouts, keep those the plan accepts and that fit, estimate each
 one's step time, pick the fastest.
 
-A candidate is (dp, cp, tp, pp, micro-batch size, ZeRO stage, activation checkpointing) with
-``dp x cp x tp x pp = plan.world_size``; context parallelism (``cp`` > 1, ``docs/long-context.md``) is
-searched for every cp the sequence allows (:func:`search`): the cost model picks it where whole rows do not fit,
+A candidate is (dp, cp, ep, tp, pp, micro-batch size, ZeRO stage, activation checkpointing) with
+``dp x cp x tp x pp = plan.world_size`` and ``ep`` dividing dp (MoE models: every ep that divides the experts,
+``docs/moe.md``); context parallelism (``cp`` > 1, ``docs/long-context.md``) is searched for every cp the sequence
+allows (:func:`search`): the cost model picks it where whole rows do not fit,
 or fit only with activation checkpointing.
 Every candidate goes through the plan's own rules
 (:func:`~hybridtrain.plan.validate.build_plan`: tp dividing the heads, pp up to the blocks, ZeRO 0-1
@@ -27,6 +28,10 @@ cluster's GPUs derived from ``launcher.gpu_type``):
 * context parallelism: per block an all-gather of the whole row's keys and values forward
   (``2 x b x s x kv_heads x head_dim`` elements, ``(cp - 1) / cp`` of them over the link) and the
   reduce-scatter of their gradients backward;
+* expert parallelism (``ep`` > 1, MoE models; ``ep`` dividing dp and the experts): per MoE block the dropless
+  dispatch and combine all-to-alls forward and backward, each of the rank's tokens x top-k x hidden
+  (``(ep - 1) / ep`` of it over the link); the experts' gradients reduce over the ``dp / ep`` ranks holding the
+  same experts, and each rank holds ``E / ep`` experts (:mod:`hybridtrain.plan.memory`);
 * data parallelism (over the data axis ``dp x cp``): the ring all-reduce of the stage's gradients once
   per step, plus the all-gather of the updated partitions (ZeRO-1/2: 1.5x) and of the parameters in forward and
   backward (ZeRO-3: 2.5x), and the AdamW update of the rank's share.
@@ -70,6 +75,8 @@ class Candidate:
     cp: int = 1
     """Context-parallel ranks splitting each row (after the others so that positional construction keeps
     its order)."""
+    ep: int = 1
+    """Expert-parallel ranks (carved from dp) splitting each MoE layer's experts."""
     step_time: float = 0.0
     """Estimated seconds per optimizer step."""
     memory: int = 0
@@ -80,12 +87,14 @@ class Candidate:
 
     def label(self) -> str:
         cp = f"cp={self.cp} " if self.cp > 1 else ""
-        return (f"dp={self.dp} {cp}tp={self.tp} pp={self.pp} micro={self.micro_batch_size} "
+        ep = f"ep={self.ep} " if self.ep > 1 else ""
+        return (f"dp={self.dp} {cp}{ep}tp={self.tp} pp={self.pp} micro={self.micro_batch_size} "
                 f"ZeRO-{self.zero_stage} ckpt={'on' if self.activation_checkpointing else 'off'}")
 
     def config(self, cfg: Config) -> Config:
         """``cfg`` with this layout in ``parallel`` (a shallow copy: the other sections are shared)."""
-        return replace(cfg, parallel=replace(cfg.parallel, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, auto=False,
+        return replace(cfg, parallel=replace(cfg.parallel, dp=self.dp, cp=self.cp, ep=self.ep, tp=self.tp, pp=self.pp,
+                                             auto=False,
                                              micro_batch_size=self.micro_batch_size, zero_stage=self.zero_stage,
                                              activation_checkpointing=self.activation_checkpointing))
 
@@ -99,6 +108,13 @@ def _allreduce(nbytes: float, n: int, link: tuple[float, float]) -> float:
     return 0.0 if n <= 1 else latency + 2 * (n - 1) / n * nbytes / bandwidth
 
 
+def _alltoall(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """An all-to-all of ``nbytes`` per rank spread evenly: each rank sends ``(n-1)/n`` of it (the dropless
+    dispatch's splits follow the router; even is the balanced case)."""
+    latency, bandwidth = link
+    return 0.0 if n <= 1 else latency + (n - 1) / n * nbytes / bandwidth
+
+
 def _allgather(nbytes: float, n: int, link: tuple[float, float]) -> float:
     """A ring all-gather (or reduce-scatter) whose result is ``nbytes``: each rank receives ``(n-1)/n`` of it."""
     latency, bandwidth = link
@@ -106,11 +122,11 @@ def _allgather(nbytes: float, n: int, link: tuple[float, float]) -> float:
 
 
 def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Rates, ranks_per_node: int,
-             cores: int, kv_width: int = 0) -> Candidate:
+             cores: int, kv_width: int = 0, top_k: int = 0) -> Candidate:
     """``c`` with its step time, memory, stage bounds and time breakdown filled in, for its validated
     ``plan`` (whose stage bounds it uses) on ``cfg.launcher.nodes`` nodes of ``ranks_per_node`` ranks
     (``cores`` per node; 0: unknown, no oversubscription). ``kv_width``: KV heads x head width (the all-gather of
-    context parallelism)."""
+    context parallelism); ``top_k``: experts per token of an MoE model (expert parallelism's all-to-alls)."""
     dims = plan.dims  # the candidate's degrees, as the plan built from it holds them
     s, h = facts.seq_len, facts.hidden
     w = 4 if plan.precision == "fp32" else 2
@@ -130,28 +146,37 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
     rate = rates.flops / slow
     act = tokens * h * w
-    per_stage, tp_comm, cp_comm = [], 0.0, 0.0
+    ep_link = rates.link("dp" in crossing)  # the ep group is carved from dp
+    routed = tokens * top_k * h * w  # a rank's tokens, once per expert they go to: the dispatch's volume
+    per_stage, tp_comm, cp_comm, ep_comm = [], 0.0, 0.0, 0.0
     for st in range(dims.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
         compute = sum(costs[bounds[st]:bounds[st + 1]]) / rate + len(units) * rates.layer_overhead * slow
         blocks = sum(u.kind is Kind.BLOCK for u in units)
         comm = 4 * blocks * _allreduce(act, dims.tp, node_link)
         gather = 2 * blocks * _allgather(kv / dims.tp, dims.cp, cp_link)  # forward all-gather, backward reduce-scatter
+        moe_blocks = sum(bool(u.experts) for u in units)  # dispatch and combine, forward and backward
+        dispatch = 4 * moe_blocks * _alltoall(routed, dims.ep, ep_link)
         # vocabulary parallel: the embedding's output, the head's input gradient, the loss's max,
         # sum of exponentials and target logit
         comm += (any(u.kind is Kind.EMBED for u in units) + 4 * any(u.kind is Kind.HEAD for u in units)) * (
             _allreduce(act, dims.tp, node_link))
         send = 2 * (pp_link[0] + act / pp_link[1]) if dims.pp > 1 else 0.0
-        per_stage.append(compute + comm + gather + send)
-        tp_comm, cp_comm = max(tp_comm, comm), max(cp_comm, gather)
+        per_stage.append(compute + comm + gather + dispatch + send)
+        tp_comm, cp_comm, ep_comm = max(tp_comm, comm), max(cp_comm, gather), max(ep_comm, dispatch)
     slowest = max(per_stage)
     pipeline = (m + dims.pp - 1) * slowest
     worst_mem, dp_comm, optim = 0, 0.0, 0.0
     for st in range(dims.pp):
         units = facts.units[bounds[st]:bounds[st + 1]]
-        params = sum(stage_param_sizes(units, dims.tp)) + sum(n for u in units for n in u.expert_sizes(dims.tp, dims.ep))
-        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * _allreduce(params * w, dims.data, dp_link))
-        share = params if c.zero_stage == 0 else params / dims.data
+        dense = sum(stage_param_sizes(units, dims.tp))
+        experts = sum(n for u in units for n in u.expert_sizes(dims.tp, dims.ep))
+        if dims.ep == 1:
+            reduce = _allreduce((dense + experts) * w, dims.data, dp_link)
+        else:  # the experts' gradients reduce over the dp / ep ranks holding the same experts
+            reduce = _allreduce(dense * w, dims.data, dp_link) + _allreduce(experts * w, dims.data // dims.ep, dp_link)
+        dp_comm = max(dp_comm, DP_VOLUME[c.zero_stage] * reduce)
+        share = dense + experts if c.zero_stage == 0 else dense / dims.data + experts / (dims.data // dims.ep)
         optim = max(optim, OPTIMIZER_COST * ELEMENTWISE_COST * share / rate)
         # memory.py's formulas at cp > 1 too: the rank's seq / cp tokens, the gathered keys and values, the mask
         mem = rank_memory(facts, bounds, st, dims, zero=plan.zero_stage, precision=plan.precision,
@@ -161,7 +186,8 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     total = pipeline + dp_comm + optim
     parts = {"compute+comm per micro-batch (slowest stage)": slowest, "micro-batches": m,
              "bubble": (dims.pp - 1) * slowest, "tp_comm per micro-batch": tp_comm,
-             **({"cp_comm per micro-batch": cp_comm} if dims.cp > 1 else {}), "dp_comm": dp_comm,
+             **({"cp_comm per micro-batch": cp_comm} if dims.cp > 1 else {}),
+             **({"ep_comm per micro-batch": ep_comm} if dims.ep > 1 else {}), "dp_comm": dp_comm,
              "optimizer": optim}
     return replace(c, step_time=total, memory=worst_mem, parts=parts, bounds=tuple(bounds))
 
@@ -172,8 +198,19 @@ def context_degrees(seq_len: int, world: int) -> list[int]:
     return [cp for cp in _divisors(world) if cp == 1 or seq_len % (2 * cp) == 0]
 
 
-def candidates(cfg: Config, world: int, cps: tuple[int, ...] | list[int] = (1,)) -> list[Candidate]:
-    """Every layout of ``world`` ranks to try for each cp of ``cps``: dp x cp x tp x pp = world, micro-batch
+def expert_degrees(family, hf_config, world: int) -> list[int]:
+    """The ep degrees to try on ``world`` ranks: divisors of the world that divide the experts of each MoE layer
+    (``[1]`` for a dense model; whether ep divides dp is the plan's rule, :func:`candidates` keeps only those)."""
+    if family.moe is None:
+        return [1]
+    experts = int(getattr(hf_config, family.moe.num_experts))
+    return [ep for ep in _divisors(world) if experts % ep == 0]
+
+
+def candidates(cfg: Config, world: int, cps: tuple[int, ...] | list[int] = (1,),
+               eps: tuple[int, ...] | list[int] = (1,)) -> list[Candidate]:
+    """Every layout of ``world`` ranks to try for each cp of ``cps`` and ep of ``eps`` (ep dividing dp): dp x cp x
+    tp x pp = world, micro-batch
     sizes dividing the batch of a replica, ZeRO 0-3, activation checkpointing off and on. Which of them the
     plan accepts is :func:`~hybridtrain.plan.validate.build_plan`'s to say (:func:`search`); only ZeRO-2/3
     with one replica (dp x cp = 1) are left out (ZeRO-1 with more work)."""
@@ -185,12 +222,13 @@ def candidates(cfg: Config, world: int, cps: tuple[int, ...] | list[int] = (1,))
                 dp = world // (cp * tp * pp)
                 if G % dp:
                     continue
-                for micro in _divisors(G // dp):
-                    for zero in (0, 1, 2, 3):
-                        if dp * cp == 1 and zero > 1:
-                            continue
-                        for ckpt in (False, True):
-                            out.append(Candidate(dp, tp, pp, micro, zero, ckpt, cp=cp))
+                for ep in (e for e in eps if dp % e == 0):
+                    for micro in _divisors(G // dp):
+                        for zero in (0, 1, 2, 3):
+                            if dp * cp == 1 and zero > 1:
+                                continue
+                            for ckpt in (False, True):
+                                out.append(Candidate(dp, tp, pp, micro, zero, ckpt, cp=cp, ep=ep))
     return out
 
 
@@ -278,15 +316,18 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None,
     scored: list[Candidate] = []
     refused: list[tuple[Candidate, PlanError]] = []
 
+    top_k = int(getattr(hf_config, family.moe.top_k)) if family.moe is not None else 0
+    eps = expert_degrees(family, hf_config, world)
+
     def score(cps: list[int]) -> None:
-        for c in candidates(cfg, world, cps):
+        for c in candidates(cfg, world, cps, eps):
             trial = c.config(cfg)
             try:
                 plan = build_plan(trial, hf_config, machine, vocab, layer_params, facts_for_tp)
             except PlanError as err:
                 refused.append((c, err))
                 continue
-            scored.append(estimate(c, plan, facts_at(c.tp), trial, rates, per_node, machine.cpu_cores, kv_width))
+            scored.append(estimate(c, plan, facts_at(c.tp), trial, rates, per_node, machine.cpu_cores, kv_width, top_k))
 
     # Every cp degree the row allows: a cp layout splits the compute as dp does and adds the keys' and values'
     # all-gathers, so the cost model ranks it below dp of the same ranks, and above whole rows where they fit
@@ -308,7 +349,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None,
                         f"rank; the smallest needs {least.memory / 2**30:.2f} GiB ({least.label()}): "
                         "add ranks (plan.world_size) or devices with more memory")
     # fastest first; among equal times the least memory, then the simplest layout
-    ranked = sorted(fitting, key=lambda c: (round(c.step_time, 12), c.memory, c.cp * c.tp * c.pp, c.zero_stage))
+    ranked = sorted(fitting, key=lambda c: (round(c.step_time, 12), c.memory, c.cp * c.ep * c.tp * c.pp, c.zero_stage))
     return Choice(ranked[0], ranked, len(scored) + len(refused), len(scored) - len(fitting), budget, rates,
                   refused=len(refused))
 
@@ -326,17 +367,18 @@ def estimate_layout(cfg: Config, hf_config, machine: Machine, rates: Rates) -> C
     pad = vocab_pad_multiple(cfg, machine)
     dims, par = plan.dims, cfg.parallel
     c = Candidate(dims.dp, dims.tp, dims.pp, plan.micro_batch_size, plan.zero_stage, bool(par.activation_checkpointing),
-                  cp=dims.cp)
+                  cp=dims.cp, ep=dims.ep)
     facts = model_facts(family, hf_config, cfg.data.seq_len, dims.tp, pad)
     per_node = max(1, plan.world_size // plan.nodes)
+    top_k = int(getattr(hf_config, family.moe.top_k)) if family.moe is not None else 0
     return estimate(c, plan, facts, cfg, rates, per_node, machine.cpu_cores,
-                    kv_heads_of(family, hf_config) * head_dim_of(family, hf_config))
+                    kv_heads_of(family, hf_config) * head_dim_of(family, hf_config), top_k)
 
 
 def apply(cfg: Config, best: Candidate) -> None:
     """Write the chosen layout into ``cfg.parallel`` (what the run then uses)."""
     par = cfg.parallel
-    par.dp, par.cp, par.tp, par.pp = best.dp, best.cp, best.tp, best.pp
+    par.dp, par.cp, par.ep, par.tp, par.pp = best.dp, best.cp, best.ep, best.tp, best.pp
     par.micro_batch_size, par.zero_stage = best.micro_batch_size, best.zero_stage
     par.activation_checkpointing = best.activation_checkpointing
     par.auto = False
