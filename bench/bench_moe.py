@@ -1,13 +1,13 @@
 """Mixture-of-experts benchmark (issue 30 point 8): hybridtrain against transformers at (1,1,1,1), and expert
 parallelism ``ep=2`` against ``ep=1`` at ``dp=2``.
 
-    python -m bench.bench_moe                     # 3 rounds of the four sides, alternating A B C D
+    python -m bench.bench_moe                     # 3 rounds of the five sides, alternating A B C D E
     python -m bench.bench_moe --rounds 2 --steps 8
     python -m bench.run --only moe                # the same comparison as a section of the suite
 
 The model is a tiny Qwen3-MoE (:data:`SHAPE`) made with ``AutoConfig.for_model("qwen3_moe", ...)`` and
 ``save_pretrained`` in a temporary folder, fine-tuned with ``+recipe=finetune model.pretrained=FOLDER``: fp32,
-global batch 8 of :data:`SEQ` tokens, micro-batch 1, torch's AdamW. Four sides, run alternately in one go:
+global batch 8 of :data:`SEQ` tokens, micro-batch 1, torch's AdamW. Five sides, run alternately in one go:
 
 * A: hybridtrain (1,1,1,1), one rank with :data:`THREADS` threads;
 * B: transformers' own model of the same folder + ``torch.optim.AdamW`` (the overhead comparison's plain loop,
@@ -173,8 +173,8 @@ def section(res: dict[str, list[dict]], expert_bytes_per_rank: dict[str, int], s
                      f"hidden {e['hidden_size']}, {e['num_experts']} experts of width {e['moe_intermediate_size']}, "
                      f"top-{e['num_experts_per_tok']}), `+recipe=finetune`, fp32, AdamW, global batch {GLOBAL_BATCH} "
                      f"x {SEQ} tokens, micro-batch 1; {steps} steps a run, median loop iteration after {skip}; sides "
-                     f"alternate A B C D. A and B: one process with {threads} thread(s) (B: transformers' model + torch "
-                     "AdamW, `bench/baselines.py`); C and D: 2 ranks, one thread each. Expert parameters per rank: the "
+                     f"alternate A B C D E. A and B: one process with {threads} thread(s) (B: transformers' model + torch "
+                     "AdamW, `bench/baselines.py`; E: B with hybridtrain's `malloc` setting); C and D: 2 ranks, one thread each. Expert parameters per rank: the "
                      "plan's E / ep experts (fp32), checked against transformers' model. All-to-all share: each "
                      "rank's `all_to_all_single` seconds in a step (`bench/a2a_timer.py`, waiting for the peer "
                      "included) over the step's `step_time_s`, median over the measured steps and the rounds."),
