@@ -65,7 +65,7 @@ def test_section_reports_ratios_and_shares():
 
 @pytest.mark.slow
 def test_bench_moe_runs_every_side(tmp_path):
-    """One round of the four sides (real runs, about a minute on two cores): every side trains, ep = 2 times
+    """One round of the five sides (real runs, about three minutes on two busy cores): every side trains, ep = 2 times
     its all-to-alls on both ranks, ep = 1 makes none, and both layouts reach the same loss."""
     from bench.bench_moe import compare
     from bench.common import alternate
