@@ -12,7 +12,9 @@ Comparisons (``bench/README.md``, ``docs/benchmarks.md``): ``overhead`` (1,1,1) 
 tp=1 with the all-reduce share; ``memory`` model-state bytes per rank vs the ideal split;
 ``startup`` launch to first step vs a minimal DeepSpeed script; ``cp`` context parallelism at cp=2 vs cp=1
 at the same sequence length and at half of it (``bench/bench_cp.py``; not in the default list: its own long-row
-model, run it with ``--only cp``). Each writes its rows into
+model, run it with ``--only cp``); ``moe`` a tiny Qwen3-MoE, hybridtrain (1,1,1,1) vs transformers + AdamW and
+dp=2 at ep=2 vs ep=1 with the dispatch's all-to-all share (``bench/bench_moe.py``; likewise only with
+``--only moe``). Each writes its rows into
 ``bench/results/suite_DATE.md`` / ``.json`` / ``.png`` together with the machine line (CPU, cores,
 versions, load average). The GPU MFU comparison is ``python -m bench.gpu_mfu``.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from bench.common import ROOT, alternate, machine, machine_line
 from bench.bench_cp import compare as cp_compare
+from bench.bench_moe import compare as moe_compare
 from bench.comparisons import COMPARISONS, _model, soak
 from bench.models import MODELS
 from bench.report import write_report
@@ -48,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
     names = ["soak"] if args.soak else (args.only.split(",") if args.only else list(COMPARISONS))
-    comparisons = {**COMPARISONS, "cp": cp_compare}  # cp: only on request (--only cp)
+    comparisons = {**COMPARISONS, "cp": cp_compare, "moe": moe_compare}  # cp, moe: only on request (--only)
     unknown = [n for n in names if n not in comparisons and n != "soak"]
     if unknown:
         parser.error(f"unknown comparison(s) {unknown}; choose from {list(comparisons)}")

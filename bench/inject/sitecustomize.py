@@ -10,6 +10,10 @@ only its step times are used. Other collectives (barriers, broadcasts) still run
 It patches every process that starts with this folder on its path, the controller included: local
 CPU ranks are forked from the controller (``hybridtrain.launch.preload``) and never run a
 ``sitecustomize`` of their own, so the patch has to be in the process they are forked from.
+
+``HT_BENCH_A2A_DIR=DIR``: every ``torch.distributed.all_to_all_single`` (the expert-parallel dispatch's
+exchanges) is timed, one line per call in ``DIR/rank<R>.txt`` (``bench/a2a_timer.py``, used by
+``bench/bench_moe.py``). The run itself is unchanged.
 """
 import os
 
@@ -27,3 +31,8 @@ if os.environ.get("HT_BENCH_NO_ALLREDUCE") == "1":
         return _Done() if async_op else None
 
     _dist.all_reduce = _no_all_reduce
+
+if os.environ.get("HT_BENCH_A2A_DIR"):
+    from bench.a2a_timer import install as _install_a2a_timer
+
+    _install_a2a_timer(os.environ["HT_BENCH_A2A_DIR"])
