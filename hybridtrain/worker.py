@@ -188,8 +188,9 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
         load_verified(built, checkpoint, rank, plan.world_size)  # digests of ds/ checked before DeepSpeed unpickles
     if rank == 0:
         saved = _saved_plan(checkpoint)
-        how = ("same plan" if not reshard else f"re-sharded from {saved}" if saved != plan.layout()
-               else "same plan, through hf/ and optim/: expert parallel")
+        same = saved == plan.layout() and _saved_vocab(checkpoint) == plan.padded_vocab_size
+        how = ("same plan" if not reshard else "same plan, through hf/ and optim/: expert parallel" if same
+               else f"re-sharded from {saved}")
         print(f"[hybridtrain] resumed from {checkpoint} at step {step} ({how})", flush=True)
     return step
 
