@@ -17,9 +17,6 @@ its communication cost over a rank holding the same tokens alone. Results: ``ben
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
 import tempfile
 import threading
@@ -143,31 +140,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="keep the run folders here")
     args = parser.parse_args()
 
-    from bench.common import alternate, machine, machine_line
+    from bench.common import alternate, machine, machine_line, write_section
 
     facts = machine()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_cp_"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine_line(facts)}", flush=True)
     section = compare(work, args.rounds, False, {}, alternate, args.seq_len, args.steps)
-    facts["loadavg_end"] = os.getloadavg()
-    date = dt.datetime.now()
-    summary = {"date": date.isoformat(timespec="seconds"), "machine": machine_line(facts), "rounds": args.rounds,
-               "command": "python -m bench.bench_cp " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                               (("rounds", args.rounds), ("seq_len", args.seq_len),
-                                                                ("steps", args.steps))),
-               **{k: v for k, v in section.items() if k != "plot"}}
-    stamp = date.strftime("%Y-%m-%d_%H%M%S")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"cp_{stamp}.json").write_text(json.dumps(summary, indent=1))
-    rows = section["table"]
-    lines = [f"# {section['title']}, {summary['date']}", "", f"Machine: {summary['machine']}", "", section["what"], "",
-             "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    lines += ["", section["summary"]]
-    (args.out / f"cp_{stamp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_section(args.out, "cp", section, facts, args.rounds, f"python -m bench.bench_cp --rounds {args.rounds} --seq-len {args.seq_len} --steps {args.steps}")
 
 if __name__ == "__main__":
     main()

@@ -28,9 +28,6 @@ rank's timed seconds of a step over that step's ``step_time_s``. Results: ``benc
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -194,29 +191,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="keep the model and run folders here")
     args = parser.parse_args()
 
-    from bench.common import alternate, machine, machine_line
+    from bench.common import alternate, machine, machine_line, write_section
 
     facts = machine()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_moe_"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine_line(facts)}", flush=True)
     sec = compare(work, args.rounds, False, {}, alternate, args.steps, args.threads)
-    facts["loadavg_end"] = os.getloadavg()
-    date = dt.datetime.now()
-    summary = {"date": date.isoformat(timespec="seconds"), "machine": machine_line(facts), "rounds": args.rounds,
-               "command": f"python -m bench.bench_moe --rounds {args.rounds} --steps {args.steps} --threads {args.threads}",
-               **{k: v for k, v in sec.items() if k != "plot"}}
-    stamp = date.strftime("%Y-%m-%d_%H%M%S")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"moe_{stamp}.json").write_text(json.dumps(summary, indent=1))
-    rows = sec["table"]
-    lines = [f"# {sec['title']}, {summary['date']}", "", f"Machine: {summary['machine']}", "",
-             f"Command: `{summary['command']}`", "", sec["what"], "",
-             "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]] + ["", sec["summary"]]
-    (args.out / f"moe_{stamp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_section(args.out, "moe", sec, facts, args.rounds, f"python -m bench.bench_moe --rounds {args.rounds} --steps {args.steps} --threads {args.threads}")
 
 if __name__ == "__main__":
     main()

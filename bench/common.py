@@ -198,3 +198,26 @@ def check(run: CliRun) -> CliRun:
     if run.returncode != 0:
         raise RuntimeError(f"run in {run.run_dir} exited {run.returncode}:\n{run.output[-4000:]}")
     return run
+
+
+def write_section(out: Path, name: str, section: dict, facts: dict, rounds: int, command: str) -> None:
+    """A standalone benchmark's results: ``out/NAME_DATE.json`` (the section without its plot, the machine, the
+    command) and ``out/NAME_DATE.md`` (title, machine, command, what was measured, the table, the summary), the
+    markdown also printed. ``facts``: :func:`machine`'s, the load average at the end added here."""
+    import datetime as dt
+    import json
+
+    facts["loadavg_end"] = os.getloadavg()
+    date = dt.datetime.now()
+    summary = {"date": date.isoformat(timespec="seconds"), "machine": machine_line(facts), "rounds": rounds,
+               "command": command, **{k: v for k, v in section.items() if k != "plot"}}
+    stamp = date.strftime("%Y-%m-%d_%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}_{stamp}.json").write_text(json.dumps(summary, indent=1))
+    rows = section["table"]
+    lines = [f"# {section['title']}, {summary['date']}", "", f"Machine: {summary['machine']}", "",
+             f"Command: `{command}`", "", section["what"], "",
+             "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]] + ["", section["summary"]]
+    (out / f"{name}_{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
