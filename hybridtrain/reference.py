@@ -10,7 +10,8 @@ Packed rows (``data.packing=documents``) are not run packed here: each record of
 as a batch of one without padding, so the oracle shares no masking code with what it checks.
 
 With ``finetune.method=lora`` the model is wrapped by the real ``peft`` library (``get_peft_model`` with
-the run's ``LoraConfig``, ``target_modules`` passed as the run was given them) and its adapters start
+the run's ``LoraConfig``, ``target_modules`` passed as the run was given them; on an MoE model the module
+paths hybridtrain resolves them to, :func:`peft_model`) and its adapters start
 from hybridtrain's initial ``A`` and ``B`` (or the ``finetune.lora.init_from`` adapter): the oracle of
 hybridtrain's own LoRA layers. Needs ``peft`` (the ``lora`` extra).
 """
@@ -122,7 +123,16 @@ def peft_model(model, cfg: Config, family):
     from hybridtrain.parallel.lora import initial_a
 
     lo = cfg.finetune.lora
-    config = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=lo.target_modules,
+    targets = lo.target_modules
+    if family.moe is not None:
+        # An MoE model gets the modules hybridtrain adapts, by path (what its exported adapter_config.json names):
+        # peft >= 0.18 under transformers 5 maps the names of a target string onto the fused experts and the
+        # router (LoRA on 3-D parameters), which hybridtrain keeps frozen (docs/moe.md#lora)
+        from hybridtrain.models.lora import resolve_targets
+
+        layers = int(getattr(model.config, family.n_layers))
+        targets = sorted(resolve_targets(family, layers, (n for n, _ in model.named_modules()), lo.target_modules))
+    config = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=targets,
                         use_rslora=lo.rslora, fan_in_fan_out=any(r.conv1d for r in family.tp_plan.values()),
                         bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, config)

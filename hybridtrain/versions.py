@@ -14,7 +14,7 @@ import sys
 from importlib import metadata
 
 TESTED: dict[str, tuple[str, str]] = {
-    "transformers": ("5.24.0", "5.25"),
+    "transformers": ("5.24.0", "5.26"),
     "deepspeed": ("0.19.8", "0.20"),
 }
 """Distribution -> (lowest version supported, first version not tested). Below the first is refused; from the
@@ -35,7 +35,7 @@ def version_problems(installed: dict[str, str | None] | None = None) -> tuple[li
             errors.append(f"{name} {found} is older than hybridtrain supports (>= {lowest}, the version CI "
                           f"tests); install it with: pip install '{name}>={lowest},<{untested}'")
         elif Version(found) >= Version(untested):
-            notes.append(f"{name} {found} is newer than the tested {lowest.rsplit('.', 1)[0]}.x; "
+            notes.append(f"{name} {found} is newer than the releases CI tests (>= {lowest}, < {untested}); "
                          f"`python -m hybridtrain.verify` checks a config against it")
     return errors, notes
 

@@ -256,7 +256,9 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
     for rel in lora.in_block(prefix):
         layer, rule, path = block.get_submodule(rel), family.tp_plan[rel], f"{prefix}.{rel}"
         style, full = rule.tp_style, list(layer.weight.shape)  # local layout [out, in]
-        full[style.split("weight").dim] *= tp.size
+        dim = style.split("weight").dim
+        if dim is not None:  # a replicated layer (outside the TP region) holds its whole weight
+            full[dim] *= tp.size
         n_out, n_in = full
         if adapter is not None:
             a, b = (adapter.get(peft_name(f"{path}.{m}.weight")) for m in (LORA_A, LORA_B))

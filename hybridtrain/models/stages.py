@@ -228,7 +228,11 @@ class DecoderBlock(nn.Module):
             self.rotary = rotary_cls(config=builder.hf_config)
         self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
         moe_spec = builder.family.moe
-        if builder.ep.size > 1 and index not in moe_spec.dense_blocks(builder.hf_config):  # experts split over ep
+        # experts split over ep and trained: the marker makes DeepSpeed reduce them over their own data-parallel
+        # group. Under LoRA they are frozen (adapters go on linear layers only), so no group is needed, and
+        # DeepSpeed asserts when a model has MoE layers but no trainable expert parameter.
+        if (builder.ep.size > 1 and builder.lora is None
+                and index not in moe_spec.dense_blocks(builder.hf_config)):
             from hybridtrain.parallel.experts import expert_marker
 
             self.moe_marker = expert_marker(int(getattr(builder.hf_config, moe_spec.num_experts)), builder.ep.size)

@@ -8,6 +8,8 @@ peft's LoRA on a linear layer is ``y = W x + b + s B (A dropout(x))`` with ``A``
   the weight). ``y_r = W_r x + b_r + s B_r (A x)``. The input gradient ``s A^T B_r^T dy_r`` is partial
   and the block's "f" sums it with the base term; ``A``'s gradient ``s (B_r^T dy_r) x^T`` is partial too
   and is summed over the TP group as autograd produces it (an ``[r, in]`` all-reduce per backward).
+* **replicated** (a linear outside the TP region, e.g. Qwen2-MoE's ``shared_expert_gate``): plain peft LoRA,
+  ``A`` and ``B`` whole on every rank, no collective.
 * **row-parallel** (``W_r`` ``[out, in/tp]``, input split): ``A_r`` holds the same input columns as
   ``W_r``, ``B`` is replicated. ``h = sum_r A_r x_r`` needs the all-reduce ``y`` needs anyway, so both
   partial sums travel in one: ``[W_r x_r | A_r x_r]`` ``[B, S, out + r]`` is all-reduced (Megatron "g":
@@ -112,6 +114,25 @@ class LoraRowParallelLinear(RowParallelLinear):
         if self.bias is not None:
             y = y + self.bias
         return y + F.linear(h, self.lora_B.weight) * self.scaling
+
+
+class LoraReplicatedLinear(nn.Module):
+    """An ``nn.Linear`` outside the tensor-parallel region with a LoRA adapter, ``A`` and ``B`` whole: peft's
+    own LoRA (the input, the output and every gradient are the same on each TP rank, so no collective)."""
+
+    def __init__(self, base: nn.Linear, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float):
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias
+        self.lora_A = LoraMatrix(a)
+        self.lora_B = LoraMatrix(b)
+        self.scaling = scaling
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.dropout and self.training:
+            x = x * _dropout_mask(x.shape, self.dropout, x)
+        return y + F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight) * self.scaling
 
 
 def lora_parameters(module: nn.Module) -> list[nn.Parameter]:

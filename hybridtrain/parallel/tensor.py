@@ -210,6 +210,34 @@ class GradSum(TPStyle):
         return module
 
 
+class Replicated(TPStyle):
+    """``replicated``: a linear layer outside the tensor-parallel region, kept whole on every rank (Qwen2-MoE's
+    ``shared_expert_gate``, which reads the block's input beside the router): its input and output are the
+    same on every TP rank and so are its gradients, so nothing is split or reduced. It is named only so that
+    a LoRA adapter can sit on it, as peft's ``all-linear`` puts one there: ``A`` and ``B`` whole, plain peft
+    LoRA, no collective."""
+
+    name = "replicated"
+    lora = True
+
+    def split(self, leaf, conv1d=False, fused=1):
+        return Split()
+
+    def shard(self, module, rule, fused, tp, read=None):
+        return module
+
+    def lora_splits(self, fused=1):
+        return Split(), Split()
+
+    def lora_numel(self, r, n_in, n_out, tp):
+        return r * n_in, n_out * r
+
+    def lora_layer(self, layer, a, b, scaling, dropout, tp):
+        from hybridtrain.parallel.lora import LoraReplicatedLinear
+
+        return LoraReplicatedLinear(layer, a, b, scaling, dropout)
+
+
 class Experts(TPStyle):
     """``experts``: transformers' fused 3-D experts module (``*Experts``: ``gate_up_proj [E, 2I, H]``, gate |
     up fused along dim 1, ``down_proj [E, H, I]``) split over every expert's MLP width ``I``: ``gate_up_proj``
@@ -238,7 +266,7 @@ class Experts(TPStyle):
         return shard_experts(module, {leaf: self.split(leaf) for leaf in self.LEAVES}, tp, read)
 
 
-STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Experts())}
+STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Replicated(), Experts())}
 """Every tensor-parallel style by its name in a ``TPRule``."""
 
 

@@ -112,11 +112,12 @@ class RankMemory:
 
 
 def model_state(sizes: list[int], zero: int, dp: int, precision: str,
-                frozen: list[int] | None = None) -> tuple[int, int, int]:
+                frozen: list[int] | None = None, bucket: bool = True) -> tuple[int, int, int]:
     """(params, grads, optim) bytes for trained parameters of element counts ``sizes`` on one rank, and
     ``frozen`` ones (a LoRA run's base: stored in the run's precision, no gradient, no optimizer state;
     ZeRO-2/3's gradient bucket is then only as large as the trained parameters, see
-    :func:`hybridtrain.engine.bucket_size`)."""
+    :func:`hybridtrain.engine.bucket_size`). ``bucket=False``: without ZeRO-2/3's gradient bucket, which a rank
+    allocates once for all its parameters (the experts' state, added to the rest's)."""
     n = sum(sizes)
     f = sum(frozen or [])
     w = 4 if precision == "fp32" else 2
@@ -127,7 +128,7 @@ def model_state(sizes: list[int], zero: int, dp: int, precision: str,
         if precision == "bf16":  # BF16 optimizer: bf16 gradients and the fp32 accumulation buffer
             return 2 * (n + f), 6 * n, 12 * part
         return w * (n + f), max(w * n, (w + 4) * part), 12 * part
-    bucket = w * (REDUCE_BUCKET_SIZE if frozen is None else min(REDUCE_BUCKET_SIZE, max(1, n)))  # allocated whole
+    bucket = w * (REDUCE_BUCKET_SIZE if frozen is None else min(REDUCE_BUCKET_SIZE, max(1, n))) if bucket else 0
     if zero == 2:
         return w * (n + f), bucket + 4 * part, 12 * part
     every = list(sizes) + list(frozen or [])  # ZeRO-3 partitions frozen parameters too
@@ -319,7 +320,7 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
         params, grads, optim = model_state(trained, zero, dims.data, precision)
         experts = [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
         if experts:  # E / ep experts per rank; ZeRO partitions their state over the dp / ep ranks holding them
-            more = model_state(experts, zero, dims.data // dims.ep, precision)
+            more = model_state(experts, zero, dims.data // dims.ep, precision, bucket=False)  # one bucket per rank
             params, grads, optim = params + more[0], grads + more[1], optim + more[2]
     else:
         trained = [n for u in units for n in lora(u.name)]

@@ -83,8 +83,8 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
 
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
     """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
-    divide dp and the experts, and what expert parallelism cannot do yet is refused (ZeRO-2/3, bf16/fp16,
-    LoRA). Checkpoints are allowed: the save gathers every expert into ``hf/`` and ``optim/`` and a resume
+    divide dp and the experts, and ZeRO-3 is refused (DeepSpeed has no MoE parameter groups there, and
+    partitioning each rank's own experts over all of dp would mix different experts). Checkpoints are allowed: the save gathers every expert into ``hf/`` and ``optim/`` and a resume
     reads them back through those (:mod:`hybridtrain.checkpoint.reshard`)."""
     ep = int(cfg.parallel.ep)
     if ep == 1:
@@ -98,25 +98,21 @@ def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: 
         fits = [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]
         raise PlanError("parallel.ep", f"parallel.ep={ep} must divide the {experts} experts of each MoE layer "
                         f"(model.config.{family.moe.num_experts}); use ep in {fits}")
-    if zero >= 2:
-        raise PlanError("parallel.zero_stage", f"zero_stage={zero} with parallel.ep={ep}: expert parallelism runs "
-                        "with ZeRO 0 or 1 in this version (DeepSpeed refuses its MoE groups under ZeRO-3); use "
-                        "parallel.zero_stage=1")
-    if cfg.trainer.precision != "fp32":
-        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision} with parallel.ep={ep}: "
-                        "expert parallelism is verified in fp32 only in this version; use trainer.precision=fp32 or "
-                        "parallel.ep=1")
-    if cfg.finetune.method == "lora":
-        raise PlanError("finetune.method", f"LoRA with parallel.ep={ep} is not supported yet; use parallel.ep=1")
+    if zero >= 3:
+        raise PlanError("parallel.zero_stage", f"zero_stage={zero} with parallel.ep={ep}: DeepSpeed refuses its MoE "
+                        "parameter groups under ZeRO-3 (\"Native DeepSpeed MoE is not supported with ZeRO Stage 3\"); "
+                        "use parallel.zero_stage=2 (gradients and optimizer state sharded; the experts' over their own "
+                        "data-parallel ranks) or parallel.ep=1")
     return ep
 
 
 def check_expert_stages(family: Any, hf_config: Any, dims: Any, zero: int, names: list[str], bounds: list[int],
-                        key: str) -> None:
+                        key: str, lora: bool = False) -> None:
     """With ``parallel.ep`` > 1, ZeRO-1 and pp > 1 every pipeline stage must hold an MoE block: DeepSpeed's
     ZeRO-1 all-reduces one gradient norm per parameter group over the pipe x tensor ranks, and a stage
-    without experts has fewer groups than one with them (the ranks would wait on each other forever)."""
-    if dims.ep == 1 or dims.pp == 1 or zero == 0:
+    without experts has fewer groups than one with them (the ranks would wait on each other forever).
+    Under LoRA (``lora``) the experts are frozen and no stage has expert groups, so any split runs."""
+    if dims.ep == 1 or dims.pp == 1 or zero == 0 or lora:
         return
     from hybridtrain.models.units import block_index, kind_of, Kind
 

@@ -264,7 +264,8 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
             "change parallel.stage_layers" if par.stage_layers is not None
             else f"use parallel.partition=balanced or blocks instead of {par.partition}"))
     check_expert_stages(family, hf_config, dims, zero, names, bounds,
-                        "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition")
+                        "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition",
+                        lora=cfg.finetune.method == "lora")
     return Plan(
         dims=dims, world_size=world, nodes=lau.nodes,
         micro_batch_size=par.micro_batch_size, grad_accum=grad_accum,

@@ -26,10 +26,9 @@ import pytest
 import torch
 
 from helpers.families import make_family_checkpoint
-from hybridtrain.checkpoint.io import CheckpointDir
 from hybridtrain.rundir import RunDir
-from helpers.config import compose
-from helpers.launch import losses, metrics, run_cli
+from helpers.launch import losses, run_cli
+from helpers.lora_checks import check_lora_run, peft_reference
 
 STEPS = 4
 LAYOUTS = list(itertools.product((1, 2), repeat=3))
@@ -83,78 +82,8 @@ def _overrides(folder: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference():
-    """peft's run of a set of overrides (cached): per-step records, trained adapters, trainable count."""
-    cache: dict = {}
-
-    def get(overrides: list[str]):
-        key = tuple(overrides)
-        if key not in cache:
-            from hybridtrain.plan import apply_pretrained_defaults
-            from hybridtrain.reference import reference_run
-
-            cfg = compose(*overrides)
-            apply_pretrained_defaults(cfg)
-            adapters: dict = {}
-            records = reference_run(cfg, adapters=adapters)
-            cache[key] = records, adapters
-        return cache[key]
-
-    return get
-
-
-def _peft_logits(folder: Path, adapter: Path, input_ids: torch.Tensor) -> torch.Tensor:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    with torch.no_grad():
-        return model(input_ids=input_ids).logits
-
-
-def _check_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters: dict, tmp: Path) -> None:
-    from safetensors.torch import load_file
-
-    from hybridtrain.export import export
-    from hybridtrain.models.weights import SafetensorsWeights
-    from hybridtrain.plan.estimate import estimate_for_run
-    from hybridtrain.train.logits import LOGITS_FILE
-
-    got = losses(run_dir)
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, [r["loss"] for r in want]), 1):
-        assert abs(g - w) <= 1e-4 * abs(w), f"step {step}: hybridtrain {g!r}, peft {w!r}"
-    assert got[-1] < got[0]  # the adapters train
-
-    final = CheckpointDir(RunDir(run_dir).checkpoints / f"step_{STEPS}")
-    ours = {k: v for f in final.adapter_parts() for k, v in load_file(str(f)).items()}
-    assert set(ours) == set(peft_adapters)  # peft's names, every adapted module
-    assert sum(t.numel() for t in ours.values()) == sum(t.numel() for t in peft_adapters.values())
-    for name, theirs in peft_adapters.items():
-        scale = theirs.abs().max().item()
-        assert (ours[name] - theirs).abs().max().item() <= 1e-3 * scale, name
-    pretrained = SafetensorsWeights(folder)
-    for name, tensor in {k: v for f in final.hf_parts() for k, v in load_file(str(f)).items()}.items():
-        assert torch.equal(tensor, pretrained.get(name)), f"{name} changed: the base is not frozen"
-
-    est, measured = estimate_for_run(run_dir), metrics(run_dir)[-1]["model_state_bytes"]
-    assert abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (est, measured)
-
-    ckpt = RunDir(run_dir).checkpoints / f"step_{STEPS - 1}"
-    saved = load_file(str(ckpt / LOGITS_FILE))
-    ours_logits = saved["logits"]
-    tol = 1e-5 * max(1.0, ours_logits.abs().max().item())
-    adapter = export(ckpt, tmp / "adapter")
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    diff = (_peft_logits(folder, adapter, saved["input_ids"]) - ours_logits).abs().max().item()
-    assert diff <= tol, f"PeftModel.from_pretrained logits differ by {diff}"
-    merged = export(ckpt, tmp / "merged", merge=True)
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
-        diff = (plain(input_ids=saved["input_ids"]).logits - ours_logits).abs().max().item()
-    assert diff <= tol, f"--merge logits differ by {diff}"
+    """peft's run of a set of overrides (cached): per-step records and trained adapters."""
+    return lambda overrides: peft_reference(tuple(overrides))
 
 
 CI = [("llama", (2, 2, 2), False), ("gpt2", (1, 2, 2), True)]
@@ -172,7 +101,7 @@ def test_lora_matches_peft(family, layout, init_from, folders, reference, tmp_pa
     proc = run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
                    *recompute)
     assert "[hybridtrain] lora      r=" in proc.stdout and "the base frozen" in proc.stdout
-    _check_run(tmp_path / "run", folder, want, adapters, tmp_path)
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
     if init_from:  # the adapter folder's first step: peft's loss with that adapter loaded
         from hybridtrain.export import main
 
@@ -190,7 +119,7 @@ def test_lora_matches_peft_every_layout(family, layout, folders, reference, tmp_
     want, adapters = reference(overrides)
     dp, tp, pp = layout
     run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}")
-    _check_run(tmp_path / "run", folder, want, adapters, tmp_path)
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
 
 
 # -- resume ------------------------------------------------------------------------------------------------

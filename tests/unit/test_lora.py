@@ -298,3 +298,27 @@ def test_merge_refuses_a_checkpoint_without_adapters(tmp_path):
     with pytest.raises(ExportError) as info:
         export(ckpt.path, tmp_path / "out", merge=True)
     assert "holds no LoRA adapters (adapter/): --merge is for finetune.method=lora checkpoints" in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_moe_all_linear_is_every_linear_of_the_blocks_and_peft_adapts_exactly_those(family):
+    """On an MoE model ``all-linear`` is every ``nn.Linear`` of the decoder blocks (none silently left out: the
+    Qwen2-MoE ``shared_expert_gate`` is one), never the fused experts or the router; and peft, given those paths
+    (what the exported ``adapter_config.json`` names), adapts exactly them, with the trainable count the plan
+    computes (peft's own MoE conversion, which maps target names onto the experts, does not touch paths)."""
+    from helpers.moe import moe_config
+    from transformers import AutoModelForCausalLM
+
+    from hybridtrain.plan.lora import in_out, trainable_params
+
+    fam = get_family(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config(family))
+    layers = int(getattr(model.config, fam.n_layers))
+    ours = resolve_targets(fam, layers, [n for n, _ in model.named_modules()], "all-linear")
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(f"{fam.blocks}.")}
+    assert set(ours) == linear and not any(".experts" in n or n.endswith(".mlp.gate") for n in ours)
+    theirs, count = _peft_targets(model, sorted(ours))
+    assert theirs == set(ours), sorted(set(ours) ^ theirs)[:4]
+    assert trainable_params(LoraSpec(r=4, alpha=8, dropout=0, rslora=False, targets=ours),
+                            in_out(fam, model.config, model)) == count

@@ -6,7 +6,8 @@ when ``norm_topk_prob``), fused 3-D routed experts, and a **shared expert** ever
 The routed experts as Qwen3-MoE's (:mod:`hybridtrain.models.families.qwen3_moe`). The shared expert is a
 plain SwiGLU MLP split Megatron-style (gate and up column-wise, down row-wise), with its own "f" on its
 input; its gate (``Linear(H, 1)``) stays replicated outside the tensor-parallel region, like the router
-(transformers' plan has no entries for either). Blocks with a dense MLP (``mlp_only_layers``,
+(transformers' plan has no entries for either); the ``replicated`` rule names the gate so that LoRA's
+``all-linear`` adapts it, as peft does. Blocks with a dense MLP (``mlp_only_layers``,
 ``decoder_sparse_step`` > 1) are not supported yet.
 """
 from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE, TPRule
@@ -28,6 +29,7 @@ FAMILY = Family(
         "mlp.shared_expert.gate_proj": TPRule("column"),
         "mlp.shared_expert.up_proj": TPRule("column"),
         "mlp.shared_expert.down_proj": TPRule("row"),
+        "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
     },
     input_copy=("self_attn", "mlp.shared_expert"),
     moe=MoE(dense_layers=dense_layers, shared_width="shared_expert_intermediate_size"),

@@ -1,0 +1,72 @@
+"""LoRA on mixture-of-experts models (issue 30.6), through the real command line, against the real peft.
+
+The adapters go where peft's ``all-linear`` puts them on transformers' MoE blocks: the attention projections
+and Qwen2-MoE's shared expert (its ``gate_proj`` / ``up_proj`` / ``down_proj``, split Megatron-style over tp);
+the fused 3-D experts are not ``nn.Linear`` modules, so they stay frozen (as in peft), and so do the routers.
+Each run is checked as the dense LoRA runs are (:func:`helpers.lora_checks.check_lora_run`: losses 1e-4 against
+peft's one-process run with the router aux term, the adapters equal peft's, the base bit for bit unchanged,
+the memory estimate, and the exported adapter loaded by ``PeftModel.from_pretrained`` giving hybridtrain's
+logits). With ``parallel.ep`` > 1 the frozen experts are still split over ep and dispatched by all-to-all; no
+expert gradient exists, so no DeepSpeed expert group is made (``hybridtrain/models/stages.py``).
+
+CI: Qwen2-MoE at dp = 2 x ep = 2 x pp = 2 (the shared expert adapted, experts over ep, a stage boundary).
+Slow: Qwen2-MoE at (1, 1, 1) and at tp = 2 x ep = 2, Qwen3-MoE (attention only) at dp = 2 x ep = 2 under ZeRO-2.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers.launch import run_cli
+from helpers.lora_checks import check_lora_run, peft_reference
+from helpers.moe import make_moe_checkpoint
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """Each MoE family's tiny checkpoint (router margins, aux loss on), made on first use."""
+    root, made = tmp_path_factory.mktemp("moe_lora"), {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = make_moe_checkpoint(root / family, family)
+        return made[family]
+
+    return get
+
+
+def _overrides(folder, *extra: str) -> list[str]:
+    # a checkpoint at step STEPS-1 with the logits of step STEPS's first micro-batch, and one at STEPS
+    return ["+recipe=finetune", f"model.pretrained={folder}", "finetune.method=lora", "finetune.lora.r=8",
+            "finetune.lora.alpha=16", "data.seq_len=32", "trainer.global_batch_size=4", f"trainer.max_steps={STEPS}",
+            "optim.lr=5e-3", "optim.warmup_steps=1", f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true",
+            *extra]
+
+
+def _check(family: str, twins, tmp_path, *layout: str) -> None:
+    folder = twins(family)
+    common = _overrides(folder)
+    want, adapters = peft_reference(tuple(common))
+    assert any(".shared_expert." in name for name in adapters) == (family == "qwen2_moe"), sorted(adapters)
+    assert not any(".experts." in name or ".mlp.gate." in name for name in adapters), sorted(adapters)
+    run_cli(tmp_path / "run", *common, *layout, timeout=600)
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
+
+
+def test_lora_on_an_moe_model_with_expert_parallelism_matches_peft(twins, tmp_path):
+    _check("qwen2_moe", twins, tmp_path, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2")
+
+
+SLOW = {
+    "qwen2_moe_1_1_1": ("qwen2_moe", ()),
+    "qwen2_moe_tp2_ep2": ("qwen2_moe", ("parallel.dp=2", "parallel.tp=2", "parallel.ep=2")),
+    "qwen3_moe_dp2_ep2_zero2": ("qwen3_moe", ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW))
+def test_lora_on_moe_models_matches_peft_every_layout(case, twins, tmp_path):
+    family, layout = SLOW[case]
+    _check(family, twins, tmp_path, *layout)
