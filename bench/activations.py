@@ -52,6 +52,24 @@ SHAPES: dict[str, dict] = {
 """Each family's small shape (HF names; MLP width 2 x hidden): two blocks, 8 query heads, 4 KV heads where the family
 has grouped-query attention. Sliding windows (Mistral, Gemma 2) are longer than the rows: a window shorter than the
 row makes sdpa keep a mask, which the plan does not count yet."""
+
+_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts_per_tok=2)
+MOE_SHAPES: dict[str, dict] = {
+    "qwen3_moe": dict(_MOE, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8),
+    "mixtral": dict(_MOE, intermediate_size=32, num_local_experts=8, sliding_window=4096),
+    "olmoe": dict(_MOE, intermediate_size=32, num_experts=8, pad_token_id=1),
+    "qwen2_moe": dict(_MOE, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      num_experts=8),
+}
+"""The mixture-of-experts families' small shapes (two MoE blocks, 8 experts of width 32, top-2; Qwen2-MoE with a
+shared expert of width 64). Their attention is a dense family's (:data:`MOE_ATTENTION`), whose constants the fit
+keeps; only the MoE MLP's are fitted (:func:`fit_moe`)."""
+SHAPES.update(MOE_SHAPES)
+MOE_ATTENTION = {"qwen3_moe": "qwen3", "mixtral": "mistral", "olmoe": "olmo2", "qwen2_moe": "qwen2"}
+"""The dense family whose block has the same attention as each MoE family's."""
+MOE_KEYS = {"qwen3_moe": ("moe_intermediate_size", "num_experts"), "mixtral": ("intermediate_size", "num_local_experts"),
+            "olmoe": ("intermediate_size", "num_experts"), "qwen2_moe": ("moe_intermediate_size", "num_experts")}
+"""HF config keys of each MoE family's expert width and number of experts."""
 VOCAB = 2048
 HIDDEN_KEYS = ("hidden_size", "n_embd")
 
@@ -172,8 +190,11 @@ def measure(family: str, seq_len: int, *, batch: int = 1, attn: str = "sdpa", pr
     ids = torch.randint(0, int(hf.vocab_size), (batch, seq_len), generator=torch.Generator().manual_seed(1))
     pos = row_positions(seq_len, packed).repeat(batch, 1)
     total, block = _count(model, (ids, pos), ids.clone(), checkpointing)
+    from hybridtrain.models.families import family_of
+
     return dict(family=family, seq_len=seq_len, batch=batch, attn=attn, precision=precision,
                 checkpointing=checkpointing, packed=packed, shape=shape or {}, **dims(cfg, hf),
+                **moe_dims(hf, family_of(cfg.model)),
                 padded_vocab=padded, cp=1 if cp is None else cp.size, total=total, block=block)
 
 
@@ -306,10 +327,59 @@ def fit(rows: list[dict]) -> dict:
     return out
 
 
+def moe_dims(hf, family) -> dict:
+    """An MoE model's routing shape the plan reads: experts per token, one expert's width, experts, a shared expert's
+    width (0 without one)."""
+    moe = family.moe
+    if moe is None:
+        return {}
+    return dict(top_k=int(getattr(hf, moe.top_k)), expert_width=int(getattr(hf, moe.width)),
+                num_experts=int(getattr(hf, moe.num_experts)),
+                shared_width=int(getattr(hf, moe.shared_width)) if moe.shared_width else 0)
+
+
+def fit_moe(rows: list[dict], dense: dict) -> dict:
+    """Per ``(MoE family, precision)``, the MoE constants of :class:`hybridtrain.plan.memory.Activations` from its
+    fitting rows (``tag`` A base, k top-4, W wider experts, N twice the experts), over its attention family's fitted
+    constants ``dense`` (``{(family, precision): constants}``, :func:`fit`), which the MoE family keeps: ``routed``
+    bytes per routed (token, slot) pair per hidden unit, ``expert`` per pair per unit of the expert's width,
+    ``router`` per token per expert, and ``moe_hidden`` per token per hidden unit (what is left of the base row:
+    the MLP's norm and input, a shared expert's gate)."""
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault((r["family"], r["precision"]), {})[r["tag"]] = r
+    out = {}
+    for (family, precision), t in by.items():
+        c = dense[MOE_ATTENTION[family], precision]
+        a, k, w, n = t["A"], t["k"], t["W"], t["N"]
+
+        def per_token(r):
+            return r["block"] / r["seq_len"]
+
+        expert = (per_token(w) - per_token(a)) / (a["top_k"] * (w["expert_width"] - a["expert_width"]))
+        pair = (per_token(k) - per_token(a)) / (k["top_k"] - a["top_k"])
+        routed = (pair - expert * a["expert_width"]) / a["hidden"]
+        router = (per_token(n) - per_token(a)) / (n["num_experts"] - a["num_experts"])
+        attention = c["hidden"] * a["hidden"] + c["query"] * a["q_dim"] + c["kv"] * a["kv_dim"]
+        left = (per_token(a) - attention - c["mlp"] * a["shared_width"] - a["top_k"] * pair
+                - router * a["num_experts"])
+        consts = {**c, "routed": routed, "expert": expert, "router": router, "moe_hidden": left / a["hidden"]}
+        out[family, precision] = {key: round(float(v), 3) for key, v in consts.items() if key != "fit_error"}
+    return out
+
+
 def fitting_cases(family: str) -> list[dict]:
     """The rows :func:`fit` reads for ``family`` in each precision: ``tag`` A the base shape at s = 256 (sdpa; eager
     for Gemma 2, which has no sdpa), I wider MLP, H wider hidden (head widths kept), S s = 512, D wider heads, K more
     KV heads (families with a ``head_dim``), E eager, P packed, C activation checkpointing."""
+    if family in MOE_SHAPES:
+        width, experts = MOE_KEYS[family]
+        shape = MOE_SHAPES[family]
+        tags = [("A", {}), ("k", dict(shape=dict(num_experts_per_tok=4))),
+                ("W", dict(shape={width: 2 * shape[width]})), ("N", dict(shape={experts: 2 * shape[experts]})),
+                ("H", dict(shape=dict(hidden_size=128))), ("C", dict(checkpointing=True))]
+        return [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": "sdpa", **kw})
+                for precision in ("fp32", "bf16") for tag, kw in tags]
     base = "eager" if family == "gemma2" else "sdpa"
     hd = SHAPES[family].get("head_dim", 8)
     heads_fixed = family in ("gpt2", "gpt_neox")  # head width = hidden / heads
@@ -352,8 +422,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cp", action="store_true", help="skip the two-rank cp = 2 rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    rows = [_measure_tagged(c) for f in args.families for c in fitting_cases(f)]
-    result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fit(rows).items()}}
+    families = list(dict.fromkeys([*args.families, *(MOE_ATTENTION[f] for f in args.families if f in MOE_ATTENTION)]))
+    rows = [_measure_tagged(c) for f in families for c in fitting_cases(f)]
+    dense = fit([r for r in rows if r["family"] not in MOE_SHAPES])
+    fitted = {**dense, **fit_moe([r for r in rows if r["family"] in MOE_SHAPES], dense)}
+    result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fitted.items()}}
     if not args.no_cp:
         result["cp1"] = [measure(**c) for c in CP_CASES]
         result["cp2"] = measure_cp(CP_CASES)

@@ -89,6 +89,14 @@ class ModelFacts:
     """Query width, heads x head dimension (0: the hidden size)."""
     kv_dim: int = 0
     """Key (and value) width, key-value heads x head dimension (0: the hidden size)."""
+    top_k: int = 0
+    """An MoE model's experts per token (0: a dense model)."""
+    expert_width: int = 0
+    """One routed expert's MLP width (``moe_intermediate_size``)."""
+    num_experts: int = 0
+    """Routed experts per MoE block."""
+    shared_width: int = 0
+    """A shared expert's MLP width (Qwen2-MoE; 0: none)."""
 
     @property
     def names(self) -> list[str]:
@@ -142,9 +150,14 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
     heads, head_dim = int(getattr(hf_config, family.heads)), head_dim_of(family, hf_config)
     width = mlp_width_of(family, hf_config)
+    moe = family.moe
+    routing = {} if moe is None else dict(
+        top_k=int(getattr(hf_config, moe.top_k)), expert_width=int(getattr(hf_config, moe.width)),
+        num_experts=int(getattr(hf_config, moe.num_experts)),
+        shared_width=int(getattr(hf_config, moe.shared_width)) if moe.shared_width else 0)
     return ModelFacts(family=family, hidden=hidden, heads=heads, num_layers=layers, seq_len=seq_len,
                       padded_vocab=vocab, units=units, intermediate=width, q_dim=heads * head_dim,
-                      kv_dim=kv_heads_of(family, hf_config) * head_dim)
+                      kv_dim=kv_heads_of(family, hf_config) * head_dim, **routing)
 
 
 def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int, ep: int = 1) -> int:

@@ -61,8 +61,13 @@ keys and values of the whole row, ``2 w k s b`` on top of its own (measured), wi
 (``hybridtrain/parallel/causal_chunks.py``); with tensor parallelism the ``I``, ``q``, ``k`` terms and eager's matrix divide by ``t``, the ``h`` term (norms, residuals) does not (the tp split is the
 model's, not measured). With activation checkpointing a block keeps only its input ``s b h w`` and one block is
 recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
-``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. Families without measurements
-(``model.family=auto``, the MoE families) get Llama's constants (:data:`FALLBACK`).
+``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. The MoE families keep
+the constants of the dense family with their attention (Qwen3-MoE: Qwen3's, Mixtral: Mistral's, OLMoE: OLMo 2's,
+Qwen2-MoE: Qwen2's) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` per unit of one expert's
+width ``/ t`` for each of a token's ``top_k`` routed pairs, ``router`` per expert, ``moe_hidden`` per hidden unit and a
+shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4). Routing is taken as
+balanced: at ``ep`` > 1 a rank's experts receive on average the pairs its own tokens send. Families without
+measurements (``model.family=auto``) get Llama's constants (:data:`FALLBACK`).
 """
 from __future__ import annotations
 
@@ -193,6 +198,15 @@ class Activations:
     scores: float = 0.0
     outside: float = 0.0
     vocab: float = 4.0
+    routed: float = 0.0
+    """MoE blocks: bytes per routed (token, slot) pair per hidden unit (the rows sorted by expert, their outputs)."""
+    expert: float = 0.0
+    """MoE blocks: bytes per routed pair per unit of one expert's width (``/ tp``: the experts' MLP activations)."""
+    router: float = 0.0
+    """MoE blocks: bytes per token per routed expert (the router's probabilities)."""
+    moe_hidden: float = 0.0
+    """MoE blocks: bytes per token per hidden unit beyond the attention's (the MLP's norm and input, a shared
+    expert's gate); an MoE block's shared expert counts ``mlp`` per unit of its width."""
 
 
 ACTIVATIONS: dict[tuple[str, str], Activations] = {
@@ -216,12 +230,21 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
     ("qwen2", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
     ("qwen3", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979),  # fit 0.4%
     ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
+    # mixture-of-experts families: their attention family's constants, the MoE MLP's fitted over them (fit_moe)
+    ("mixtral", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994, routed=4.625, expert=8.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
+    ("mixtral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.625, expert=16.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
+    ("olmoe", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979, routed=4.531, expert=8.0, router=4.016, moe_hidden=-4.144),  # attention: olmo2's
+    ("olmoe", "fp32"): Activations(hidden=24.197, mlp=16.099, query=17.039, kv=16.316, scores=3.984, outside=12.0, vocab=3.979, routed=8.562, expert=16.0, router=4.016, moe_hidden=0.356),  # attention: olmo2's
+    ("qwen2_moe", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994, routed=4.531, expert=8.0, router=4.016, moe_hidden=2.246),  # attention: qwen2's
+    ("qwen2_moe", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.562, expert=16.0, router=4.016, moe_hidden=4.277),  # attention: qwen2's
+    ("qwen3_moe", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979, routed=4.531, expert=8.0, router=4.016, moe_hidden=0.652),  # attention: qwen3's
+    ("qwen3_moe", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947, routed=8.562, expert=16.0, router=4.016, moe_hidden=0.652),  # attention: qwen3's
 }
 """Measured :class:`Activations` by ``(model_type, precision)`` (``"fp32"``, ``"bf16"``; fp16 reads bf16), fitted by
 ``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
 at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
 FALLBACK = "llama"
-"""The family whose constants a family without measurements (``model.family=auto``, MoE families) is given."""
+"""The family whose constants a family without measurements (``model.family=auto``) is given."""
 
 
 def activations_of(model_type: str, precision: str) -> Activations:
@@ -270,18 +293,24 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     mlp = facts.intermediate or 4 * h
     w = 4 if precision == "fp32" else 2
     c = activations_of(facts.family.model_type, precision)
-    full = local * b * (c.hidden * h + c.mlp * mlp / tp + c.query * q + c.kv * kv)
-    full += c.scores * facts.heads / tp * local * s * b if eager else 0.0
+    attention = c.hidden * h + c.query * q + c.kv * kv
+    dense = local * b * (attention + c.mlp * mlp / tp)
+    # an MoE block: top_k routed pairs per token through E / ep of the experts (balanced routing: a rank's experts
+    # get on average the pairs its own tokens send, whatever ep), the router's [T, E] probabilities
+    moe = local * b * (attention + c.moe_hidden * h + c.mlp * facts.shared_width / tp + c.router * facts.num_experts
+                       + facts.top_k * (c.routed * h + c.expert * facts.expert_width / tp))
+    extra = c.scores * facts.heads / tp * local * s * b if eager else 0.0
     shared_mask = cp > 1 and mask and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
     if cp > 1 and not (eager or mask):  # mask-free causal chunks: the gathered keys and values of the whole row
-        full += 2 * w * b * kv * s  # (heads unrepeated), kept on top of the rank's own (measured)
+        extra += 2 * w * b * kv * s  # (heads unrepeated), kept on top of the rank's own (measured)
     else:
-        full += attention_extra(s, local, b, q, kv, w, eager, mask, mask_per_block=not shared_mask)
-    blocks = sum(u.kind is Kind.BLOCK for u in units)
+        extra += attention_extra(s, local, b, q, kv, w, eager, mask, mask_per_block=not shared_mask)
+    per_block = [(moe if u.experts else dense) + extra for u in units if u.kind is Kind.BLOCK]
+    blocks = len(per_block)
     if checkpointing and blocks:
-        total = blocks * local * b * h * w + full  # inputs kept + one block recomputed
+        total = blocks * local * b * h * w + max(per_block)  # inputs kept + one block recomputed
     else:
-        total = blocks * full
+        total = sum(per_block)
     if shared_mask and blocks:  # [b, 1, s/cp, s] in the activation dtype
         total += w * b * local * s
     if any(u.kind is Kind.HEAD for u in units):
