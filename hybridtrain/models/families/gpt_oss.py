@@ -14,11 +14,9 @@ only in its eager attention (and hub kernels), so ``eager`` is the one kernel he
 
 Published checkpoints hold the experts in MXFP4 (``*_blocks`` / ``*_scales`` with a ``quantization_config``):
 the plan refuses them and names the dequantised ``save_pretrained`` folder to make instead
-(:func:`check_checkpoint`).
+(:func:`hybridtrain.plan.hf.pretrained_config`).
 """
 from __future__ import annotations
-
-from typing import Any
 
 from hybridtrain.models.families.base import Family, MoE, TPRule
 
@@ -43,19 +41,3 @@ FAMILY = Family(
     attn_implementations=("eager",),
     dropout_keys=("attention_dropout",),
 )
-
-DEQUANTISE = ("python -c \"import torch; from transformers import AutoModelForCausalLM, Mxfp4Config; "
-              "AutoModelForCausalLM.from_pretrained('IN', quantization_config=Mxfp4Config(dequantize=True), "
-              "dtype=torch.bfloat16).save_pretrained('OUT')\"")
-"""The command that writes a dequantised (bf16) ``save_pretrained`` folder ``OUT`` of an MXFP4 folder ``IN``."""
-
-
-def quantized(hf_config: Any, names: Any = ()) -> str | None:
-    """What marks a gpt-oss checkpoint as quantised (its ``quantization_config``'s method, or an MXFP4 tensor
-    name ``*_blocks`` / ``*_scales`` among ``names``), or ``None`` for a plain float one."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        return f"quantization_config.quant_method={method}"
-    odd = sorted(n for n in names if n.endswith(("_blocks", "_scales")))
-    return f"MXFP4 tensors ({odd[0]}, ...)" if odd else None
