@@ -53,7 +53,8 @@ def shard_experts(module: nn.Module, splits: Mapping[str, Split], tp: TPContext,
             raise ValueError(f"experts shard {leaf} of shape {tuple(part.shape)} does not fit the configured "
                              f"model's {tuple(want)}; the model config does not match the checkpoint")
         param = nn.Parameter(part.to(full.dtype).contiguous(), requires_grad=full.requires_grad)
-        setattr(module, leaf, tag_sharded(param, split.dim) if tp.size > 1 else param)
+        sharded = tp.size > 1 and split.dim is not None  # a ``once`` bias is replicated: counted once in the norm
+        setattr(module, leaf, tag_sharded(param, split.dim) if sharded else param)
     for attr in ("intermediate_dim", "intermediate_size"):  # the per-rank width (gpt-oss: intermediate_size)
         if hasattr(module, attr):
             setattr(module, attr, getattr(module, attr) // tp.size)

@@ -29,7 +29,7 @@ from helpers.moe import MOE_TINY, make_moe_checkpoint
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
-CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2)}
+CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "gpt_oss": (1, 2, 2)}
 """One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
