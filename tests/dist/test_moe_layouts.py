@@ -197,10 +197,12 @@ def test_moe_context_parallel_equals_transformers(extra, qwen3_moe, oracle, tmp_
 
 
 GPT_OSS_SLOW = {"dp2_tp2_pp2": ((2, 2, 2), ()), "cp2": ((1, 1, 1), ("parallel.cp=2",)),
-                "dp2_tp2_ep2": ((2, 2, 1), ("parallel.ep=2", *NO_SAVE))}
+                "dp2_tp2_ep2": ((2, 2, 1), ("parallel.ep=2", *NO_SAVE)),
+                "tp2_pp2_checkpointed": ((1, 2, 2), ("parallel.activation_checkpointing=true", *NO_SAVE))}
 """gpt-oss beyond its CI layout (its dp = 2 x ep = 2 runs in ``test_moe_family_expert_parallel_equals_transformers``):
 all three axes, context parallelism (the eager attention with its sinks on the gathered keys, alternating sliding
-and full layers), and the interleaved experts split over tp and ep at once."""
+and full layers), the interleaved experts split over tp and ep at once, and activation checkpointing at tp = 2 (the
+recomputed experts add the down projection's bias once again)."""
 
 
 @pytest.mark.slow
