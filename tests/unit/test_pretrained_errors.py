@@ -207,17 +207,53 @@ def _copy(folder, into):
     return shutil.copytree(folder, into)
 
 
-def test_an_mxfp4_gpt_oss_checkpoint_is_refused_with_how_to_dequantise(gpt_oss_twin, tmp_path):
-    """The published gpt-oss checkpoints: ``quantization_config`` (MXFP4) in ``config.json``."""
-    folder = _copy(gpt_oss_twin, tmp_path / "mxfp4")
+def _mxfp4(folder) -> None:
+    """Make the twin ``folder`` an MXFP4 checkpoint as the published gpt-oss ones are: each expert weight as random
+    FP4 ``*_blocks [E, out, in / 32, 16]`` (two values a byte) and E8M0 ``*_scales [E, out, in / 32]``, and a
+    ``quantization_config`` naming the method."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = folder.glob("*.safetensors")
+    tensors, gen = load_file(str(path)), torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors.pop(name).shape  # transposed: [E, in, out]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, n_out, n_in // 32, 16), dtype=torch.uint8,
+                                                  generator=gen)
+        tensors[f"{name}_scales"] = torch.randint(120, 128, (experts, n_out, n_in // 32), dtype=torch.uint8,
+                                                  generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_and_its_dequantisation_loads(gpt_oss_twin, tmp_path):
+    """The published gpt-oss layout (MXFP4 experts, ``quantization_config``) is refused with a command; that command,
+    run as the message gives it, writes a bf16 folder that loads, with transformers' logits of it."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.families import SEQ, VOCAB, one_process_model_of
+
+    folder = _copy(gpt_oss_twin, tmp_path / "mxfp4")
+    _mxfp4(folder)
     with pytest.raises(PlanError) as info:
         _resolve("+recipe=finetune", f"model.pretrained={folder}")
     message = str(info.value)
     assert info.value.key == "model.pretrained" and "quant_method=mxfp4" in message
     assert "Mxfp4Config(dequantize=True)" in message and f"from_pretrained('{folder}'" in message
+    out = tmp_path / "bf16"
+    (code,) = re.findall(r'python -c "(.+?)"', message)
+    exec(code.replace("'OUT'", repr(str(out))), {})  # the message's command, as written
+    _copy_tokenizer(gpt_oss_twin, out)
+    _resolve("+recipe=finetune", f"model.pretrained={out}")
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(input_ids=ids).logits
+        got = one_process_model_of(out).eval().logits(ids)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def test_mxfp4_expert_tensors_without_a_quantization_config_are_named(gpt_oss_twin, tmp_path):
@@ -235,23 +271,6 @@ def test_mxfp4_expert_tensors_without_a_quantization_config_are_named(gpt_oss_tw
         _resolve("+recipe=finetune", f"model.pretrained={folder}")
     assert info.value.key == "model.pretrained" and "MXFP4 tensors such as" in str(info.value)
     assert "Mxfp4Config(dequantize=True)" in str(info.value)
-
-
-def test_a_bf16_gpt_oss_folder_loads_with_transformers_logits(gpt_oss_twin, tmp_path):
-    """A ``save_pretrained`` folder in bf16 (what the dequantisation writes) loads: transformers' logits of it."""
-    from transformers import AutoModelForCausalLM
-
-    from helpers.families import SEQ, VOCAB, one_process_model_of
-
-    folder = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(str(gpt_oss_twin), dtype=torch.bfloat16).save_pretrained(str(folder))
-    _copy_tokenizer(gpt_oss_twin, folder)
-    _resolve("+recipe=finetune", f"model.pretrained={folder}")
-    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()(input_ids=ids).logits
-        got = one_process_model_of(folder).eval().logits(ids)
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def _copy_tokenizer(src, dst) -> None:
