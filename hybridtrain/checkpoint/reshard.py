@@ -41,8 +41,10 @@ def read_local(weights, name: str, split: Split, tp: TPContext, padded_vocab: in
     """:func:`from_hf` of tensor ``name`` of ``weights`` (a ``SafetensorsWeights``), reading only
     this rank's slice from the file (safetensors slicing), as float32; of an MoE layer's experts only this
     expert-parallel rank's ``E / ep`` (``ep``), each its TP slice."""
-    from hybridtrain.models.weights import read_rows, read_shard
+    from hybridtrain.models.weights import read_expert_rows, read_rows, read_shard
 
+    if split.experts and ep is not None and ep.size > 1 and split.dim is None:  # gpt-oss's down_proj_bias [E, H]
+        return read_expert_rows(weights, name, ep.rank, ep.size)
     if split.experts and ep is not None and ep.size > 1:  # the experts' HF layout is the local one
         assert split.dim is not None and not split.transpose and split.vocab is None, split
         return read_shard(weights, name, split.dim, split.fused, tp.rank, tp.size, (ep.rank, ep.size))

@@ -156,14 +156,17 @@ class ModelBuilder:
         ep_split = self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config)
         read = None
         if self.weights is not None:  # pretrained: read only this rank's shard of each split module
-            from hybridtrain.models.weights import read_experts_shard, read_shard
+            from hybridtrain.models.weights import read_expert_rows, read_experts_shard, read_shard
 
             experts = (self.ep.rank, self.ep.size) if ep_split else None  # and only this ep rank's experts
 
             def read(path: str, dim: int | None, fused) -> torch.Tensor:
+                expert = self.family.moe is not None and path.startswith(f"{self.family.moe.experts}.")
+                if dim is None and expert and experts is not None:  # replicated over tp: this ep rank's experts
+                    return read_expert_rows(self.weights, f"{prefix}.{path}", *experts)
                 if dim is None:  # replicated (a row-parallel bias)
                     return self.weights.get(f"{prefix}.{path}")
-                if self.family.moe is not None and path.startswith(f"{self.family.moe.experts}."):
+                if expert:
                     return read_experts_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank,
                                               self.tp.size, self.family.model_type, experts)
                 return read_shard(self.weights, f"{prefix}.{path}", dim, fused, self.tp.rank, self.tp.size)

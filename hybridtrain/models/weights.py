@@ -207,6 +207,15 @@ def read_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, ran
     return torch.cat(weights.sliced(name, cut), dim=dim).float()
 
 
+def read_expert_rows(weights: SafetensorsWeights, name: str, ep_rank: int, ep: int) -> torch.Tensor:
+    """Expert-parallel rank ``ep_rank``'s ``E / ep`` rows of a per-expert tensor ``name`` kept whole over tensor
+    parallelism (gpt-oss's ``down_proj_bias [E, H]``)."""
+    experts = int(weights.sliced(name, lambda view: view.get_shape()[0]))
+    step = experts // ep
+    rows, _ = read_rows(weights, name, ep_rank * step, (ep_rank + 1) * step)
+    return rows
+
+
 def read_experts_shard(weights: SafetensorsWeights, name: str, dim: int, fused: int, rank: int, size: int,
                        model_type: str, experts: tuple[int, int] | None = None) -> torch.Tensor:
     """This rank's part of a fused 3-D experts tensor ``name`` (``...mlp.experts.gate_up_proj [E, 2I, H]``,

@@ -32,15 +32,19 @@ EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 """The experts module's forward arguments, in transformers' order (every ``*Experts.forward``)."""
 
 
-def shard_experts(module: nn.Module, splits: Mapping[str, Split], tp: TPContext, read=None) -> nn.Module:
+def shard_experts(module: nn.Module, splits: Mapping[str, Split], tp: TPContext, read=None,
+                  once: tuple[str, ...] = ()) -> nn.Module:
     """Keep this rank's slice of ``module``'s fused expert weights (``splits``: leaf -> :class:`Split` in
     HF layout), cut from the module or, with ``read(leaf, dim, fused)``, read from a checkpoint; with
-    tp > 1 wrap its forward in "f" on the float inputs and "g" on the output. Returns ``module`` itself
-    (its parameter names stay HF's)."""
+    tp > 1 wrap its forward in "f" on the float inputs and "g" on the output. ``once``: replicated biases
+    added after the row-parallel down projection (gpt-oss's ``down_proj_bias``), which only TP rank 0 adds
+    to its partial output (:class:`_BiasOnce`), so the sum over the group holds them once. Returns ``module``
+    itself (its parameter names stay HF's)."""
     for leaf, split in splits.items():
         full = getattr(module, leaf)
         want = list(full.shape)
-        want[split.dim] //= tp.size
+        if split.dim is not None:  # else replicated over tp (``once``), read whole
+            want[split.dim] //= tp.size
         if read is not None:
             part = read(leaf, split.dim, split.fused)
         else:
@@ -49,13 +53,41 @@ def shard_experts(module: nn.Module, splits: Mapping[str, Split], tp: TPContext,
             raise ValueError(f"experts shard {leaf} of shape {tuple(part.shape)} does not fit the configured "
                              f"model's {tuple(want)}; the model config does not match the checkpoint")
         param = nn.Parameter(part.to(full.dtype).contiguous(), requires_grad=full.requires_grad)
-        setattr(module, leaf, tag_sharded(param, split.dim) if tp.size > 1 else param)
-    if hasattr(module, "intermediate_dim"):
-        module.intermediate_dim //= tp.size
+        sharded = tp.size > 1 and split.dim is not None  # a ``once`` bias is replicated: counted once in the norm
+        setattr(module, leaf, tag_sharded(param, split.dim) if sharded else param)
+    for attr in ("intermediate_dim", "intermediate_size"):  # the per-rank width (gpt-oss: intermediate_size)
+        if hasattr(module, attr):
+            setattr(module, attr, getattr(module, attr) // tp.size)
     if tp.size > 1:
         module.register_forward_pre_hook(_CopyExpertInputs(tp), with_kwargs=True)
+        if once and tp.rank > 0:
+            bias = _BiasOnce(once)
+            module.register_forward_pre_hook(bias.zero)
+            module.register_forward_hook(bias.restore)
         module.register_forward_hook(_ReduceExpertOutput(tp))
     return module
+
+
+class _BiasOnce:
+    """On TP ranks other than 0: the experts forward reads each of ``leaves`` (a bias added after the down
+    projection, replicated over TP) as ``b - b.detach()``, exactly zero, while its gradient is still ``b``'s
+    own: every rank's output gradient is the full one (the "g" after the experts passes it through), so each
+    rank's bias gradient is rank 0's, the complete gradient of the replicated bias, with no collective. The
+    zeros shadow the parameter in the module's instance dictionary (attribute lookup finds them before
+    ``nn.Module``'s parameters) from the pre-hook to the forward hook; ``named_parameters`` and the state
+    dict still see the parameter."""
+
+    def __init__(self, leaves: tuple[str, ...]):
+        self.leaves = leaves
+
+    def zero(self, module, args) -> None:
+        for leaf in self.leaves:
+            bias = module._parameters[leaf]
+            module.__dict__[leaf] = bias - bias.detach()
+
+    def restore(self, module, args, output) -> None:
+        for leaf in self.leaves:
+            module.__dict__.pop(leaf, None)
 
 
 class _CopyExpertInputs:

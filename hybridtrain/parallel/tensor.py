@@ -266,7 +266,56 @@ class Experts(TPStyle):
         return shard_experts(module, {leaf: self.split(leaf) for leaf in self.LEAVES}, tp, read)
 
 
-STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Replicated(), Experts())}
+class InterleavedExperts(Experts):
+    """``experts_interleaved``: gpt-oss's experts module (transposed, biased, gate and up interleaved:
+    ``gate_up_proj [E, H, 2I]`` with gate at the even and up at the odd columns, ``gate_up_proj_bias [E, 2I]``,
+    ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``). Rank ``r``'s gate slice ``r`` and up slice ``r`` are
+    one contiguous run of the interleaved dimension, still interleaved, so ``gate_up_proj`` and its bias split
+    as one block along it; ``down_proj`` row-wise (dim 1); ``down_proj_bias`` is replicated and added once, by
+    TP rank 0, to the sum of the ranks' partial outputs (:func:`hybridtrain.parallel.experts.shard_experts`)."""
+
+    name = "experts_interleaved"
+    LEAVES = {"gate_up_proj": (2, 1), "gate_up_proj_bias": (1, 1), "down_proj": (1, 1)}
+    ONCE = ("down_proj_bias",)
+    """Replicated over TP, added by one rank: the bias after the row-parallel down projection."""
+
+    def split(self, leaf, conv1d=False, fused=1):
+        return Split(experts=True) if leaf in self.ONCE else super().split(leaf, conv1d, fused)
+
+    def shard(self, module, rule, fused, tp, read=None):
+        from hybridtrain.parallel.experts import shard_experts
+
+        leaves = (*self.LEAVES, *self.ONCE)
+        return shard_experts(module, {leaf: self.split(leaf) for leaf in leaves}, tp, read, once=self.ONCE)
+
+
+class Heads(TPStyle):
+    """``heads``: a module's own per-head parameters (gpt-oss's attention ``sinks [num_heads]``), split along
+    dim 0 like the heads of its column-parallel q projection; its child modules keep rules of their own."""
+
+    name = "heads"
+
+    def split(self, leaf, conv1d=False, fused=1):
+        return Split(dim=0)
+
+    def shard(self, module, rule, fused, tp, read=None):
+        import torch.nn as nn
+
+        from hybridtrain.parallel.layers import tag_sharded
+
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            part = read(leaf, 0, 1) if read is not None else shard_tensor(param.detach(), 0, 1, tp.rank, tp.size)
+            if tuple(part.shape) != (int(param.shape[0]) // tp.size, *param.shape[1:]):
+                raise ValueError(f"checkpoint shard of {leaf} of shape {tuple(part.shape)} does not fit the configured "
+                                 f"model's {int(param.shape[0]) // tp.size} heads; the model config does not match "
+                                 "the checkpoint")
+            new = nn.Parameter(part.to(param.dtype).contiguous(), requires_grad=param.requires_grad)
+            setattr(module, leaf, tag_sharded(new, 0) if tp.size > 1 else new)
+        return module
+
+
+STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Replicated(), Experts(),
+                                                   InterleavedExperts(), Heads())}
 """Every tensor-parallel style by its name in a ``TPRule``."""
 
 

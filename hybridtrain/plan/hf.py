@@ -85,6 +85,7 @@ def check_pretrained_weights(cfg: Config, hf_config) -> None:
         elif headers[key][1] not in FLOAT_DTYPES:
             wrong.append(f"{key} is {headers[key][1]}, not floating point")
     if missing:
+        _refuse_quantized(folder, hf_config, headers)
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise PlanError("model.pretrained", f"{folder}: {len(missing)} of the {hf_config.model_type} model's tensors are "
                         f"missing from its safetensors files ({', '.join(missing[:3])}{more}; the files hold "
@@ -109,6 +110,30 @@ def _per_expert(name: str, family, headers) -> bool:
     return any(h.startswith(p) for h in headers for p in prefixes)
 
 
+def _refuse_quantized(folder, hf_config, names=()) -> None:
+    """A :class:`PlanError` for a quantised checkpoint (a ``quantization_config`` in its ``config.json``, or MXFP4
+    tensors ``*_blocks`` / ``*_scales`` among ``names``, as the published gpt-oss checkpoints hold their experts):
+    hybridtrain trains floating-point weights and does not dequantise, so it names the dequantised copy to write."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        what = f"quantization_config.quant_method={method}"
+    else:
+        odd = sorted(n for n in names if n.endswith(("_blocks", "_scales")))
+        if not odd:
+            return
+        method, what = "mxfp4", f"MXFP4 tensors such as {odd[0]}"
+    if str(method) == "mxfp4":
+        how = ("dequantise it with transformers and save the float model: python -c \"import torch; from transformers "
+               "import AutoModelForCausalLM, Mxfp4Config; AutoModelForCausalLM.from_pretrained('IN', "
+               "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained('OUT')\"")
+    else:
+        how = "load it with transformers' dequantisation and save_pretrained the floating-point model"
+    raise PlanError("model.pretrained", f"{folder} is a quantised checkpoint ({what}); hybridtrain trains "
+                    f"floating-point weights only and does not dequantise them: {how.replace('IN', str(folder))}, "
+                    "then give model.pretrained=OUT")
+
+
 def pretrained_config(cfg: Config):
     """The HF config of the ``model.pretrained`` folder, checked: it exists, is an HF model of a
     supported family matching ``model.model_type``, and needs no remote code unless allowed."""
@@ -126,6 +151,7 @@ def pretrained_config(cfg: Config):
         raise PlanError("model.pretrained", f"{folder} holds a {hf.model_type!r} model; supported architectures: "
                         f"{sorted(FAMILIES)}; or model.family=auto to derive an adapter from transformers' plans "
                         "(checked on a tiny twin before training)")
+    _refuse_quantized(folder, hf)
     if hf.model_type != cfg.model.model_type:
         raise PlanError("model.model_type", f"model.pretrained is a {hf.model_type!r} model but "
                         f"model.model_type={cfg.model.model_type!r}; use model={hf.model_type} (or +recipe=finetune, "
@@ -138,6 +164,7 @@ def pretrained_config(cfg: Config):
         setattr(hf, key, value)
     hf._attn_implementation = str(cfg.model.attn_implementation)
     hf.use_cache = False
+    hf.dtype = "float32"  # every weight is read as fp32 (a bf16 folder's dtype would build bf16 norms, routers, sinks)
     return hf
 
 

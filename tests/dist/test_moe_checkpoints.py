@@ -113,3 +113,42 @@ def test_expert_parallel_checkpoints_resume_under_tp_and_pp(case, twin, tmp_path
     export(last, tmp_path / "hf_export")
     diff, scale = check_logits(last, tmp_path / "hf_export")
     assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"{case}: export logits differ by {diff}"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_twin(tmp_path_factory):
+    return make_moe_checkpoint(tmp_path_factory.mktemp("moe") / "gpt_oss", "gpt_oss")
+
+
+@pytest.mark.slow
+def test_gpt_oss_checkpoint_at_tp2_ep2_resumes_at_pp2_and_exports(gpt_oss_twin, tmp_path):
+    """gpt-oss's experts (interleaved, transposed, four tensors with the biases) saved at dp = 2 x tp = 2 x ep = 2:
+    ``hf/`` and ``optim/`` hold every expert's four tensors at full width, a resume at dp = 2 x pp = 2 continues
+    the losses, and the export gives transformers' logits."""
+    from hybridtrain.export import check_logits, export
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_cli(full, *_common(gpt_oss_twin), "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+            f"trainer.save_every={SAVE_EVERY}", "trainer.save_logits=true", timeout=600)
+    saved = full / "checkpoints" / f"step_{SAVE_EVERY}"
+    run_cli(resumed, *_common(gpt_oss_twin), "parallel.dp=2", "parallel.pp=2", f"trainer.resume={saved}",
+            "trainer.save_final=false", timeout=600)
+    got, want = _losses(resumed), _losses(full)
+    assert sorted(got) == list(range(SAVE_EVERY + 1, STEPS + 1))
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(got)], rel=1e-4)
+    tiny = MOE_TINY["gpt_oss"]
+    e, h, i = tiny["num_local_experts"], tiny["hidden_size"], tiny["intermediate_size"]
+    shapes = {"gate_up_proj": ((e, h, 2 * i), 2), "gate_up_proj_bias": ((e, 2 * i), 1), "down_proj": ((e, i, h), 1),
+              "down_proj_bias": ((e, h), None)}  # and the dimension split over tp
+    moments = _moments(saved)
+    for leaf, (shape, tp_dim) in shapes.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensor = moments[f"{key}.model.layers.1.mlp.experts.{leaf}"]
+            assert tuple(tensor.shape) == shape, leaf
+            # each ep rank's experts and each tp rank's slice made it in (an expert no token reached keeps zeros)
+            halves = [tensor.chunk(2, dim=0)] + ([tensor.chunk(2, dim=tp_dim)] if tp_dim is not None else [])
+            assert all(half.abs().max() > 0 for pair in halves for half in pair), (key, leaf)
+    last = full / "checkpoints" / f"step_{STEPS}"
+    export(last, tmp_path / "hf_export")
+    diff, scale = check_logits(last, tmp_path / "hf_export")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"export logits differ by {diff}"

@@ -29,7 +29,7 @@ from helpers.moe import MOE_TINY, make_moe_checkpoint
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
-CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2)}
+CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "gpt_oss": (1, 2, 2)}
 """One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
@@ -194,3 +194,19 @@ def test_moe_context_parallel_equals_transformers(extra, qwen3_moe, oracle, tmp_
     """Context parallelism on an MoE model (issue 31.1): each cp rank routes its chunks of the rows, the router
     aux term is formed from the sums over the cp group; losses and gradient norms are transformers'."""
     _check((1, 1, 1), qwen3_moe, oracle, tmp_path, *extra)
+
+
+GPT_OSS_SLOW = {"dp2_tp2_pp2": ((2, 2, 2), ()), "cp2": ((1, 1, 1), ("parallel.cp=2",)),
+                "dp2_tp2_ep2": ((2, 2, 1), ("parallel.ep=2", *NO_SAVE)),
+                "tp2_pp2_checkpointed": ((1, 2, 2), ("parallel.activation_checkpointing=true", *NO_SAVE))}
+"""gpt-oss beyond its CI layout (its dp = 2 x ep = 2 runs in ``test_moe_family_expert_parallel_equals_transformers``):
+all three axes, context parallelism (the eager attention with its sinks on the gathered keys, alternating sliding
+and full layers), the interleaved experts split over tp and ep at once, and activation checkpointing at tp = 2 (the
+recomputed experts add the down projection's bias once again)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(GPT_OSS_SLOW))
+def test_gpt_oss_layout_equals_transformers(case, moe_twins, family_oracle, tmp_path):
+    layout, extra = GPT_OSS_SLOW[case]
+    _check(layout, moe_twins("gpt_oss"), family_oracle("gpt_oss"), tmp_path, *extra)

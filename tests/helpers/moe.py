@@ -23,14 +23,24 @@ MOE_TINY: dict[str, dict] = {
                       moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=128,
                       num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, output_router_logits=True,
                       router_aux_loss_coef=0.02),
+    "gpt_oss": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    output_router_logits=True, router_aux_loss_coef=0.02),
 }
 """``model.config`` of each MoE family's twin (HF names): 8 experts, top-2, widths divisible by 4; Qwen3-MoE
 renormalises the top-k weights (``norm_topk_prob``), OLMoE and Qwen2-MoE do not (their default), Mixtral always
-does; Mixtral with a sliding window, Qwen2-MoE with its gated shared expert."""
+does; Mixtral with a sliding window, Qwen2-MoE with its gated shared expert; gpt-oss with alternating sliding (window
+8) and full layers, biases everywhere and attention sinks (all nonzero: every weight gets noise)."""
 
 ROUTER_SCALE = 4.0
 """The routers' weights are multiplied by this after the noise: router logits spread over about one unit
 (random routers at HF's init route almost uniformly, which would hide a wrong dispatch)."""
+
+
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight")
+"""The router weights' names (gpt-oss calls its router ``mlp.router``; its bias is not scaled)."""
 
 
 def moe_config(family: str, **extra):
@@ -54,7 +64,7 @@ def make_moe_checkpoint(folder: Path, family: str, seed: int = 7, **extra) -> Pa
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * 0.05)
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(ROUTERS):
                 p.mul_(ROUTER_SCALE)
     model.save_pretrained(str(folder))
     save_tokenizer(folder)

@@ -70,8 +70,13 @@ def test_loss_and_router_grads_include_the_aux_loss(case, moe_folders):
     assert loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
     grads = {n: p.grad for n, p in hf.named_parameters()}
     got = {name: p.grad for layer in ours.layers[1:-1] for name, p, _ in layer.hf_params()}
-    names = ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
+    router = "router" if which == "gpt_oss" else "gate"
+    names = [f"model.layers.0.mlp.{router}.weight", f"model.layers.3.mlp.{router}.weight",
              "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.self_attn.q_proj.weight"]
+    if which == "gpt_oss":  # the biases of router, experts and attention, and the attention sinks
+        names += ["model.layers.0.mlp.router.bias", "model.layers.1.mlp.experts.gate_up_proj_bias",
+                  "model.layers.1.mlp.experts.down_proj_bias", "model.layers.2.self_attn.sinks",
+                  "model.layers.3.self_attn.o_proj.bias"]
     if which == "qwen2_moe":  # the gated shared expert
         names += ["model.layers.0.mlp.shared_expert_gate.weight", "model.layers.2.mlp.shared_expert.down_proj.weight"]
     for name in names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from helpers.config import compose
 from hybridtrain.models.families import FAMILIES
@@ -191,3 +192,90 @@ def test_a_base_model_checkpoint_without_the_prefix_loads_through_transformers_m
     weights = SafetensorsWeights(folder).for_model(meta_model(hf_config))
     name = "model.layers.3.mlp.down_proj.weight"
     assert name in weights and torch.equal(weights.get(name), state[name].float())
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_twin(tmp_path_factory):
+    from helpers.moe import make_moe_checkpoint
+
+    return make_moe_checkpoint(tmp_path_factory.mktemp("gpt_oss") / "twin", "gpt_oss")
+
+
+def _copy(folder, into):
+    import shutil
+
+    return shutil.copytree(folder, into)
+
+
+def _mxfp4(folder) -> None:
+    """Make the twin ``folder`` an MXFP4 checkpoint as the published gpt-oss ones are: each expert weight as random
+    FP4 ``*_blocks [E, out, in / 32, 16]`` (two values a byte) and E8M0 ``*_scales [E, out, in / 32]``, and a
+    ``quantization_config`` naming the method."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = folder.glob("*.safetensors")
+    tensors, gen = load_file(str(path)), torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors.pop(name).shape  # transposed: [E, in, out]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, n_out, n_in // 32, 16), dtype=torch.uint8,
+                                                  generator=gen)
+        tensors[f"{name}_scales"] = torch.randint(120, 128, (experts, n_out, n_in // 32), dtype=torch.uint8,
+                                                  generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_and_its_dequantisation_loads(gpt_oss_twin, tmp_path):
+    """The published gpt-oss layout (MXFP4 experts, ``quantization_config``) is refused with a command; that command,
+    run as the message gives it, writes a bf16 folder that loads, with transformers' logits of it."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.families import SEQ, VOCAB, one_process_model_of
+
+    folder = _copy(gpt_oss_twin, tmp_path / "mxfp4")
+    _mxfp4(folder)
+    with pytest.raises(PlanError) as info:
+        _resolve("+recipe=finetune", f"model.pretrained={folder}")
+    message = str(info.value)
+    assert info.value.key == "model.pretrained" and "quant_method=mxfp4" in message
+    assert "Mxfp4Config(dequantize=True)" in message and f"from_pretrained('{folder}'" in message
+    out = tmp_path / "bf16"
+    (code,) = re.findall(r'python -c "(.+?)"', message)
+    exec(code.replace("'OUT'", repr(str(out))), {})  # the message's command, as written
+    _copy_tokenizer(gpt_oss_twin, out)
+    _resolve("+recipe=finetune", f"model.pretrained={out}")
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(input_ids=ids).logits
+        got = one_process_model_of(out).eval().logits(ids)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_mxfp4_expert_tensors_without_a_quantization_config_are_named(gpt_oss_twin, tmp_path):
+    """``*_blocks`` / ``*_scales`` tensors instead of the float experts: the same advice, not "wrong weights"."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(gpt_oss_twin, tmp_path / "blocks")
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+        weight = tensors.pop(name)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., :1].to(torch.uint8)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(PlanError) as info:
+        _resolve("+recipe=finetune", f"model.pretrained={folder}")
+    assert info.value.key == "model.pretrained" and "MXFP4 tensors such as" in str(info.value)
+    assert "Mxfp4Config(dequantize=True)" in str(info.value)
+
+
+def _copy_tokenizer(src, dst) -> None:
+    import shutil
+
+    for f in src.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, dst / f.name)
