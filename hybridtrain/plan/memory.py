@@ -243,6 +243,8 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
 """Measured :class:`Activations` by ``(model_type, precision)`` (``"fp32"``, ``"bf16"``; fp16 reads bf16), fitted by
 ``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
 at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
+MOE_FALLBACK = "qwen3_moe"
+"""The family whose constants an MoE family without measurements (gpt-oss, ``model.family=auto``) is given."""
 FALLBACK = "llama"
 """The family whose constants a family without measurements (``model.family=auto``) is given."""
 
@@ -293,6 +295,8 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     mlp = facts.intermediate or 4 * h
     w = 4 if precision == "fp32" else 2
     c = activations_of(facts.family.model_type, precision)
+    if facts.top_k and not c.routed:  # an MoE family without its own measurement (gpt-oss): Qwen3-MoE's
+        c = activations_of(MOE_FALLBACK, precision)
     attention = c.hidden * h + c.query * q + c.kv * kv
     dense = local * b * (attention + c.mlp * mlp / tp)
     # an MoE block: top_k routed pairs per token through E / ep of the experts (balanced routing: a rank's experts

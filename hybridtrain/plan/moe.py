@@ -58,6 +58,16 @@ def expert_facts(family: Any, hf_config: Any, dims: Any, total_params: int) -> O
                        expert_params=sum(per_variant[v] for v in variants), total_params=total_params)
 
 
+def fp32_modules(hf_config: Any) -> list[str]:
+    """The modules transformers' causal-LM class of ``hf_config`` keeps in fp32 in a 16-bit model
+    (``_keep_in_fp32_modules`` and ``_strict``: gpt-oss's norms, DeepSeek-V3's router)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    names = [*(getattr(cls, "_keep_in_fp32_modules", None) or []), *(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])]
+    return list(dict.fromkeys(names))
+
+
 def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
     """Refuse what an MoE run (or ``parallel.ep`` on a dense one) cannot do yet."""
     ep = int(cfg.parallel.ep)
@@ -74,6 +84,11 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
         key = "mlp_only_layers" if getattr(hf_config, "mlp_only_layers", None) else "decoder_sparse_step"
         raise PlanError(f"model.config.{key}", f"blocks {dense} of this {family.model_type} model have a dense MLP; "
                         "models mixing dense and MoE blocks are not supported yet (docs/moe.md)")
+    kept = fp32_modules(hf_config)
+    if kept and str(cfg.trainer.precision) != "fp32":
+        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision}: transformers keeps "
+                        f"{', '.join(kept)} of {family.model_type} in fp32 in a 16-bit model, which DeepSpeed's "
+                        "bf16/fp16 engine (one dtype for every parameter) does not; use trainer.precision=fp32")
     if moe.aux_enabled(hf_config) and cfg.data.packing == "documents":
         raise PlanError("data.packing", "data.packing=documents with the router aux loss on "
                         f"(model.config.{moe.aux_on}=true): transformers weights a packed row's router statistics "
