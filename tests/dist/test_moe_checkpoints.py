@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.families import SEQ
 from helpers.launch import metrics, run_cli
-from helpers.moe import MOE_TINY, make_moe_checkpoint
+from helpers.moe import MOE_TINY, make_moe_checkpoint, moe_overrides
 
 STEPS = 4
 SAVE_EVERY = 2
@@ -33,8 +32,7 @@ def twin(tmp_path_factory):
 
 
 def _common(folder) -> list[str]:
-    return ["+recipe=finetune", f"model.pretrained={folder}", f"data.seq_len={SEQ}", "trainer.global_batch_size=8",
-            f"trainer.max_steps={STEPS}", "optim.lr=1e-3", "optim.warmup_steps=1"]
+    return moe_overrides(folder, STEPS)
 
 
 def _losses(run_dir) -> dict[int, float]:

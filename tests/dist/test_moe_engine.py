@@ -19,9 +19,8 @@ from __future__ import annotations
 import pytest
 
 from helpers.config import compose
-from helpers.families import SEQ
 from helpers.launch import metrics, run_cli
-from helpers.moe import make_moe_checkpoint
+from helpers.moe import make_moe_checkpoint, moe_overrides
 
 STEPS = 3
 
@@ -32,8 +31,7 @@ def qwen3_moe(tmp_path_factory):
 
 
 def _common(folder) -> list[str]:
-    return ["+recipe=finetune", f"model.pretrained={folder}", f"data.seq_len={SEQ}", "trainer.global_batch_size=8",
-            f"trainer.max_steps={STEPS}", "optim.lr=1e-3", "optim.warmup_steps=1", "trainer.save_final=false"]
+    return moe_overrides(folder, STEPS, "trainer.save_final=false")
 
 
 def _bf16_pair(folder, tmp_path, *extra: str) -> None:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.families import SEQ
 from helpers.config import compose
 from helpers.launch import metrics, run_cli
-from helpers.moe import MOE_TINY, make_moe_checkpoint
+from helpers.moe import MOE_TINY, moe_overrides, twin_maker
 
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
@@ -36,14 +35,7 @@ CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1
 @pytest.fixture(scope="module")
 def moe_twins(tmp_path_factory):
     """Each MoE family's tiny checkpoint, made on first use."""
-    root, made = tmp_path_factory.mktemp("moe"), {}
-
-    def get(family: str):
-        if family not in made:
-            made[family] = make_moe_checkpoint(root / family, family)
-        return made[family]
-
-    return get
+    return twin_maker(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +44,7 @@ def qwen3_moe(moe_twins):
 
 
 def _common(folder) -> list[str]:
-    return ["+recipe=finetune", f"model.pretrained={folder}", f"data.seq_len={SEQ}", "trainer.global_batch_size=8",
-            f"trainer.max_steps={STEPS}", "optim.lr=1e-3", "optim.warmup_steps=1"]
+    return moe_overrides(folder, STEPS)
 
 
 @pytest.fixture(scope="module")

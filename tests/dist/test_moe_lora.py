@@ -18,7 +18,7 @@ import pytest
 
 from helpers.launch import run_cli
 from helpers.lora_checks import check_lora_run, peft_reference
-from helpers.moe import make_moe_checkpoint
+from helpers.moe import twin_maker
 
 STEPS = 4
 
@@ -26,14 +26,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
     """Each MoE family's tiny checkpoint (router margins, aux loss on), made on first use."""
-    root, made = tmp_path_factory.mktemp("moe_lora"), {}
-
-    def get(family: str):
-        if family not in made:
-            made[family] = make_moe_checkpoint(root / family, family)
-        return made[family]
-
-    return get
+    return twin_maker(tmp_path_factory.mktemp("moe_lora"))
 
 
 def _overrides(folder, *extra: str) -> list[str]:

@@ -86,3 +86,25 @@ def router_margin(folder: Path, ids) -> float:
         top = torch.topk(logits.float(), k + 1, dim=-1).values  # [T, k + 1]
         gaps.append((top[:, k - 1] - top[:, k]).min() / logits.abs().max())
     return float(torch.stack(gaps).min())
+
+
+def twin_maker(root: Path):
+    """``get(family)``: each MoE family's tiny checkpoint under ``root`` (:func:`make_moe_checkpoint`), made on
+    first use (a module fixture's factory)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_moe_checkpoint(root / family, family)
+        return made[family]
+
+    return get
+
+
+def moe_overrides(folder: Path, steps: int, *extra: str) -> list[str]:
+    """The CLI overrides of an MoE fine-tune of ``folder`` the MoE tests share: the finetune recipe, rows of
+    ``helpers.families.SEQ`` tokens, a global batch of 8, ``steps`` steps at lr 1e-3 after one warmup step."""
+    from helpers.families import SEQ
+
+    return ["+recipe=finetune", f"model.pretrained={folder}", f"data.seq_len={SEQ}", "trainer.global_batch_size=8",
+            f"trainer.max_steps={steps}", "optim.lr=1e-3", "optim.warmup_steps=1", *extra]
