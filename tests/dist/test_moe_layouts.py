@@ -23,7 +23,7 @@ import pytest
 
 from helpers.config import compose
 from helpers.launch import metrics, run_cli
-from helpers.moe import MOE_TINY, moe_overrides, twin_maker
+from helpers.moe import moe_overrides, twin_maker
 
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
