@@ -152,5 +152,5 @@ def test_an_untested_old_transformers_is_one_line_before_anything(tmp_path, modu
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "[hybridtrain] error: transformers 5.17.0 is older than hybridtrain supports (>= 5.24.0, the version CI "
-        "tests); install it with: pip install 'transformers>=5.24.0,<5.25'"]
+        "tests); install it with: pip install 'transformers>=5.24.0,<5.26'"]
     assert not (tmp_path / "run").exists()
