@@ -216,6 +216,7 @@ class DecoderBlock(nn.Module):
         self.block = builder.block(index)
         self.hf_prefix = f"{builder.family.blocks}.{index}"
         self.family = builder.family
+        self.variant = builder.family.variant_of(builder.hf_config, index)  # its tensor-parallel plan's
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
         attention = self.block.get_submodule(builder.family.attention)
@@ -238,7 +239,7 @@ class DecoderBlock(nn.Module):
             self.top_k = int(getattr(builder.hf_config, moe_spec.top_k))
 
     def hf_params(self, include_replicas: bool = False):
-        return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
+        return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config, self.variant))
 
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

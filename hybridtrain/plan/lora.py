@@ -30,7 +30,7 @@ def in_out(family: Family, hf_config, hf_model) -> dict[str, tuple[int, int]]:
 
     out = {}
     for i in range(int(getattr(hf_config, family.n_layers))):
-        for rel, rule in family.tp_plan.items():
+        for rel, rule in family.block_plan(hf_config, i).items():
             if rule.tp_style.lora:
                 path = f"{family.blocks}.{i}.{rel}"
                 out[path] = linear_in_out(hf_model.get_submodule(path), rule.conv1d)
@@ -113,13 +113,14 @@ def trainable_params(spec: LoraSpec, sizes: dict[str, tuple[int, int]]) -> int:
 
 
 def block_lora_sizes(spec: LoraSpec, family: Family, sizes: dict[str, tuple[int, int]], block: str,
-                     tp: int) -> list[int]:
-    """Element counts of the LoRA matrices one TP rank holds for block ``block`` (HF path): a column-parallel
-    module's ``A`` whole and ``B`` split, a row-parallel module's ``A`` split and ``B`` whole."""
+                     tp: int, variant: Optional[str] = None) -> list[int]:
+    """Element counts of the LoRA matrices one TP rank holds for block ``block`` (HF path) of ``variant``: a
+    column-parallel module's ``A`` whole and ``B`` split, a row-parallel module's ``A`` split and ``B`` whole."""
     out = []
+    plan = family.plan_of(variant)
     for rel in spec.in_block(block):
         n_in, n_out = sizes[f"{block}.{rel}"]
-        out += family.tp_plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
+        out += plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
     return out
 
 
@@ -139,7 +140,9 @@ def lora_memory(cfg: Config, hf_config, plan: Plan) -> Optional[Callable[[str], 
     def per_unit(name: str) -> list[int]:
         if kind_of(name) is not Kind.BLOCK:
             return []
-        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{name.split('.', 1)[1]}", plan.dims.tp)
+        index = int(name.split(".", 1)[1])
+        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{index}", plan.dims.tp,
+                                family.variant_of(hf_config, index))
 
     return per_unit
 

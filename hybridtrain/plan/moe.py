@@ -69,11 +69,6 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
             raise PlanError("parallel.ep", f"parallel.ep={ep}: {family.model_type} is a dense model (no experts "
                             "to split); use parallel.ep=1")
         return
-    dense = moe.dense_blocks(hf_config)
-    if dense:
-        key = "mlp_only_layers" if getattr(hf_config, "mlp_only_layers", None) else "decoder_sparse_step"
-        raise PlanError(f"model.config.{key}", f"blocks {dense} of this {family.model_type} model have a dense MLP; "
-                        "models mixing dense and MoE blocks are not supported yet (docs/moe.md)")
     if moe.aux_enabled(hf_config) and cfg.data.packing == "documents":
         raise PlanError("data.packing", "data.packing=documents with the router aux loss on "
                         f"(model.config.{moe.aux_on}=true): transformers weights a packed row's router statistics "

@@ -194,3 +194,41 @@ def test_moe_context_parallel_equals_transformers(extra, qwen3_moe, oracle, tmp_
     """Context parallelism on an MoE model (issue 31.1): each cp rank routes its chunks of the rows, the router
     aux term is formed from the sums over the cp group; losses and gradient norms are transformers'."""
     _check((1, 1, 1), qwen3_moe, oracle, tmp_path, *extra)
+
+
+MIXED = {"mlp_only_layers": [0]}
+"""Qwen3-MoE whose block 0 has a dense MLP (``mlp_only_layers``) and blocks 1-3 routed experts."""
+
+
+@pytest.fixture(scope="module")
+def mixed_twin(tmp_path_factory):
+    """The Qwen3-MoE twin with a dense block 0, and its one-process transformers + AdamW records."""
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    folder = make_moe_checkpoint(tmp_path_factory.mktemp("moe_mixed") / "qwen3_moe", "qwen3_moe", **MIXED)
+    cfg = compose(*_common(folder))
+    apply_pretrained_defaults(cfg)
+    return folder, reference_run(cfg)
+
+
+def test_dense_and_moe_blocks_equal_transformers(mixed_twin, tmp_path):
+    """A model mixing a dense block and MoE blocks at tp = 2 x pp = 2: the dense block's MLP split Megatron-style
+    ("f" on the MLP), the MoE blocks' experts by the experts style, the router sums counted over the MoE blocks
+    only; its checkpoint exports to an HF folder whose transformers logits equal hybridtrain's."""
+    from hybridtrain.export import check_logits, export
+
+    folder, records = mixed_twin
+    _check((1, 2, 2), folder, records, tmp_path, f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true")
+    checkpoint = tmp_path / "checkpoints" / f"step_{STEPS - 1}"
+    export(checkpoint, tmp_path / "hf_export")
+    diff, scale = check_logits(checkpoint, tmp_path / "hf_export")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"export logits differ by {diff}"
+
+
+@pytest.mark.slow
+def test_dense_and_moe_blocks_expert_parallel_equals_transformers(mixed_twin, tmp_path):
+    """The same model at dp = 2 x ep = 2: the dense block holds no experts (no expert group, marker or dispatch),
+    its parameters are data-parallel over dp; the gradient norm counts the MoE blocks' experts once."""
+    folder, records = mixed_twin
+    _check((2, 1, 1), folder, records, tmp_path, "parallel.ep=2", *NO_SAVE)

@@ -3,6 +3,7 @@ cannot do yet are refused before anything starts, each naming its key."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.config import compose
 from hybridtrain.plan import Machine, PlanError, resolve
@@ -36,8 +37,9 @@ CASES = {  # id -> (overrides, key, fragments of the message)
                                   "parallel.stage_layers=[3,2]"), "parallel.stage_layers",
                                  ["stage 1 (final_norm, head) holds no MoE block", "parallel.zero_stage=0"]),
     "ep_below_one": ((*TINY_MOE, "parallel.ep=0"), "parallel.ep", ["must be >= 1, got 0"]),
-    "dense_blocks": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]"), "model.config.mlp_only_layers",
-                     ["blocks [0] of this qwen3_moe model have a dense MLP", "not supported yet"]),
+    "ep_stage_with_dense_blocks_only": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]", "parallel.dp=2",
+                                         "parallel.ep=2", "parallel.pp=2", "parallel.stage_layers=[2,3]"),
+                                        "parallel.stage_layers", ["stage 0 (embed, block.0) holds no MoE block"]),
     "packing_with_aux": ((*TINY_MOE, "+model.config.output_router_logits=true", "data.packing=documents"),
                          "data.packing", ["with the router aux loss on", "model.config.output_router_logits=false"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
@@ -126,3 +128,72 @@ def test_expert_parallel_memory_counts_experts_per_rank():
                            checkpointing=False) for ep, (p, _) in plans.items()}
     assert mem[1].params - mem[2].params == 4 * experts // 2  # fp32 weights of the experts this rank no longer holds
     assert mem[1].optim - mem[2].optim == 8 * experts // 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_dense_blocks_of_an_moe_model_have_the_dense_mlp_plan(model_type):
+    """``mlp_only_layers=[0]``: block 0 is the ``dense`` variant, whose plan splits a plain MLP (gate and up
+    column-wise, down row-wise, "f" on ``mlp``) and names no experts (nor a shared expert); the other blocks keep
+    the experts' plan ("f" on the experts' inputs only). Each plan names modules of its own blocks only, every
+    column-parallel linear sits under an input-copy module, and sharding each variant's block (tp = 1) replaces
+    exactly its planned modules and keeps its output."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import shard_block
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.units import block_variants
+    from hybridtrain.parallel.context import TPContext
+
+    family = get_family(model_type)
+    hf = moe_config(model_type, mlp_only_layers=[0])
+    assert block_variants(family, hf) == ["dense", "moe", "moe", "moe"]
+    dense, routed = family.block_plan(hf, 0), family.block_plan(hf, 1)
+    assert {n: r.style for n, r in dense.items() if n.startswith("mlp")} == {
+        "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+    assert routed["mlp.experts"].style == "experts" and "mlp.gate_proj" not in routed
+    assert family.input_copy_of("dense") == ("self_attn", "mlp") and "mlp" not in family.input_copy_of("moe")
+    assert routed == family.tp_plan  # the routed blocks' plan is the family's default
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").eval()
+    x = torch.randn(2, 5, int(hf.hidden_size))  # [B, S, H]
+    positions = torch.arange(5).expand(2, 5)
+    kwargs = {"position_ids": positions, "position_embeddings": model.model.rotary_emb(x, positions)}
+    for index in (0, 1):
+        variant = family.variant_of(hf, index)
+        plan, copies = family.plan_of(variant), family.input_copy_of(variant)
+        for name, rule in plan.items():
+            if rule.style == "column":
+                assert any(name == c or name.startswith(f"{c}.") for c in copies), (variant, name)
+        block = model.model.layers[index]
+        with torch.no_grad():
+            want = block(x, **kwargs)
+        before = {name: type(block.get_submodule(name)) for name in plan}
+        shard_block(block, family, hf, TPContext(), variant=variant)
+        replaced = {name for name in plan if type(block.get_submodule(name)) is not before[name]}
+        assert replaced == {n for n, r in plan.items() if r.style in ("column", "row")}, variant
+        with torch.no_grad():
+            got = block(x, **kwargs)
+        torch.testing.assert_close(got, want)
+
+
+def test_a_model_mixing_dense_and_moe_blocks_plans_each_variant():
+    """A dense block 0 and three MoE blocks at tp = 2 x pp = 2: the plan resolves; the experts are those of the
+    MoE blocks only (one in the plan's two-block twin), the dense block's MLP is split over tp (its sharded
+    parameters are the MLP's and attention's), and its FLOPs are the dense MLP's."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.report import build_report
+
+    cfg = compose(*TINY_MOE, "+model.config.mlp_only_layers=[0]", "parallel.tp=2", "parallel.pp=2")
+    plan, hf = resolve(cfg, CPU)
+    assert plan.dims.tp == 2 and plan.dims.pp == 2
+    e = build_report(cfg, plan, hf, device_memory=0).experts
+    assert e.moe_blocks == 1 and e.expert_params == 8 * (2 * 32 * 64 + 64 * 32)
+    facts = model_facts(get_family("qwen3_moe"), hf, plan.seq_len)
+    dense, routed = (next(u for u in facts.units if u.unit.name == f"block.{i}") for i in (0, 1))
+    h, q, kv, mlp = 64, 8 * 16, 4 * 16, 128
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o (no biases)
+    assert sum(dense.experts) == 0 and sum(dense.sharded) == attention + 3 * h * mlp
+    assert sum(routed.experts) == e.expert_params and sum(routed.sharded) == attention
+    assert dense.flops != routed.flops
