@@ -194,11 +194,9 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
     (``heads_per_rank_attrs``; ``per_rank_config`` in a copy of the attention's config).
     """
     for name, rule in family.plan_of(variant).items():
-        try:
-            module = block.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
-                             f"which is not a module of {type(block).__name__}") from None
+        module = planned_module(block, name, family)
+        if module is None:  # left out by this config (DeepSeek-V3's q_proj when q_lora_rank is set)
+            continue
         fused = _fused(module, rule, family, hf_config)
         new = rule.tp_style.shard(module, rule, fused, tp, _reader(read, name))
         if new is not module:
@@ -218,6 +216,24 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
             setattr(attention.config, key, getattr(attention.config, key) // tp.size)
 
 
+def planned_module(block: nn.Module, name: str, family: Family) -> Optional[nn.Module]:
+    """The submodule ``name`` of ``block`` that a plan entry splits; ``None`` where transformers leaves it out for
+    this config (the attribute is there and ``None``: DeepSeek-V3's ``q_proj`` with a ``q_lora_rank``, its
+    ``q_a_proj`` ... without); ``ValueError`` where ``block`` has no such attribute (a plan naming the wrong module)."""
+    owner_path, _, leaf = name.rpartition(".")
+    try:
+        owner = block.get_submodule(owner_path) if owner_path else block
+    except AttributeError:
+        owner = None
+    if owner is not None and getattr(owner, leaf, 0) is None:
+        return None
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
+                         f"which is not a module of {type(block).__name__}") from None
+
+
 def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext, variant: Optional[str] = None) -> Keep:
     """The parts of ``block``'s parameters this TP rank keeps, as ``parameter -> (HF dim, ranges)``: what
     :func:`shard_block` slices (each style's :meth:`~hybridtrain.parallel.tensor.TPStyle.keep`); replicated
@@ -226,7 +242,9 @@ def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext, variant:
         return {}
     keep = {}
     for name, rule in family.plan_of(variant).items():
-        module = block.get_submodule(name)
+        module = planned_module(block, name, family)
+        if module is None:
+            continue
         parts = rule.tp_style.keep(module, rule.conv1d, _fused(module, rule, family, hf_config), tp.rank, tp.size)
         keep.update({f"{name}.{leaf}": part for leaf, part in parts.items()})
     return keep

@@ -96,7 +96,9 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
     that cannot carry an adapter here (the LM head, an embedding, a norm), is an :class:`AdapterError`
     naming the modules the family has.
     """
-    allowed = lora_modules(family, num_layers, variants)
+    names = list(module_names)
+    present = set(names)
+    allowed = [a for a in lora_modules(family, num_layers, variants) if a in present]  # what this config builds
     leaves = list(dict.fromkeys(a.rsplit(".", 1)[1] for a in allowed))  # q_proj, k_proj, ... in plan order
     have = f"the linear layers of a {family.model_type} block are {', '.join(leaves)} (or use all-linear)"
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
@@ -110,7 +112,6 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
         if any(t.lower() == ALL_LINEAR for t in entries):
             raise AdapterError(f"{ALL_LINEAR} must be given alone (finetune.lora.target_modules={ALL_LINEAR}), not "
                                f"in a list: {entries}")
-    names = list(module_names)
     allowed_set = set(allowed)
     chosen: set[str] = set()
     for entry in entries:

@@ -241,6 +241,12 @@ class DecoderBlock(nn.Module):
     def hf_params(self, include_replicas: bool = False):
         return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config, self.variant))
 
+    def hf_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``(HF name, tensor)`` of the persistent buffers a checkpoint keeps (``Family.saved_buffers``; whole on
+        every rank), those this block has."""
+        held = dict(self.block.named_buffers())
+        return [(f"{self.hf_prefix}.{name}", held[name]) for name in self.family.saved_buffers if name in held]
+
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary)

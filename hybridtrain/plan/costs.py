@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, padded_vocab
-from hybridtrain.models.families.base import head_dim_of, kv_heads_of, mlp_width_of
+from hybridtrain.models.families.base import attention_head_dims, kv_heads_of, mlp_width_of
 from hybridtrain.models.units import Kind, Unit, model_units
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
@@ -142,7 +142,7 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
-    heads, head_dim = int(getattr(hf_config, family.heads)), head_dim_of(family, hf_config)
+    heads, head_dim = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)[0]  # q and k
     width = mlp_width_of(family, hf_config)
     return ModelFacts(family=family, hidden=hidden, heads=heads, num_layers=layers, seq_len=seq_len,
                       padded_vocab=vocab, units=units, intermediate=width, q_dim=heads * head_dim,

@@ -33,7 +33,11 @@ def in_out(family: Family, hf_config, hf_model) -> dict[str, tuple[int, int]]:
         for rel, rule in family.block_plan(hf_config, i).items():
             if rule.tp_style.lora:
                 path = f"{family.blocks}.{i}.{rel}"
-                out[path] = linear_in_out(hf_model.get_submodule(path), rule.conv1d)
+                try:
+                    module = hf_model.get_submodule(path)
+                except AttributeError:  # left out by this config (DeepSeek-V3's q_proj with a q_lora_rank)
+                    continue
+                out[path] = linear_in_out(module, rule.conv1d)
     return out
 
 

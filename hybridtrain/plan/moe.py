@@ -76,6 +76,19 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
                         f"model.config.{moe.aux_on}=false")
 
 
+def check_moe_precision(cfg: Any, family: Any) -> None:
+    """Refuse bf16/fp16 for a family whose router transformers keeps in fp32 (``MoE.fp32_router``, DeepSeek-V3):
+    DeepSpeed's 16-bit engine casts every parameter and buffer, the router's weight and bias among them, so the
+    routing would no longer be transformers'. ``cfg.trainer.precision`` as resolved (``null``: bf16 on GPUs)."""
+    moe = family.moe
+    if moe is None or not moe.fp32_router or cfg.trainer.precision == "fp32":
+        return
+    raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision}: transformers keeps "
+                    f"{family.model_type}'s router (mlp.gate.weight, e_score_correction_bias) in fp32 "
+                    "(_keep_in_fp32_modules_strict), which DeepSpeed's 16-bit engine would cast; "
+                    "use trainer.precision=fp32")
+
+
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
     """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
     divide dp and the experts, and what expert parallelism cannot do yet is refused (ZeRO-2/3, bf16/fp16,

@@ -29,7 +29,7 @@ from helpers.moe import MOE_TINY, make_moe_checkpoint
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
-CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2)}
+CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "deepseek_v3": (1, 2, 2)}
 """One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
@@ -167,8 +167,10 @@ def family_oracle(moe_twins):
 
 @pytest.mark.parametrize("family", sorted(CI_FAMILY_LAYOUT))
 def test_moe_family_layout_equals_transformers(family, moe_twins, family_oracle, tmp_path):
-    """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded) and
-    Qwen2-MoE (the gated shared expert split over tp), with their export logits."""
+    """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded),
+    Qwen2-MoE (the gated shared expert split over tp) and DeepSeek-V3 (MLA split by heads with its low-rank
+    projections' gradients summed over tp, a dense block 0, the group-limited sigmoid router, whose routing bias
+    the export carries), with their export logits."""
     from hybridtrain.export import check_logits, export
 
     _check(CI_FAMILY_LAYOUT[family], moe_twins(family), family_oracle(family), tmp_path,
@@ -232,3 +234,10 @@ def test_dense_and_moe_blocks_expert_parallel_equals_transformers(mixed_twin, tm
     its parameters are data-parallel over dp; the gradient norm counts the MoE blocks' experts once."""
     folder, records = mixed_twin
     _check((2, 1, 1), folder, records, tmp_path, "parallel.ep=2", *NO_SAVE)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_dp_tp_pp_equals_transformers(moe_twins, family_oracle, tmp_path):
+    """DeepSeek-V3 at dp = 2 x tp = 2 x pp = 2."""
+    _check((2, 2, 2), moe_twins("deepseek_v3"), family_oracle("deepseek_v3"), tmp_path)
+

@@ -17,6 +17,16 @@ TINY_MOE = ("+recipe=llama_tiny", "model=qwen3_moe", "model.config.hidden_size=6
             "~model.config.tie_word_embeddings")
 """A two-block Qwen3-MoE (8 experts, top-2) on the llama_tiny recipe."""
 
+TINY_DEEPSEEK = ("+recipe=llama_tiny", "model=deepseek_v3", "model.config.hidden_size=64",
+                 "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8",
+                 "+model.config.q_lora_rank=32", "+model.config.kv_lora_rank=32", "+model.config.qk_nope_head_dim=16",
+                 "+model.config.qk_rope_head_dim=8", "+model.config.v_head_dim=12", "model.config.intermediate_size=128",
+                 "+model.config.moe_intermediate_size=32", "+model.config.n_routed_experts=8",
+                 "+model.config.n_shared_experts=1", "+model.config.num_experts_per_tok=2", "+model.config.n_group=4",
+                 "+model.config.topk_group=2", "+model.config.first_k_dense_replace=1",
+                 "~model.config.tie_word_embeddings", "trainer.precision=fp32")
+"""A four-block DeepSeek-V3 (block 0 dense, 8 experts in 4 groups, top-2) on the llama_tiny recipe."""
+
 
 def _error(*overrides: str) -> PlanError:
     with pytest.raises(PlanError) as info:
@@ -42,6 +52,12 @@ CASES = {  # id -> (overrides, key, fragments of the message)
                                         "parallel.stage_layers", ["stage 0 (embed, block.0) holds no MoE block"]),
     "packing_with_aux": ((*TINY_MOE, "+model.config.output_router_logits=true", "data.packing=documents"),
                          "data.packing", ["with the router aux loss on", "model.config.output_router_logits=false"]),
+    "deepseek_v3_in_bf16": ((*TINY_DEEPSEEK, "trainer.precision=bf16"), "trainer.precision",
+                            ["trainer.precision=bf16: transformers keeps deepseek_v3's router", "_keep_in_fp32_modules_strict",
+                             "use trainer.precision=fp32"]),
+    "deepseek_v3_with_cp": ((*TINY_DEEPSEEK, "parallel.cp=2"), "parallel.cp",
+                            ["parallel.cp=2: deepseek_v3 cannot run with context parallelism", "value heads narrower",
+                             "use parallel.cp=1"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }
@@ -197,3 +213,69 @@ def test_a_model_mixing_dense_and_moe_blocks_plans_each_variant():
     assert sum(dense.experts) == 0 and sum(dense.sharded) == attention + 3 * h * mlp
     assert sum(routed.experts) == e.expert_params and sum(routed.sharded) == attention
     assert dense.flops != routed.flops
+
+
+def test_deepseek_v3_plans_mla_split_by_heads_and_its_dense_block():
+    """DeepSeek-V3 at tp = 2 x pp = 2: MLA's low-rank projections and their norms replicated with their gradients
+    summed over tp, the up-projections column-parallel (``q_b_proj``; ``q_proj`` only without a ``q_lora_rank``),
+    ``o_proj`` row-parallel; block 0 (``first_k_dense_replace``) the dense variant (its MLP split, no experts or
+    shared experts), the others the experts and shared experts; the router aux term never on (transformers' loss
+    has none), ``e_score_correction_bias`` among the buffers a checkpoint keeps."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.moe import carries_aux
+    from hybridtrain.models.units import block_variants
+
+    cfg = compose(*TINY_DEEPSEEK, "parallel.tp=2", "parallel.pp=2", "+model.config.output_router_logits=true")
+    plan, hf = resolve(cfg, CPU)
+    family = get_family("deepseek_v3")
+    assert plan.dims.tp == 2 and block_variants(family, hf) == ["dense", "moe", "moe", "moe"]
+    dense, routed = family.block_plan(hf, 0), family.block_plan(hf, 1)
+    for p in (dense, routed):
+        assert {n: p[n].style for n in p if n.startswith("self_attn.")} == {
+            "self_attn.q_proj": "column", "self_attn.q_a_proj": "grad_sum", "self_attn.q_a_layernorm": "grad_sum",
+            "self_attn.q_b_proj": "column", "self_attn.kv_a_proj_with_mqa": "grad_sum",
+            "self_attn.kv_a_layernorm": "grad_sum", "self_attn.kv_b_proj": "column", "self_attn.o_proj": "row"}
+    assert {n: r.style for n, r in dense.items() if n.startswith("mlp.")} == {
+        "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+    assert {n: r.style for n, r in routed.items() if n.startswith("mlp.")} == {
+        "mlp.experts": "experts", "mlp.shared_experts.gate_proj": "column", "mlp.shared_experts.up_proj": "column",
+        "mlp.shared_experts.down_proj": "row"}
+    assert family.input_copy_of("moe") == ("self_attn", "mlp.shared_experts")
+    assert family.input_copy_of("dense") == ("self_attn", "mlp")
+    assert not carries_aux(family, hf) and hf.output_router_logits
+    assert family.saved_buffers == ("mlp.gate.e_score_correction_bias",)
+    from hybridtrain.plan.report import build_report
+
+    e = build_report(cfg, plan, hf, device_memory=0).experts
+    assert (e.num_experts, e.top_k, e.moe_blocks, e.per_rank_width) == (8, 2, 3, 16)
+    from hybridtrain.plan.flops import block_forward_flops
+
+    # scores over query/key heads of 16 + 8 and the weighted sum over value heads of 12 (not head_dim = 8, the rope part)
+    assert block_forward_flops(family, hf, 32, 0.0) == 2 * 32 * 8 * (24 + 12)
+
+
+def test_deepseek_v3_shards_only_the_modules_its_config_builds():
+    """With a ``q_lora_rank`` transformers builds no ``q_proj`` (the attribute is ``None``), without one no
+    ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``: the plan's entries for what is absent are skipped, and an
+    entry naming no attribute at all is still an error."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import shard_block
+    from hybridtrain.models.families import TPRule, get_family
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.layers import ColumnParallelLinear
+
+    family = get_family("deepseek_v3")
+    for rank, present, absent in ((32, "q_b_proj", "q_proj"), (None, "q_proj", "q_b_proj")):
+        hf = moe_config("deepseek_v3", q_lora_rank=rank)
+        block = AutoModelForCausalLM.from_config(hf).model.layers[1]
+        shard_block(block, family, hf, TPContext(), variant="moe")
+        assert isinstance(getattr(block.self_attn, present), ColumnParallelLinear)
+        assert getattr(block.self_attn, absent) is None
+    broken = dataclasses.replace(family, tp_rules={**family.tp_rules, "self_attn.no_such_proj": TPRule("column")})
+    broken.__dict__.pop("tp_plan", None)
+    with pytest.raises(ValueError, match="'self_attn.no_such_proj'.*not a module"):
+        shard_block(AutoModelForCausalLM.from_config(hf).model.layers[1], broken, hf, TPContext(), variant="moe")

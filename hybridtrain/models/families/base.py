@@ -89,6 +89,12 @@ class MoE:
     """HF config key: the coefficient of the load-balancing loss in the training loss."""
     aux_on: str = "output_router_logits"
     """HF config key that switches the load-balancing loss on (transformers adds it to the loss only then)."""
+    aux_loss: bool = True
+    """Whether transformers' causal-LM loss of this family can include the load-balancing term at all
+    (DeepSeek-V3's never does, whatever ``output_router_logits`` says)."""
+    fp32_router: bool = False
+    """transformers keeps the router's weight and buffers in fp32 whatever the model's dtype
+    (``_keep_in_fp32_modules_strict``, DeepSeek-V3): the plan runs such a model in fp32 only."""
     dense_layers: Optional[Callable[[Any], Sequence[int]]] = field(default=None, compare=False)
     """HF config -> indices of the blocks with a dense MLP instead of experts (``None``: every block routes).
     Their tensor-parallel rules are the family's ``variant_rules["dense"]`` (``docs/moe.md``)."""
@@ -99,7 +105,7 @@ class MoE:
 
     def aux_enabled(self, hf_config: Any) -> bool:
         """Whether the model's loss includes the router's load-balancing term (transformers' rule)."""
-        return bool(getattr(hf_config, self.aux_on, False))
+        return self.aux_loss and bool(getattr(hf_config, self.aux_on, False))
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,13 @@ class Family:
     variant_input_copy: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Block variant -> its :attr:`input_copy` where it differs (a dense block's ``mlp`` gets the "f" an MoE
     block puts on its experts' inputs)."""
+    context_parallel: Optional[str] = None
+    """Why ``parallel.cp`` > 1 cannot run this family (DeepSeek-V3: MLA's value head is narrower than its
+    query/key head, which the context-parallel attention kernels do not take); ``None``: it can."""
+    saved_buffers: tuple[str, ...] = ()
+    """Block-relative names of persistent buffers a checkpoint holds and a run keeps as they are (DeepSeek-V3's
+    ``mlp.gate.e_score_correction_bias``): read from the pretrained weights, written into ``hf/`` and the export.
+    A block without one (a dense block) skips it."""
     moe: Optional[MoE] = None
     """Mixture-of-experts families: where the router and the experts are (:class:`MoE`); ``None``: dense."""
     n_layers: str = "num_hidden_layers"
@@ -255,6 +268,17 @@ def head_dim_of(family: Family, hf_config: Any) -> int:
     if explicit:
         return int(explicit)
     return int(getattr(hf_config, family.hidden)) // int(getattr(hf_config, family.heads))
+
+
+def attention_head_dims(family: Family, hf_config: Any) -> tuple[int, int]:
+    """``(query/key width, value width)`` of one attention head: :func:`head_dim_of` for both, except where the
+    config gives them apart (multi-head latent attention: DeepSeek-V3's ``qk_head_dim`` = ``qk_nope_head_dim +
+    qk_rope_head_dim`` and ``v_head_dim``; its ``head_dim`` is the rotary part only)."""
+    qk, v = getattr(hf_config, "qk_head_dim", None), getattr(hf_config, "v_head_dim", None)
+    if qk and v:
+        return int(qk), int(v)
+    hd = head_dim_of(family, hf_config)
+    return hd, hd
 
 
 def kv_heads_of(family: Family, hf_config: Any) -> int:
