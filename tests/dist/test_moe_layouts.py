@@ -241,3 +241,22 @@ def test_deepseek_v3_dp_tp_pp_equals_transformers(moe_twins, family_oracle, tmp_
     """DeepSeek-V3 at dp = 2 x tp = 2 x pp = 2."""
     _check((2, 2, 2), moe_twins("deepseek_v3"), family_oracle("deepseek_v3"), tmp_path)
 
+
+
+@pytest.mark.slow
+def test_deepseek_v3_resume_under_another_layout_continues_the_losses(moe_twins, tmp_path):
+    """Steps 1-2 at tp = 2 x pp = 2, a checkpoint, steps 3-4 at dp = 2 (re-sharded from ``hf/``, the routing bias
+    read back from it): the oracle's four losses."""
+    folder = moe_twins("deepseek_v3")
+    common = [*_common(folder), "trainer.max_steps=4"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run_cli(first, *common, "parallel.tp=2", "parallel.pp=2", "trainer.save_every=2")
+    run_cli(resumed, *common, "parallel.dp=2", f"trainer.resume={first / 'checkpoints' / 'step_2'}")
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    cfg = compose(*common)
+    apply_pretrained_defaults(cfg)
+    want = [r["loss"] for r in reference_run(cfg)]
+    got = [m["loss"] for m in metrics(first)][:2] + [m["loss"] for m in metrics(resumed)]
+    assert got == pytest.approx(want, rel=1e-4)

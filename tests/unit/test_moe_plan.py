@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.config import compose
+from hybridtrain.parallel.context import TPContext
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
@@ -279,3 +280,33 @@ def test_deepseek_v3_shards_only_the_modules_its_config_builds():
     broken.__dict__.pop("tp_plan", None)
     with pytest.raises(ValueError, match="'self_attn.no_such_proj'.*not a module"):
         shard_block(AutoModelForCausalLM.from_config(hf).model.layers[1], broken, hf, TPContext(), variant="moe")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe"])
+def test_every_rank_of_an_moe_model_starts_from_the_reference_weights(model_type):
+    """From scratch (no checkpoint), the seeded initialisation of a dense block 0 and an MoE block 1 (the router, its
+    DeepSeek-V3 routing bias, the experts, MLA's low-rank projections) at tp = 2, each rank filling only its tiles,
+    equals the one-process reference model sharded by the block's variant plan."""
+    import copy
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import ModelBuilder, shard_block
+    from hybridtrain.models.families import get_family, padded_vocab
+    from hybridtrain.models.hf_model import meta_model, reference_model
+
+    family = get_family(model_type)
+    config = moe_config(model_type, **({"mlp_only_layers": [0]} if model_type == "qwen3_moe" else {}))
+    config._attn_implementation = "eager"
+    model = reference_model(config, family, 1234)
+    for rank in range(2):
+        tp = TPContext(rank=rank, size=2)
+        builder = ModelBuilder(family=family, hf_config=config, hf_model=meta_model(config), seed=1234, tp=tp,
+                               padded_vocab=padded_vocab(int(config.vocab_size), 2, 16))
+        for index in (0, 1):
+            want = copy.deepcopy(model.get_submodule(f"{family.blocks}.{index}"))
+            shard_block(want, family, config, tp, variant=family.variant_of(config, index))
+            got = builder.block(index)
+            state, ref = got.state_dict(), want.state_dict()
+            assert state.keys() == ref.keys(), (index, sorted(set(state) ^ set(ref)))
+            for name, value in ref.items():
+                assert torch.equal(state[name], value), (model_type, rank, index, name)
