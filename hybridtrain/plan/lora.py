@@ -58,6 +58,8 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     _need(0 <= lo.dropout < 1, f"{KEY}.dropout", f"must be in [0, 1), got {lo.dropout}")
     # 16-bit ZeRO-0 (DeepSpeed's separate optimizer) is refused for every run by plan/validate.py
     family = family_of(cfg.model)
+    _need(not family.lora_unsupported, "finetune.method", f"finetune.method=lora on {family.model_type} is not "
+          f"supported yet: {family.lora_unsupported}; use finetune.method=full")
     hf_model = hf_model if hf_model is not None else meta_model(hf_config)
     if lo.init_from:
         given = _adapter(cfg, family, hf_config, hf_model).spec(lo.dropout)

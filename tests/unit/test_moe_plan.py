@@ -59,6 +59,8 @@ CASES = {  # id -> (overrides, key, fragments of the message)
     "deepseek_v3_with_cp": ((*TINY_DEEPSEEK, "parallel.cp=2"), "parallel.cp",
                             ["parallel.cp=2: deepseek_v3 cannot run with context parallelism", "value heads narrower",
                              "use parallel.cp=1"]),
+    "deepseek_v3_with_lora": ((*TINY_DEEPSEEK, "finetune.method=lora"), "finetune.method",
+                              ["finetune.method=lora on deepseek_v3 is not supported yet", "use finetune.method=full"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }

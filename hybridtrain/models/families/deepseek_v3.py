@@ -64,6 +64,8 @@ FAMILY = Family(
     input_copy=("self_attn", "mlp.shared_experts"),
     variant_rules={"dense": {**DENSE_MLP_RULES, **{name: None for name in SHARED}}},
     variant_input_copy={"dense": ("self_attn", "mlp")},
+    lora_unsupported=("peft's all-linear adapts MLA's low-rank q_a_proj and kv_a_proj_with_mqa, which are replicated "
+                      "over tp here and carry no adapter, and LoRA on this family is not verified against peft"),
     saved_buffers=("mlp.gate.e_score_correction_bias",),
     attn_implementations=("sdpa", "eager"),
     context_parallel=("its multi-head latent attention has value heads narrower than its query/key heads "
