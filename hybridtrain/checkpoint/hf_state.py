@@ -11,7 +11,7 @@ only device tensors) and reach the host at the end.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -22,18 +22,20 @@ from hybridtrain.parallel.context import EPContext, TPContext
 from hybridtrain.parallel.slicing import Split, block_sizes
 
 
-def block_params(block: nn.Module, prefix: str, family: Family, hf_config) -> Iterator[tuple[str, nn.Parameter, Split]]:
-    """``(hf_name, param, split)`` for every parameter of a sharded HF decoder block, by the family's
-    tensor-parallel plan (``hf_config`` gives the sizes of fused sub-blocks)."""
+def block_params(block: nn.Module, prefix: str, family: Family, hf_config,
+                 variant: Optional[str] = None) -> Iterator[tuple[str, nn.Parameter, Split]]:
+    """``(hf_name, param, split)`` for every parameter of a sharded HF decoder block of ``variant``, by the
+    family's tensor-parallel plan of that variant (``hf_config`` gives the sizes of fused sub-blocks)."""
+    plan = family.plan_of(variant)
     for local, param in block.named_parameters():
         owner, _, leaf = local.rpartition(".")
         linear, _, matrix = owner.rpartition(".")
         if matrix in (LORA_A, LORA_B):  # an adapter: A [r, in], B [out, r], cut like the layer's weight
-            rule = family.tp_plan[linear]
+            rule = plan[linear]
             a, b = rule.tp_style.lora_splits(fused_sizes(rule, family, hf_config))
             yield f"{prefix}.{local}", param, a if matrix == LORA_A else b
             continue
-        rule = family.tp_plan.get(owner)
+        rule = plan.get(owner)
         split = Split() if rule is None else rule.tp_style.split(leaf, rule.conv1d, fused_sizes(rule, family, hf_config))
         yield f"{prefix}.{local}", param, split
 

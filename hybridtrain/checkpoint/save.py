@@ -24,6 +24,12 @@ def stage_hf_params(module, include_replicas: bool = False) -> list:
     return [x for m in module.modules() if hasattr(m, "hf_params") for x in m.hf_params(include_replicas)]
 
 
+def stage_hf_buffers(module) -> list:
+    """``(hf_name, tensor)`` of the persistent buffers a checkpoint keeps that this rank's stage holds
+    (``Family.saved_buffers``, DeepSeek-V3's router bias; replicated, so any rank's copy is the model's)."""
+    return [x for m in module.modules() if hasattr(m, "hf_buffers") for x in m.hf_buffers()]
+
+
 def save_checkpoint(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path: Path,
                     extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``RUN_DIR/checkpoints/step_<step>`` atomically; every rank must call it.
@@ -67,11 +73,12 @@ class StageFiles:
     every MoE layer's experts are gathered over the writer's expert-parallel group first (data ranks
     ``0 .. ep - 1``, each holding ``E / ep`` of them), so the files hold all ``E`` whichever rank trained them."""
 
-    def __init__(self, built, plan, named: list, trained: list):
-        self.built, self.named, self.trained = built, named, trained
+    def __init__(self, built, plan, named: list, trained: list, buffers: list = ()):
+        self.built, self.named, self.trained, self.buffers = built, named, trained, list(buffers)
         self.writes = built.tp_rank == 0 and built.data_rank == 0 and bool(named)
         size, ep = built.tp.size, built.ep.size
         self.weights = {n: hf_shape(p, s, size, ep) for n, p, s in named if not is_lora(n)}
+        self.weights.update({n: tuple(b.shape) for n, b in self.buffers})
         self.adapters = {peft_name(n): hf_shape(p, s, size) for n, p, s in named if is_lora(n)}  # peft's names
         self.moments = {f"{key}.{n}": hf_shape(p, s, size, ep) for key in MOMENTS for n, p, s in trained}
 
@@ -80,7 +87,7 @@ class StageFiles:
         """The files of ``built``'s stage under ``plan``."""
         named = stage_hf_params(built.engine.module)
         trained = [x for x in named if x[1].requires_grad] if plan.zero_stage <= 2 else []  # a frozen LoRA base: none
-        return cls(built, plan, named, trained)
+        return cls(built, plan, named, trained, stage_hf_buffers(built.engine.module))
 
     def bytes(self) -> int:
         """The bytes of the tensors the writer writes (fp32), known before any is gathered."""
@@ -104,6 +111,8 @@ class StageFiles:
             for name, tensor in gathered(self.named, built.tp, built.engine.device, gathers, **ep):
                 if tensor is not None:
                     (adapter.write(peft_name(name), tensor) if is_lora(name) else hf.write(name, tensor))
+            for name, buffer in self.buffers if self.writes else ():  # whole on every rank: the writer's own
+                hf.write(name, buffer.detach().float().cpu())
             if self.trained:
                 relink_zero_state(built.engine.optimizer)
             for key in MOMENTS if self.trained else ():

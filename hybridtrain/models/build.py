@@ -150,8 +150,10 @@ class ModelBuilder:
         """Decoder block ``index`` with its planned modules replaced by this rank's TP shards (and, at ep > 1, its
         MoE layer's experts by this rank's ``E / ep``, the only ones read from a checkpoint)."""
         prefix = f"{self.family.blocks}.{index}"
-        split = tuple(f"{path}." for path, rule in self.family.tp_plan.items() if rule.tp_style.reads_shards())
-        keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp)
+        variant = self.family.variant_of(self.hf_config, index)
+        plan = self.family.plan_of(variant)
+        split = tuple(f"{path}." for path, rule in plan.items() if rule.tp_style.reads_shards())
+        keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp, variant)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         ep_split = self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config)
         read = None
@@ -174,37 +176,37 @@ class ModelBuilder:
                 from hybridtrain.parallel.experts import keep_expert_rows
 
                 keep_expert_rows(block.get_submodule(self.family.moe.experts), self.ep)  # read as [E / ep, ...]
-        shard_block(block, self.family, self.hf_config, self.tp, read)
+        shard_block(block, self.family, self.hf_config, self.tp, read, variant)
         if ep_split:
             from hybridtrain.parallel.experts import split_experts_over_ep
 
             split_experts_over_ep(block.get_submodule(self.family.moe.experts), self.ep, sliced=read is not None)
         if self.lora is not None:
-            add_lora(block, prefix, self.family, self.hf_config, self.tp, self.lora, self.seed, self.adapter)
+            add_lora(block, prefix, self.family, self.hf_config, self.tp, self.lora, self.seed, self.adapter, variant)
         return block
 
 
-def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read=None) -> None:
-    """Apply ``family.tp_plan`` to ``block`` in place (see :class:`~hybridtrain.models.families.TPRule`).
+def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read=None,
+                variant: Optional[str] = None) -> None:
+    """Apply the tensor-parallel plan of a block of ``variant`` (``family.plan_of``, see
+    :class:`~hybridtrain.models.families.TPRule`) to ``block`` in place.
 
     Shards are cut from the block's own (full) modules, or, with ``read(path, hf_dim, fused)``,
     read directly from a checkpoint (``path`` like ``attn.c_attn.weight``, HF layout). With tp > 1 the
-    Megatron "f" goes on the ``input_copy`` modules, and per-rank head counts replace the full ones
+    Megatron "f" goes on the variant's ``input_copy`` modules, and per-rank head counts replace the full ones
     (``heads_per_rank_attrs``; ``per_rank_config`` in a copy of the attention's config).
     """
-    for name, rule in family.tp_plan.items():
-        try:
-            module = block.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
-                             f"which is not a module of {type(block).__name__}") from None
+    for name, rule in family.plan_of(variant).items():
+        module = planned_module(block, name, family)
+        if module is None:  # left out by this config (DeepSeek-V3's q_proj when q_lora_rank is set)
+            continue
         fused = _fused(module, rule, family, hf_config)
         new = rule.tp_style.shard(module, rule, fused, tp, _reader(read, name))
         if new is not module:
             block.set_submodule(name, new)
     if tp.size == 1:
         return
-    for name in family.input_copy:
+    for name in family.input_copy_of(variant):
         block.get_submodule(name).register_forward_pre_hook(_CopyInput(tp), with_kwargs=True)
     for path in family.heads_per_rank_attrs:
         owner, attr = path.rsplit(".", 1)
@@ -217,15 +219,35 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
             setattr(attention.config, key, getattr(attention.config, key) // tp.size)
 
 
-def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext) -> Keep:
+def planned_module(block: nn.Module, name: str, family: Family) -> Optional[nn.Module]:
+    """The submodule ``name`` of ``block`` that a plan entry splits; ``None`` where transformers leaves it out for
+    this config (the attribute is there and ``None``: DeepSeek-V3's ``q_proj`` with a ``q_lora_rank``, its
+    ``q_a_proj`` ... without); ``ValueError`` where ``block`` has no such attribute (a plan naming the wrong module)."""
+    owner_path, _, leaf = name.rpartition(".")
+    try:
+        owner = block.get_submodule(owner_path) if owner_path else block
+    except AttributeError:
+        owner = None
+    if owner is not None and getattr(owner, leaf, 0) is None:
+        return None
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"tensor-parallel plan of {family.model_type!r} names {name!r}, "
+                         f"which is not a module of {type(block).__name__}") from None
+
+
+def tp_keep(block: nn.Module, family: Family, hf_config, tp: TPContext, variant: Optional[str] = None) -> Keep:
     """The parts of ``block``'s parameters this TP rank keeps, as ``parameter -> (HF dim, ranges)``: what
     :func:`shard_block` slices (each style's :meth:`~hybridtrain.parallel.tensor.TPStyle.keep`); replicated
     parameters are not named (kept whole)."""
     if tp.size == 1:
         return {}
     keep = {}
-    for name, rule in family.tp_plan.items():
-        module = block.get_submodule(name)
+    for name, rule in family.plan_of(variant).items():
+        module = planned_module(block, name, family)
+        if module is None:
+            continue
         parts = rule.tp_style.keep(module, rule.conv1d, _fused(module, rule, family, hf_config), tp.rank, tp.size)
         keep.update({f"{name}.{leaf}": part for leaf, part in parts.items()})
     return keep
@@ -246,7 +268,7 @@ def _reader(read, name: str):
 
 
 def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPContext, lora: LoraSpec, seed: int,
-             adapter=None) -> None:
+             adapter=None, variant: Optional[str] = None) -> None:
     """Wrap the sharded linear layers of block ``prefix`` that ``lora`` targets with LoRA adapters
     (:mod:`hybridtrain.parallel.lora`), their matrices cut like the layer's weight: a column-parallel
     layer's ``B`` rows fused-aware, a row-parallel layer's ``A`` columns.
@@ -256,8 +278,9 @@ def add_lora(block: nn.Module, prefix: str, family: Family, hf_config, tp: TPCon
     """
     from hybridtrain.parallel.lora import initial_a
 
+    plan = family.plan_of(variant)
     for rel in lora.in_block(prefix):
-        layer, rule, path = block.get_submodule(rel), family.tp_plan[rel], f"{prefix}.{rel}"
+        layer, rule, path = block.get_submodule(rel), plan[rel], f"{prefix}.{rel}"
         style, full = rule.tp_style, list(layer.weight.shape)  # local layout [out, in]
         dim = style.split("weight").dim
         if dim is not None:  # a replicated layer (outside the TP region) holds its whole weight

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 ALL_LINEAR = "all-linear"
 """peft's shorthand for every linear layer but the output layer."""
@@ -69,11 +69,14 @@ def hf_name_of(name: str) -> str:
     return re.sub(rf"\.({LORA_A}|{LORA_B})\.[^.]+\.weight$", r".\1.weight", name)
 
 
-def lora_modules(family: Any, num_layers: int) -> list[str]:
+def lora_modules(family: Any, num_layers: int, variants: Optional[Sequence[str]] = None) -> list[str]:
     """HF paths of every module that can carry an adapter: the column- and row-parallel linear layers of
-    every decoder block, in block order."""
-    rels = [rel for rel, rule in family.tp_plan.items() if rule.tp_style.lora]
-    return [f"{family.blocks}.{i}.{rel}" for i in range(num_layers) for rel in rels]
+    every decoder block (by its variant's plan, ``variants``: each block's; ``None``: all alike), in block order."""
+    out = []
+    for i in range(num_layers):
+        plan = family.plan_of(variants[i] if variants is not None else None)
+        out += [f"{family.blocks}.{i}.{rel}" for rel, rule in plan.items() if rule.tp_style.lora]
+    return out
 
 
 def _matches(target_modules: Any, key: str) -> bool:
@@ -84,7 +87,8 @@ def _matches(target_modules: Any, key: str) -> bool:
     return any(key == t or key.endswith(f".{t}") for t in target_modules)
 
 
-def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], target_modules: Any) -> frozenset:
+def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], target_modules: Any,
+                    variants: Optional[Sequence[str]] = None) -> frozenset:
     """HF paths of the modules ``target_modules`` selects, as peft would on the same HF model.
 
     ``module_names`` are every module path of the model. ``all-linear`` is every block linear layer (the
@@ -92,7 +96,9 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
     that cannot carry an adapter here (the LM head, an embedding, a norm), is an :class:`AdapterError`
     naming the modules the family has.
     """
-    allowed = lora_modules(family, num_layers)
+    names = list(module_names)
+    present = set(names)
+    allowed = [a for a in lora_modules(family, num_layers, variants) if a in present]  # what this config builds
     leaves = list(dict.fromkeys(a.rsplit(".", 1)[1] for a in allowed))  # q_proj, k_proj, ... in plan order
     have = f"the linear layers of a {family.model_type} block are {', '.join(leaves)} (or use all-linear)"
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
@@ -106,7 +112,6 @@ def resolve_targets(family: Any, num_layers: int, module_names: Iterable[str], t
         if any(t.lower() == ALL_LINEAR for t in entries):
             raise AdapterError(f"{ALL_LINEAR} must be given alone (finetune.lora.target_modules={ALL_LINEAR}), not "
                                f"in a list: {entries}")
-    names = list(module_names)
     allowed_set = set(allowed)
     chosen: set[str] = set()
     for entry in entries:
@@ -130,7 +135,10 @@ def lora_spec(lora_cfg: Any, family: Any, hf_config: Any, hf_model: Any) -> Lora
     resolves them on the same HF model (``hf_model``, meta is enough); raises
     :class:`AdapterError`."""
     layers = int(getattr(hf_config, family.n_layers))
-    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules)
+    from hybridtrain.models.units import block_variants
+
+    targets = resolve_targets(family, layers, (n for n, _ in hf_model.named_modules()), lora_cfg.target_modules,
+                              block_variants(family, hf_config))
     return LoraSpec(r=int(lora_cfg.r), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),
                     rslora=bool(lora_cfg.rslora), targets=targets)
 
@@ -217,8 +225,9 @@ def read_adapter(folder: str | Path) -> Adapter:
 
 def check_adapter(adapter: Adapter, family: Any, num_layers: int, in_out: Mapping[str, tuple[int, int]]) -> None:
     """Refuse an adapter made for another base model: a module this model lacks or cannot adapt, or A and B
-    shapes that do not fit the module's ``(in, out)`` features (``in_out``: HF path -> sizes)."""
-    allowed = set(lora_modules(family, num_layers))
+    shapes that do not fit the module's ``(in, out)`` features (``in_out``: HF path -> sizes, of every module
+    that can carry an adapter)."""
+    allowed = set(in_out)
     for target in sorted(adapter.targets):
         if target not in allowed:
             raise AdapterError(f"{adapter.folder} adapts {target}, which this {family.model_type} model "

@@ -216,6 +216,7 @@ class DecoderBlock(nn.Module):
         self.block = builder.block(index)
         self.hf_prefix = f"{builder.family.blocks}.{index}"
         self.family = builder.family
+        self.variant = builder.family.variant_of(builder.hf_config, index)  # its tensor-parallel plan's
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
         attention = self.block.get_submodule(builder.family.attention)
@@ -242,7 +243,13 @@ class DecoderBlock(nn.Module):
             self.top_k = int(getattr(builder.hf_config, moe_spec.top_k))
 
     def hf_params(self, include_replicas: bool = False):
-        return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config))
+        return list(block_params(self.block, self.hf_prefix, self.family, self.hf_config, self.variant))
+
+    def hf_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``(HF name, tensor)`` of the persistent buffers a checkpoint keeps (``Family.saved_buffers``; whole on
+        every rank), those this block has."""
+        held = dict(self.block.named_buffers())
+        return [(f"{self.hf_prefix}.{name}", held[name]) for name in self.family.saved_buffers if name in held]
 
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

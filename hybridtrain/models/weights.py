@@ -312,3 +312,13 @@ def load_unit(unit: torch.nn.Module, prefix: str, weights: SafetensorsWeights, t
                                   f"model expects {tuple(param.shape)}; the model config does not match the checkpoint")
         with torch.no_grad():
             param.copy_(tensor)
+    for local, buffer in unit.named_buffers():  # persistent buffers the checkpoint holds (a router's bias)
+        name = f"{prefix}.{local}"
+        if name in weights:
+            tensor = weights.get(name)
+            if tuple(tensor.shape) != tuple(buffer.shape):
+                raise CheckpointError(f"{weights.folder}: {name} has shape {tuple(tensor.shape)} but the configured "
+                                      f"model expects {tuple(buffer.shape)}; the model config does not match the "
+                                      "checkpoint")
+            with torch.no_grad():
+                buffer.copy_(tensor)

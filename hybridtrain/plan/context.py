@@ -36,6 +36,9 @@ def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
         raise PlanError("parallel.cp", f"must be >= 1 (1: every rank holds whole rows), got {cp}")
     if cp == 1:
         return cp
+    if getattr(family, "context_parallel", None):
+        raise PlanError("parallel.cp", f"parallel.cp={cp}: {family.model_type} cannot run with context parallelism "
+                        f"in this version: {family.context_parallel}; use parallel.cp=1")
     seq = int(cfg.data.seq_len)
     if seq % (2 * cp):
         fits = [d for d in range(1, 65) if seq % (2 * d) == 0]

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridtrain.models.families import Family, padded_vocab
-from hybridtrain.models.families.base import head_dim_of, kv_heads_of, mlp_width_of
+from hybridtrain.models.families.base import attention_head_dims, kv_heads_of, mlp_width_of
 from hybridtrain.models.units import Kind, Unit, model_units
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.flops import TRAIN_FACTOR, unit_forward_flops
@@ -107,13 +107,15 @@ class ModelFacts:
         return sum(u.params(1) for u in self.units if not u.tied)
 
 
-def _block_split(family: Family, shapes: dict[str, tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
-    """Parameter element counts of one HF block (name -> shape): (TP-sharded, replicated, routed experts), by the
-    family's TP plan (an MoE family's experts module: split over tp and ep)."""
+def _block_split(family: Family, shapes: dict[str, tuple[int, ...]],
+                 variant: str = "") -> tuple[list[int], list[int], list[int]]:
+    """Parameter element counts of one HF block of ``variant`` (name -> shape): (TP-sharded, replicated, routed
+    experts), by the variant's TP plan (an MoE family's experts module: split over tp and ep)."""
     sharded, replicated, experts = [], [], []
+    plan = family.plan_of(variant)
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
-        rule = family.tp_plan.get(module)
+        rule = plan.get(module)
         split = rule is not None and rule.tp_style.sharded(leaf)
         expert = family.moe is not None and module == family.moe.experts and split
         (experts if expert else sharded if split else replicated).append(math.prod(shape))
@@ -130,7 +132,7 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
     shapes = block_shapes(family, hf_config)
     hidden = int(getattr(hf_config, family.hidden))
     vocab = padded_vocab(int(hf_config.vocab_size), tp_for_padding, vocab_pad_multiple)
-    split = {variant: _block_split(family, block) for variant, block in shapes.blocks.items()}
+    split = {variant: _block_split(family, block, variant) for variant, block in shapes.blocks.items()}
     norm = tuple(math.prod(shape) for shape in shapes.final_norm.values())
     units: list[UnitFacts] = []
     for unit in model_units(family, hf_config):
@@ -148,7 +150,7 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
-    heads, head_dim = int(getattr(hf_config, family.heads)), head_dim_of(family, hf_config)
+    heads, head_dim = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)[0]  # q and k
     width = mlp_width_of(family, hf_config)
     moe = family.moe
     routing = {} if moe is None else dict(

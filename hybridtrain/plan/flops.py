@@ -11,7 +11,8 @@ partition and the MFU metric: one definition for all of them.
 from __future__ import annotations
 
 
-from hybridtrain.models.families import Family, head_dim_of
+from hybridtrain.models.families import Family
+from hybridtrain.models.families.base import attention_head_dims
 from hybridtrain.models.units import Kind, Unit
 
 TRAIN_FACTOR = 3
@@ -21,9 +22,11 @@ TRAIN_FACTOR = 3
 def block_forward_flops(family: Family, hf_config, seq_len: int, linear: float) -> float:
     """Forward FLOPs per token of one decoder block: its linears' ``linear`` FLOPs
     (:func:`hybridtrain.models.shapes.linear_flops`) plus the attention scores and the weighted sum over
-    the sequence (``2 x 2 x seq x heads x head_dim``)."""
-    q_dim = int(getattr(hf_config, family.heads)) * head_dim_of(family, hf_config)
-    return linear + 2 * 2 * seq_len * q_dim  # q @ k^T and probs @ v
+    the sequence (``2 x seq x heads x (qk_dim + v_dim)``: ``2 x 2 x seq x heads x head_dim`` where the value head is
+    as wide as the query/key head, :func:`~hybridtrain.models.families.base.attention_head_dims`)."""
+    qk, v = attention_head_dims(family, hf_config)
+    heads = int(getattr(hf_config, family.heads))
+    return linear + 2 * seq_len * heads * (qk + v)  # q @ k^T and probs @ v
 
 
 def head_forward_flops(family: Family, hf_config, vocab_size: int) -> float:

@@ -30,10 +30,14 @@ def in_out(family: Family, hf_config, hf_model) -> dict[str, tuple[int, int]]:
 
     out = {}
     for i in range(int(getattr(hf_config, family.n_layers))):
-        for rel, rule in family.tp_plan.items():
+        for rel, rule in family.block_plan(hf_config, i).items():
             if rule.tp_style.lora:
                 path = f"{family.blocks}.{i}.{rel}"
-                out[path] = linear_in_out(hf_model.get_submodule(path), rule.conv1d)
+                try:
+                    module = hf_model.get_submodule(path)
+                except AttributeError:  # left out by this config (DeepSeek-V3's q_proj with a q_lora_rank)
+                    continue
+                out[path] = linear_in_out(module, rule.conv1d)
     return out
 
 
@@ -54,6 +58,8 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     _need(0 <= lo.dropout < 1, f"{KEY}.dropout", f"must be in [0, 1), got {lo.dropout}")
     # 16-bit ZeRO-0 (DeepSpeed's separate optimizer) is refused for every run by plan/validate.py
     family = family_of(cfg.model)
+    _need(not family.lora_unsupported, "finetune.method", f"finetune.method=lora on {family.model_type} is not "
+          f"supported yet: {family.lora_unsupported}; use finetune.method=full")
     hf_model = hf_model if hf_model is not None else meta_model(hf_config)
     if lo.init_from:
         given = _adapter(cfg, family, hf_config, hf_model).spec(lo.dropout)
@@ -113,13 +119,14 @@ def trainable_params(spec: LoraSpec, sizes: dict[str, tuple[int, int]]) -> int:
 
 
 def block_lora_sizes(spec: LoraSpec, family: Family, sizes: dict[str, tuple[int, int]], block: str,
-                     tp: int) -> list[int]:
-    """Element counts of the LoRA matrices one TP rank holds for block ``block`` (HF path): a column-parallel
-    module's ``A`` whole and ``B`` split, a row-parallel module's ``A`` split and ``B`` whole."""
+                     tp: int, variant: Optional[str] = None) -> list[int]:
+    """Element counts of the LoRA matrices one TP rank holds for block ``block`` (HF path) of ``variant``: a
+    column-parallel module's ``A`` whole and ``B`` split, a row-parallel module's ``A`` split and ``B`` whole."""
     out = []
+    plan = family.plan_of(variant)
     for rel in spec.in_block(block):
         n_in, n_out = sizes[f"{block}.{rel}"]
-        out += family.tp_plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
+        out += plan[rel].tp_style.lora_numel(spec.r, n_in, n_out, tp)
     return out
 
 
@@ -139,7 +146,9 @@ def lora_memory(cfg: Config, hf_config, plan: Plan) -> Optional[Callable[[str], 
     def per_unit(name: str) -> list[int]:
         if kind_of(name) is not Kind.BLOCK:
             return []
-        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{name.split('.', 1)[1]}", plan.dims.tp)
+        index = int(name.split(".", 1)[1])
+        return block_lora_sizes(spec, family, sizes, f"{family.blocks}.{index}", plan.dims.tp,
+                                family.variant_of(hf_config, index))
 
     return per_unit
 

@@ -79,21 +79,25 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
             raise PlanError("parallel.ep", f"parallel.ep={ep}: {family.model_type} is a dense model (no experts "
                             "to split); use parallel.ep=1")
         return
-    dense = moe.dense_blocks(hf_config)
-    if dense:
-        key = "mlp_only_layers" if getattr(hf_config, "mlp_only_layers", None) else "decoder_sparse_step"
-        raise PlanError(f"model.config.{key}", f"blocks {dense} of this {family.model_type} model have a dense MLP; "
-                        "models mixing dense and MoE blocks are not supported yet (docs/moe.md)")
-    kept = fp32_modules(hf_config)
-    if kept and str(cfg.trainer.precision) != "fp32":
-        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision}: transformers keeps "
-                        f"{', '.join(kept)} of {family.model_type} in fp32 in a 16-bit model, which DeepSpeed's "
-                        "bf16/fp16 engine (one dtype for every parameter) does not; use trainer.precision=fp32")
     if moe.aux_enabled(hf_config) and cfg.data.packing == "documents":
         raise PlanError("data.packing", "data.packing=documents with the router aux loss on "
                         f"(model.config.{moe.aux_on}=true): transformers weights a packed row's router statistics "
                         "by an attention mask hybridtrain does not build; use unpacked rows, or "
                         f"model.config.{moe.aux_on}=false")
+
+
+def check_moe_precision(cfg: Any, family: Any, hf_config: Any) -> None:
+    """Refuse bf16/fp16 for an MoE model whose HF class keeps modules in fp32 in a 16-bit model (gpt-oss's norms,
+    DeepSeek-V3's router weight and ``e_score_correction_bias``): DeepSpeed's 16-bit engine casts every parameter
+    and buffer to one dtype, so the model would no longer be transformers'. ``cfg.trainer.precision`` as resolved
+    (``null``: bf16 on GPUs, fp32 on CPUs), so this runs after :func:`~hybridtrain.plan.precision.devices.precision_for`."""
+    if family.moe is None or str(cfg.trainer.precision) == "fp32":
+        return
+    kept = fp32_modules(hf_config)
+    if kept:
+        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision}: transformers keeps "
+                        f"{', '.join(kept)} of {family.model_type} in fp32 in a 16-bit model, which DeepSpeed's "
+                        "bf16/fp16 engine (one dtype for every parameter) does not; use trainer.precision=fp32")
 
 
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:

@@ -20,7 +20,7 @@ from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
-from hybridtrain.plan.moe import check_expert_parallel, check_expert_stages, check_moe
+from hybridtrain.plan.moe import check_expert_parallel, check_expert_stages, check_moe, check_moe_precision
 from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -121,6 +121,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     check_moe(cfg, family, hf_config)  # parallel.ep and what mixture-of-experts models cannot do yet
     check_packing_kernel(cfg.data, cfg.model.attn_implementation)
     tr.precision = precision_for(tr.precision, lau, machine)  # null resolved: bf16 on GPUs, fp32 on CPUs
+    check_moe_precision(cfg, family, hf_config)
     _need(0 <= cfg.plan.memory_headroom < 1, "plan.memory_headroom",
           f"must be in [0, 1) (the share of a GPU's memory kept free), got {cfg.plan.memory_headroom}")
     _need(cfg.plan.memory_reserved_gb >= 0, "plan.memory_reserved_gb", f"must be >= 0, got {cfg.plan.memory_reserved_gb}")

@@ -23,12 +23,13 @@ import pytest
 
 from helpers.config import compose
 from helpers.launch import metrics, run_cli
-from helpers.moe import moe_overrides, twin_maker
+from helpers.moe import make_moe_checkpoint, moe_overrides, twin_maker
 
 STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
-CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "gpt_oss": (1, 2, 2)}
+CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "gpt_oss": (1, 2, 2),
+                    "deepseek_v3": (1, 2, 2)}
 """One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
@@ -158,8 +159,10 @@ def family_oracle(moe_twins):
 
 @pytest.mark.parametrize("family", sorted(CI_FAMILY_LAYOUT))
 def test_moe_family_layout_equals_transformers(family, moe_twins, family_oracle, tmp_path):
-    """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded) and
-    Qwen2-MoE (the gated shared expert split over tp), with their export logits."""
+    """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded),
+    Qwen2-MoE (the gated shared expert split over tp) and DeepSeek-V3 (MLA split by heads with its low-rank
+    projections' gradients summed over tp, a dense block 0, the group-limited sigmoid router, whose routing bias
+    the export carries), with their export logits."""
     from hybridtrain.export import check_logits, export
 
     _check(CI_FAMILY_LAYOUT[family], moe_twins(family), family_oracle(family), tmp_path,
@@ -201,3 +204,67 @@ recomputed experts add the down projection's bias once again)."""
 def test_gpt_oss_layout_equals_transformers(case, moe_twins, family_oracle, tmp_path):
     layout, extra = GPT_OSS_SLOW[case]
     _check(layout, moe_twins("gpt_oss"), family_oracle("gpt_oss"), tmp_path, *extra)
+
+
+MIXED = {"mlp_only_layers": [0]}
+"""Qwen3-MoE whose block 0 has a dense MLP (``mlp_only_layers``) and blocks 1-3 routed experts."""
+
+
+@pytest.fixture(scope="module")
+def mixed_twin(tmp_path_factory):
+    """The Qwen3-MoE twin with a dense block 0, and its one-process transformers + AdamW records."""
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    folder = make_moe_checkpoint(tmp_path_factory.mktemp("moe_mixed") / "qwen3_moe", "qwen3_moe", **MIXED)
+    cfg = compose(*_common(folder))
+    apply_pretrained_defaults(cfg)
+    return folder, reference_run(cfg)
+
+
+def test_dense_and_moe_blocks_equal_transformers(mixed_twin, tmp_path):
+    """A model mixing a dense block and MoE blocks at tp = 2 x pp = 2: the dense block's MLP split Megatron-style
+    ("f" on the MLP), the MoE blocks' experts by the experts style, the router sums counted over the MoE blocks
+    only; its checkpoint exports to an HF folder whose transformers logits equal hybridtrain's."""
+    from hybridtrain.export import check_logits, export
+
+    folder, records = mixed_twin
+    _check((1, 2, 2), folder, records, tmp_path, f"trainer.save_every={STEPS - 1}", "trainer.save_logits=true")
+    checkpoint = tmp_path / "checkpoints" / f"step_{STEPS - 1}"
+    export(checkpoint, tmp_path / "hf_export")
+    diff, scale = check_logits(checkpoint, tmp_path / "hf_export")
+    assert 0 < scale and diff <= 1e-5 * max(1.0, scale), f"export logits differ by {diff}"
+
+
+@pytest.mark.slow
+def test_dense_and_moe_blocks_expert_parallel_equals_transformers(mixed_twin, tmp_path):
+    """The same model at dp = 2 x ep = 2: the dense block holds no experts (no expert group, marker or dispatch),
+    its parameters are data-parallel over dp; the gradient norm counts the MoE blocks' experts once."""
+    folder, records = mixed_twin
+    _check((2, 1, 1), folder, records, tmp_path, "parallel.ep=2", *NO_SAVE)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_dp_tp_pp_equals_transformers(moe_twins, family_oracle, tmp_path):
+    """DeepSeek-V3 at dp = 2 x tp = 2 x pp = 2."""
+    _check((2, 2, 2), moe_twins("deepseek_v3"), family_oracle("deepseek_v3"), tmp_path)
+
+
+
+@pytest.mark.slow
+def test_deepseek_v3_resume_under_another_layout_continues_the_losses(moe_twins, tmp_path):
+    """Steps 1-2 at tp = 2 x pp = 2, a checkpoint, steps 3-4 at dp = 2 (re-sharded from ``hf/``, the routing bias
+    read back from it): the oracle's four losses."""
+    folder = moe_twins("deepseek_v3")
+    common = [*_common(folder), "trainer.max_steps=4"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run_cli(first, *common, "parallel.tp=2", "parallel.pp=2", "trainer.save_every=2")
+    run_cli(resumed, *common, "parallel.dp=2", f"trainer.resume={first / 'checkpoints' / 'step_2'}")
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    cfg = compose(*common)
+    apply_pretrained_defaults(cfg)
+    want = [r["loss"] for r in reference_run(cfg)]
+    got = [m["loss"] for m in metrics(first)][:2] + [m["loss"] for m in metrics(resumed)]
+    assert got == pytest.approx(want, rel=1e-4)

@@ -13,8 +13,21 @@ from helpers.families import SEQ, VOCAB, one_process_model_of
 from helpers.moe import MOE_TINY, make_moe_checkpoint, router_margin
 
 TWINS = {"norm": ("qwen3_moe", {}), "no_norm": ("qwen3_moe", {"norm_topk_prob": False}),
-         **{family: (family, {}) for family in sorted(MOE_TINY) if family != "qwen3_moe"}}
-"""Each MoE family's twin, and Qwen3-MoE's with ``norm_topk_prob`` on (``norm``) and off."""
+         **{family: (family, {}) for family in sorted(MOE_TINY) if family != "qwen3_moe"},
+         "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None})}
+"""Each MoE family's twin, Qwen3-MoE's with ``norm_topk_prob`` on (``norm``) and off, and DeepSeek-V3's without
+the low-rank query (``q_lora_rank=None``: one ``q_proj``)."""
+
+NO_AUX = {"deepseek_v3"}
+"""Families whose transformers loss has no router load-balancing term."""
+
+GRADS = {
+    "deepseek_v3": ["model.layers.1.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
+                    "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_experts.down_proj.weight",
+                    "model.layers.0.mlp.gate_proj.weight", "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+                    "model.layers.2.self_attn.kv_a_layernorm.weight", "model.layers.2.self_attn.kv_b_proj.weight"],
+}
+"""The gradients checked of a family whose blocks are not named like Qwen3-MoE's (DeepSeek-V3: block 0 dense)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +68,10 @@ LOSS_CASES = {"norm": (), "norm_checkpointed": ("parallel.activation_checkpointi
               **{family: () for family in TWINS if family not in ("norm", "no_norm")}}
 
 
+def _family(which: str) -> str:
+    return TWINS[which][0]
+
+
 @pytest.mark.parametrize("case", list(LOSS_CASES))
 def test_loss_and_router_grads_include_the_aux_loss(case, moe_folders):
     """transformers' ``loss`` (cross-entropy + 0.02 x aux) and the gradients it gives every router and expert."""
@@ -62,7 +79,10 @@ def test_loss_and_router_grads_include_the_aux_loss(case, moe_folders):
     ids, labels = _batch()
     hf = _transformers(moe_folders[which]).train()
     out = hf(input_ids=ids, labels=labels, shift_labels=labels)
-    assert out.aux_loss is not None and out.aux_loss.item() > 1.0  # the term is there and not negligible
+    if _family(which) in NO_AUX:  # transformers' loss is the cross-entropy alone, and so is ours
+        assert out.aux_loss is None
+    else:
+        assert out.aux_loss is not None and out.aux_loss.item() > 1.0  # the term is there and not negligible
     out.loss.backward()
     ours = one_process_model_of(moe_folders[which], *overrides).train()
     loss = ours((ids, _positions(ids)), labels)
@@ -79,6 +99,11 @@ def test_loss_and_router_grads_include_the_aux_loss(case, moe_folders):
                   "model.layers.3.self_attn.o_proj.bias"]
     if which == "qwen2_moe":  # the gated shared expert
         names += ["model.layers.0.mlp.shared_expert_gate.weight", "model.layers.2.mlp.shared_expert.down_proj.weight"]
+    names = list(GRADS.get(_family(which), names))
+    if which == "deepseek_v3":
+        names += ["model.layers.2.self_attn.q_a_proj.weight", "model.layers.2.self_attn.q_b_proj.weight"]
+    elif which == "deepseek_v3_no_q_lora":
+        names += ["model.layers.2.self_attn.q_proj.weight"]
     for name in names:
         scale = grads[name].abs().max().item()
         assert (got[name] - grads[name]).abs().max().item() <= 1e-5 * scale, name
@@ -122,3 +147,28 @@ def test_carried_sums_give_load_balancing_loss_func_over_any_stages(cuts):
     assert torch.allclose(got_grad, want_grad, rtol=1e-6, atol=1e-9)
     per_layer = sum(load_balancing_loss_func((layer,), experts, k) for layer in logits) / len(logits)
     assert abs(per_layer.item() - want.item()) > 1e-4
+
+
+def test_deepseek_v3_reads_its_routing_bias_and_has_no_aux_loss(moe_folders):
+    """DeepSeek-V3's ``e_score_correction_bias`` (a buffer, no gradient) is read from the checkpoint (the twin's is
+    not zero, and the choice depends on it: zeroing it changes transformers' logits), kept fp32, and hands back
+    among the tensors a checkpoint writes; ``output_router_logits`` adds no term to the loss (transformers adds none)."""
+    from safetensors import safe_open
+
+    folder = moe_folders["deepseek_v3"]
+    ours = one_process_model_of(folder)
+    buffers = dict(x for layer in ours.layers[1:-1] for x in layer.hf_buffers())
+    assert sorted(buffers) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for name, value in buffers.items():
+            assert value.dtype == torch.float32 and torch.equal(value, f.get_tensor(name)) and value.abs().max() > 0
+    ids, labels = _batch()
+    hf = _transformers(folder).eval()
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+        assert (hf(input_ids=ids).logits - want).abs().max() > 1e-3
+    plain = one_process_model_of(folder)((ids, _positions(ids)), labels)
+    with_flag = one_process_model_of(folder, "+model.config.output_router_logits=true")((ids, _positions(ids)), labels)
+    assert with_flag.item() == plain.item()

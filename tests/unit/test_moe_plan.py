@@ -3,8 +3,10 @@ cannot do yet are refused before anything starts, each naming its key."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.config import compose
+from hybridtrain.parallel.context import TPContext
 from hybridtrain.plan import Machine, PlanError, resolve
 
 CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
@@ -15,6 +17,16 @@ TINY_MOE = ("+recipe=llama_tiny", "model=qwen3_moe", "model.config.hidden_size=6
             "+model.config.num_experts_per_tok=2", "model.config.intermediate_size=128",
             "~model.config.tie_word_embeddings")
 """A two-block Qwen3-MoE (8 experts, top-2) on the llama_tiny recipe."""
+
+TINY_DEEPSEEK = ("+recipe=llama_tiny", "model=deepseek_v3", "model.config.hidden_size=64",
+                 "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8",
+                 "+model.config.q_lora_rank=32", "+model.config.kv_lora_rank=32", "+model.config.qk_nope_head_dim=16",
+                 "+model.config.qk_rope_head_dim=8", "+model.config.v_head_dim=12", "model.config.intermediate_size=128",
+                 "+model.config.moe_intermediate_size=32", "+model.config.n_routed_experts=8",
+                 "+model.config.n_shared_experts=1", "+model.config.num_experts_per_tok=2", "+model.config.n_group=4",
+                 "+model.config.topk_group=2", "+model.config.first_k_dense_replace=1",
+                 "~model.config.tie_word_embeddings", "trainer.precision=fp32")
+"""A four-block DeepSeek-V3 (block 0 dense, 8 experts in 4 groups, top-2) on the llama_tiny recipe."""
 
 
 def _error(*overrides: str) -> PlanError:
@@ -39,10 +51,19 @@ CASES = {  # id -> (overrides, key, fragments of the message)
     "fp32_modules_in_bf16": (("model=gpt_oss", "trainer.precision=bf16"), "trainer.precision",
                              ["transformers keeps post_attention_layernorm, input_layernorm, norm of gpt_oss in fp32",
                               "use trainer.precision=fp32"]),
-    "dense_blocks": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]"), "model.config.mlp_only_layers",
-                     ["blocks [0] of this qwen3_moe model have a dense MLP", "not supported yet"]),
+    "ep_stage_with_dense_blocks_only": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]", "parallel.dp=2",
+                                         "parallel.ep=2", "parallel.pp=2", "parallel.stage_layers=[2,3]"),
+                                        "parallel.stage_layers", ["stage 0 (embed, block.0) holds no MoE block"]),
     "packing_with_aux": ((*TINY_MOE, "+model.config.output_router_logits=true", "data.packing=documents"),
                          "data.packing", ["with the router aux loss on", "model.config.output_router_logits=false"]),
+    "deepseek_v3_in_bf16": ((*TINY_DEEPSEEK, "trainer.precision=bf16"), "trainer.precision",
+                            ["trainer.precision=bf16: transformers keeps e_score_correction_bias, gate.weight of deepseek_v3 in fp32",
+                             "use trainer.precision=fp32"]),
+    "deepseek_v3_with_cp": ((*TINY_DEEPSEEK, "parallel.cp=2"), "parallel.cp",
+                            ["parallel.cp=2: deepseek_v3 cannot run with context parallelism", "value heads narrower",
+                             "use parallel.cp=1"]),
+    "deepseek_v3_with_lora": ((*TINY_DEEPSEEK, "finetune.method=lora"), "finetune.method",
+                              ["finetune.method=lora on deepseek_v3 is not supported yet", "use finetune.method=full"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }
@@ -129,3 +150,168 @@ def test_expert_parallel_memory_counts_experts_per_rank():
                            checkpointing=False) for ep, (p, _) in plans.items()}
     assert mem[1].params - mem[2].params == 4 * experts // 2  # fp32 weights of the experts this rank no longer holds
     assert mem[1].optim - mem[2].optim == 8 * experts // 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_dense_blocks_of_an_moe_model_have_the_dense_mlp_plan(model_type):
+    """``mlp_only_layers=[0]``: block 0 is the ``dense`` variant, whose plan splits a plain MLP (gate and up
+    column-wise, down row-wise, "f" on ``mlp``) and names no experts (nor a shared expert); the other blocks keep
+    the experts' plan ("f" on the experts' inputs only). Each plan names modules of its own blocks only, every
+    column-parallel linear sits under an input-copy module, and sharding each variant's block (tp = 1) replaces
+    exactly its planned modules and keeps its output."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import shard_block
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.units import block_variants
+    from hybridtrain.parallel.context import TPContext
+
+    family = get_family(model_type)
+    hf = moe_config(model_type, mlp_only_layers=[0])
+    assert block_variants(family, hf) == ["dense", "moe", "moe", "moe"]
+    dense, routed = family.block_plan(hf, 0), family.block_plan(hf, 1)
+    assert {n: r.style for n, r in dense.items() if n.startswith("mlp")} == {
+        "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+    assert routed["mlp.experts"].style == "experts" and "mlp.gate_proj" not in routed
+    assert family.input_copy_of("dense") == ("self_attn", "mlp") and "mlp" not in family.input_copy_of("moe")
+    assert routed == family.tp_plan  # the routed blocks' plan is the family's default
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").eval()
+    x = torch.randn(2, 5, int(hf.hidden_size))  # [B, S, H]
+    positions = torch.arange(5).expand(2, 5)
+    kwargs = {"position_ids": positions, "position_embeddings": model.model.rotary_emb(x, positions)}
+    for index in (0, 1):
+        variant = family.variant_of(hf, index)
+        plan, copies = family.plan_of(variant), family.input_copy_of(variant)
+        for name, rule in plan.items():
+            if rule.style == "column":
+                assert any(name == c or name.startswith(f"{c}.") for c in copies), (variant, name)
+        block = model.model.layers[index]
+        with torch.no_grad():
+            want = block(x, **kwargs)
+        before = {name: type(block.get_submodule(name)) for name in plan}
+        shard_block(block, family, hf, TPContext(), variant=variant)
+        replaced = {name for name in plan if type(block.get_submodule(name)) is not before[name]}
+        assert replaced == {n for n, r in plan.items() if r.style in ("column", "row")}, variant
+        with torch.no_grad():
+            got = block(x, **kwargs)
+        torch.testing.assert_close(got, want)
+
+
+def test_a_model_mixing_dense_and_moe_blocks_plans_each_variant():
+    """A dense block 0 and three MoE blocks at tp = 2 x pp = 2: the plan resolves; the experts are those of the
+    MoE blocks only (one in the plan's two-block twin), the dense block's MLP is split over tp (its sharded
+    parameters are the MLP's and attention's), and its FLOPs are the dense MLP's."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.report import build_report
+
+    cfg = compose(*TINY_MOE, "+model.config.mlp_only_layers=[0]", "parallel.tp=2", "parallel.pp=2")
+    plan, hf = resolve(cfg, CPU)
+    assert plan.dims.tp == 2 and plan.dims.pp == 2
+    e = build_report(cfg, plan, hf, device_memory=0).experts
+    assert e.moe_blocks == 1 and e.expert_params == 8 * (2 * 32 * 64 + 64 * 32)
+    facts = model_facts(get_family("qwen3_moe"), hf, plan.seq_len)
+    dense, routed = (next(u for u in facts.units if u.unit.name == f"block.{i}") for i in (0, 1))
+    h, q, kv, mlp = 64, 8 * 16, 4 * 16, 128
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o (no biases)
+    assert sum(dense.experts) == 0 and sum(dense.sharded) == attention + 3 * h * mlp
+    assert sum(routed.experts) == e.expert_params and sum(routed.sharded) == attention
+    assert dense.flops != routed.flops
+
+
+def test_deepseek_v3_plans_mla_split_by_heads_and_its_dense_block():
+    """DeepSeek-V3 at tp = 2 x pp = 2: MLA's low-rank projections and their norms replicated with their gradients
+    summed over tp, the up-projections column-parallel (``q_b_proj``; ``q_proj`` only without a ``q_lora_rank``),
+    ``o_proj`` row-parallel; block 0 (``first_k_dense_replace``) the dense variant (its MLP split, no experts or
+    shared experts), the others the experts and shared experts; the router aux term never on (transformers' loss
+    has none), ``e_score_correction_bias`` among the buffers a checkpoint keeps."""
+    from hybridtrain.models.families import get_family
+    from hybridtrain.models.moe import carries_aux
+    from hybridtrain.models.units import block_variants
+
+    cfg = compose(*TINY_DEEPSEEK, "parallel.tp=2", "parallel.pp=2", "+model.config.output_router_logits=true")
+    plan, hf = resolve(cfg, CPU)
+    family = get_family("deepseek_v3")
+    assert plan.dims.tp == 2 and block_variants(family, hf) == ["dense", "moe", "moe", "moe"]
+    dense, routed = family.block_plan(hf, 0), family.block_plan(hf, 1)
+    for p in (dense, routed):
+        assert {n: p[n].style for n in p if n.startswith("self_attn.")} == {
+            "self_attn.q_proj": "column", "self_attn.q_a_proj": "grad_sum", "self_attn.q_a_layernorm": "grad_sum",
+            "self_attn.q_b_proj": "column", "self_attn.kv_a_proj_with_mqa": "grad_sum",
+            "self_attn.kv_a_layernorm": "grad_sum", "self_attn.kv_b_proj": "column", "self_attn.o_proj": "row"}
+    assert {n: r.style for n, r in dense.items() if n.startswith("mlp.")} == {
+        "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+    assert {n: r.style for n, r in routed.items() if n.startswith("mlp.")} == {
+        "mlp.experts": "experts", "mlp.shared_experts.gate_proj": "column", "mlp.shared_experts.up_proj": "column",
+        "mlp.shared_experts.down_proj": "row"}
+    assert family.input_copy_of("moe") == ("self_attn", "mlp.shared_experts")
+    assert family.input_copy_of("dense") == ("self_attn", "mlp")
+    assert not carries_aux(family, hf) and hf.output_router_logits
+    assert family.saved_buffers == ("mlp.gate.e_score_correction_bias",)
+    from hybridtrain.plan.report import build_report
+
+    e = build_report(cfg, plan, hf, device_memory=0).experts
+    assert (e.num_experts, e.top_k, e.moe_blocks, e.per_rank_width) == (8, 2, 3, 16)
+    from hybridtrain.plan.flops import block_forward_flops
+
+    # scores over query/key heads of 16 + 8 and the weighted sum over value heads of 12 (not head_dim = 8, the rope part)
+    assert block_forward_flops(family, hf, 32, 0.0) == 2 * 32 * 8 * (24 + 12)
+
+
+def test_deepseek_v3_shards_only_the_modules_its_config_builds():
+    """With a ``q_lora_rank`` transformers builds no ``q_proj`` (the attribute is ``None``), without one no
+    ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``: the plan's entries for what is absent are skipped, and an
+    entry naming no attribute at all is still an error."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import shard_block
+    from hybridtrain.models.families import TPRule, get_family
+    from hybridtrain.parallel.context import TPContext
+    from hybridtrain.parallel.layers import ColumnParallelLinear
+
+    family = get_family("deepseek_v3")
+    for rank, present, absent in ((32, "q_b_proj", "q_proj"), (None, "q_proj", "q_b_proj")):
+        hf = moe_config("deepseek_v3", q_lora_rank=rank)
+        block = AutoModelForCausalLM.from_config(hf).model.layers[1]
+        shard_block(block, family, hf, TPContext(), variant="moe")
+        assert isinstance(getattr(block.self_attn, present), ColumnParallelLinear)
+        assert getattr(block.self_attn, absent) is None
+    broken = dataclasses.replace(family, tp_rules={**family.tp_rules, "self_attn.no_such_proj": TPRule("column")})
+    broken.__dict__.pop("tp_plan", None)
+    with pytest.raises(ValueError, match="'self_attn.no_such_proj'.*not a module"):
+        shard_block(AutoModelForCausalLM.from_config(hf).model.layers[1], broken, hf, TPContext(), variant="moe")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe"])
+def test_every_rank_of_an_moe_model_starts_from_the_reference_weights(model_type):
+    """From scratch (no checkpoint), the seeded initialisation of a dense block 0 and an MoE block 1 (the router, its
+    DeepSeek-V3 routing bias, the experts, MLA's low-rank projections) at tp = 2, each rank filling only its tiles,
+    equals the one-process reference model sharded by the block's variant plan."""
+    import copy
+
+    from helpers.moe import moe_config
+    from hybridtrain.models.build import ModelBuilder, shard_block
+    from hybridtrain.models.families import get_family, padded_vocab
+    from hybridtrain.models.hf_model import meta_model, reference_model
+
+    family = get_family(model_type)
+    config = moe_config(model_type, **({"mlp_only_layers": [0]} if model_type == "qwen3_moe" else {}))
+    config._attn_implementation = "eager"
+    model = reference_model(config, family, 1234)
+    for rank in range(2):
+        tp = TPContext(rank=rank, size=2)
+        builder = ModelBuilder(family=family, hf_config=config, hf_model=meta_model(config), seed=1234, tp=tp,
+                               padded_vocab=padded_vocab(int(config.vocab_size), 2, 16))
+        for index in (0, 1):
+            want = copy.deepcopy(model.get_submodule(f"{family.blocks}.{index}"))
+            shard_block(want, family, config, tp, variant=family.variant_of(config, index))
+            got = builder.block(index)
+            state, ref = got.state_dict(), want.state_dict()
+            assert state.keys() == ref.keys(), (index, sorted(set(state) ^ set(ref)))
+            for name, value in ref.items():
+                assert torch.equal(state[name], value), (model_type, rank, index, name)

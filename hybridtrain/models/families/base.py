@@ -57,6 +57,15 @@ EXPERTS_RULES: dict[str, Optional[TPRule]] = {
 slices its 3-D ``gate_up_proj`` / ``down_proj`` itself, so transformers' plan entries for the two weights match
 no rule of their own). Shared by every MoE family."""
 
+DENSE_MLP_RULES: dict[str, Optional[TPRule]] = {
+    "mlp.experts": None,
+    "mlp.gate_proj": TPRule("column"),
+    "mlp.up_proj": TPRule("column"),
+    "mlp.down_proj": TPRule("row"),
+}
+"""The rules of an MoE model's dense block (``Family.variant_rules["dense"]``): its MLP is a plain SwiGLU
+(``gate_proj`` and ``up_proj`` column-wise, ``down_proj`` row-wise, "f" on ``mlp``) and it has no experts."""
+
 
 @dataclass(frozen=True)
 class MoE:
@@ -80,9 +89,12 @@ class MoE:
     """HF config key: the coefficient of the load-balancing loss in the training loss."""
     aux_on: str = "output_router_logits"
     """HF config key that switches the load-balancing loss on (transformers adds it to the loss only then)."""
+    aux_loss: bool = True
+    """Whether transformers' causal-LM loss of this family can include the load-balancing term at all
+    (DeepSeek-V3's never does, whatever ``output_router_logits`` says)."""
     dense_layers: Optional[Callable[[Any], Sequence[int]]] = field(default=None, compare=False)
     """HF config -> indices of the blocks with a dense MLP instead of experts (``None``: every block routes).
-    Not supported yet: a config that has any is refused by the plan (``docs/moe.md``)."""
+    Their tensor-parallel rules are the family's ``variant_rules["dense"]`` (``docs/moe.md``)."""
 
     def dense_blocks(self, hf_config: Any) -> list[int]:
         """The blocks of ``hf_config`` whose MLP is dense (no experts)."""
@@ -90,7 +102,7 @@ class MoE:
 
     def aux_enabled(self, hf_config: Any) -> bool:
         """Whether the model's loss includes the router's load-balancing term (transformers' rule)."""
-        return bool(getattr(hf_config, self.aux_on, False))
+        return self.aux_loss and bool(getattr(hf_config, self.aux_on, False))
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,22 @@ class Family:
     """HF config -> each decoder block's variant (:func:`hybridtrain.models.units.block_variants`), for models
     whose blocks differ beyond transformers' ``layer_types`` (an MoE model's leading dense blocks); ``None``:
     ``layer_types``, else all blocks alike."""
+    variant_rules: Mapping[str, Mapping[str, Optional[TPRule]]] = field(default_factory=dict)
+    """Block variant (:attr:`block_variants`) -> rules over :attr:`tp_plan` for the blocks of that variant
+    (``None`` drops an entry): an MoE model's dense blocks split a plain MLP instead of experts
+    (:data:`DENSE_MLP_RULES`). A variant not named here has :attr:`tp_plan` (:meth:`plan_of`)."""
+    variant_input_copy: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Block variant -> its :attr:`input_copy` where it differs (a dense block's ``mlp`` gets the "f" an MoE
+    block puts on its experts' inputs)."""
+    context_parallel: Optional[str] = None
+    """Why ``parallel.cp`` > 1 cannot run this family (DeepSeek-V3: MLA's value head is narrower than its
+    query/key head, which the context-parallel attention kernels do not take); ``None``: it can."""
+    lora_unsupported: Optional[str] = None
+    """Why ``finetune.method=lora`` cannot run this family yet (the plan refuses it, naming this); ``None``: it can."""
+    saved_buffers: tuple[str, ...] = ()
+    """Block-relative names of persistent buffers a checkpoint holds and a run keeps as they are (DeepSeek-V3's
+    ``mlp.gate.e_score_correction_bias``): read from the pretrained weights, written into ``hf/`` and the export.
+    A block without one (a dense block) skips it."""
     moe: Optional[MoE] = None
     """Mixture-of-experts families: where the router and the experts are (:class:`MoE`); ``None``: dense."""
     n_layers: str = "num_hidden_layers"
@@ -162,6 +190,42 @@ class Family:
         import transformers
 
         return tp_plan_from_hf(getattr(transformers, self.hf_config_class), self.tp_rules)
+
+    def plan_of(self, variant: Optional[str] = None) -> dict[str, TPRule]:
+        """The tensor-parallel plan of the blocks of ``variant``: :attr:`tp_plan` with the variant's
+        :attr:`variant_rules` over it (``None``, or a variant without rules: :attr:`tp_plan` itself)."""
+        rules = self.variant_rules.get(variant) if variant else None
+        if not rules:
+            return self.tp_plan
+        plan = dict(self.tp_plan)
+        for name, rule in rules.items():
+            if rule is None:
+                plan.pop(name, None)
+            else:
+                plan[name] = rule
+        return plan
+
+    def input_copy_of(self, variant: Optional[str] = None) -> tuple[str, ...]:
+        """The block submodules that get Megatron's "f" in blocks of ``variant`` (:attr:`input_copy` unless
+        :attr:`variant_input_copy` names the variant)."""
+        return tuple(self.variant_input_copy.get(variant, self.input_copy)) if variant else self.input_copy
+
+    def block_plan(self, hf_config: Any, index: int) -> dict[str, TPRule]:
+        """The tensor-parallel plan of decoder block ``index`` of ``hf_config``'s model (its variant's)."""
+        return self.plan_of(self.variant_of(hf_config, index))
+
+    def variant_of(self, hf_config: Any, index: int) -> str:
+        """The variant of decoder block ``index`` (:func:`hybridtrain.models.units.block_variants`)."""
+        from hybridtrain.models.units import block_variants
+
+        return block_variants(self, hf_config)[index]
+
+    def all_rules(self) -> dict[str, TPRule]:
+        """Every block-relative module any variant's plan splits, with its rule (LoRA's module names)."""
+        out = dict(self.tp_plan)
+        for variant in self.variant_rules:
+            out.update(self.plan_of(variant))
+        return out
 
     def checkpoint_name(self, hf_name: str) -> str:
         """The tensor name in a ``save_pretrained`` folder of the parameter called ``hf_name`` in the model."""
@@ -203,6 +267,17 @@ def head_dim_of(family: Family, hf_config: Any) -> int:
     if explicit:
         return int(explicit)
     return int(getattr(hf_config, family.hidden)) // int(getattr(hf_config, family.heads))
+
+
+def attention_head_dims(family: Family, hf_config: Any) -> tuple[int, int]:
+    """``(query/key width, value width)`` of one attention head: :func:`head_dim_of` for both, except where the
+    config gives them apart (multi-head latent attention: DeepSeek-V3's ``qk_head_dim`` = ``qk_nope_head_dim +
+    qk_rope_head_dim`` and ``v_head_dim``; its ``head_dim`` is the rotary part only)."""
+    qk, v = getattr(hf_config, "qk_head_dim", None), getattr(hf_config, "v_head_dim", None)
+    if qk and v:
+        return int(qk), int(v)
+    hd = head_dim_of(family, hf_config)
+    return hd, hd
 
 
 def kv_heads_of(family: Family, hf_config: Any) -> int:

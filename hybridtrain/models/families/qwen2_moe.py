@@ -8,9 +8,10 @@ plain SwiGLU MLP split Megatron-style (gate and up column-wise, down row-wise), 
 input; its gate (``Linear(H, 1)``) stays replicated outside the tensor-parallel region, like the router
 (transformers' plan has no entries for either); the ``replicated`` rule names the gate so that LoRA's
 ``all-linear`` adapts it, as peft does. Blocks with a dense MLP (``mlp_only_layers``,
-``decoder_sparse_step`` > 1) are not supported yet.
+``decoder_sparse_step`` > 1: the ``dense`` variant) have neither experts nor a shared expert: their MLP is
+split like a dense model's.
 """
-from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE, TPRule
+from hybridtrain.models.families.base import DENSE_MLP_RULES, EXPERTS_RULES, Family, MoE, TPRule
 from hybridtrain.models.families.qwen3_moe import dense_layers, variants
 
 FAMILY = Family(
@@ -32,6 +33,9 @@ FAMILY = Family(
         "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
     },
     input_copy=("self_attn", "mlp.shared_expert"),
+    variant_rules={"dense": {**DENSE_MLP_RULES, "mlp.shared_expert.gate_proj": None, "mlp.shared_expert.up_proj": None,
+                             "mlp.shared_expert.down_proj": None, "mlp.shared_expert_gate": None}},
+    variant_input_copy={"dense": ("self_attn", "mlp")},
     moe=MoE(dense_layers=dense_layers, shared_width="shared_expert_intermediate_size"),
     block_variants=variants,
     dropout_keys=("attention_dropout",),

@@ -7,11 +7,11 @@ implementation. Under TP the router stays replicated and the experts are split o
 (the ``experts`` style, :mod:`hybridtrain.parallel.experts`); Megatron's "f" therefore goes on the
 experts' inputs, not on the whole MLP (the router's gradient is complete on every rank). transformers'
 plan entries for the experts (``packed_colwise``, ``moe_tp_experts``) become that one rule; those for a
-dense MLP (``mlp.gate_proj`` ...) are dropped: blocks with a dense MLP (``mlp_only_layers``,
-``decoder_sparse_step`` > 1) are not supported yet and the plan refuses them. The router's
+dense MLP (``mlp.gate_proj`` ...) hold in the blocks with a dense MLP only (``mlp_only_layers``,
+``decoder_sparse_step`` > 1: the ``dense`` variant, split like a dense model's MLP, "f" on ``mlp``). The router's
 load-balancing loss (``output_router_logits``) is carried through the pipeline (:mod:`hybridtrain.models.moe`).
 """
-from hybridtrain.models.families.base import EXPERTS_RULES, Family, MoE
+from hybridtrain.models.families.base import DENSE_MLP_RULES, EXPERTS_RULES, Family, MoE
 
 
 def dense_layers(hf_config) -> list[int]:
@@ -42,6 +42,8 @@ FAMILY = Family(
         "mlp.down_proj": None,
     },
     input_copy=("self_attn",),
+    variant_rules={"dense": DENSE_MLP_RULES},
+    variant_input_copy={"dense": ("self_attn", "mlp")},
     moe=MoE(dense_layers=dense_layers),
     block_variants=variants,
     dropout_keys=("attention_dropout",),
