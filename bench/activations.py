@@ -1,7 +1,8 @@
 """Activation memory, measured: the bytes of the tensors autograd keeps for the backward of one micro-batch.
 
     python -m bench.activations                  # every family's fitting rows, then the cp = 1 and cp = 2 rows
-    python -m bench.activations --families llama --no-cp
+    python -m bench.activations --families llama --no-cp --no-ep
+    python -m bench.activations --ep-only          # the ep = 2 rows alone (bench/results/activations-ep_DATE.json)
 
 The count is exact and independent of machine load: ``torch.autograd.graph.saved_tensors_hooks`` sees every
 tensor saved for the backward while hybridtrain's own layers (:func:`hybridtrain.models.stages.sequential_model`)
@@ -12,7 +13,9 @@ pre-hook, the storage the checkpoint holds for the recomputation) and, during th
 at a time, whose saved tensors are those of the same block run without checkpointing (``block`` below).
 
 Context parallelism (the cp rows, :data:`CP_CASES`) runs the same model on two gloo ranks (:func:`hybridtrain.parallel.spawn.run_world`),
-each given whole rows (the embedding takes the rank's chunks); the count is per rank.
+each given whole rows (the embedding takes the rank's chunks); the count is per rank. Expert parallelism (the ep
+rows, :data:`EP_CASES`) runs MoE models on two gloo ranks, each with its own tokens, and records per rank the pairs
+its experts received against those its tokens sent.
 
 What the plan estimates from these numbers (``hybridtrain/plan/memory.py``, :func:`activation_bytes`) is checked
 against them in ``tests/unit/test_activation_memory.py``. Results go to ``bench/results/activations_DATE.json``.
@@ -127,8 +130,9 @@ class SavedBytes:
             yield self
 
 
-def _count(model, inputs, labels, checkpointing: bool) -> tuple[int, int]:
-    """``(saved bytes of model(inputs, labels), saved bytes of its first block alone)``; runs the backward."""
+def _count(model, inputs, labels, checkpointing: bool, after_forward=None) -> tuple[int, int]:
+    """``(saved bytes of model(inputs, labels), saved bytes of its first block alone)``; runs the backward.
+    ``after_forward()`` runs right after the whole model's forward (what an observer reads of it)."""
     from hybridtrain.models.stages import DecoderBlock
 
     counter = SavedBytes(model)
@@ -145,6 +149,8 @@ def _count(model, inputs, labels, checkpointing: bool) -> tuple[int, int]:
     with counter.counting():
         loss = model(inputs, labels)
     total = counter.total
+    if after_forward is not None:
+        after_forward()
     for h in hooks:
         h.remove()
     loss.backward()
@@ -161,7 +167,7 @@ def _count(model, inputs, labels, checkpointing: bool) -> tuple[int, int]:
     return total, alone.total
 
 
-def _model(cfg, hf, cp=None):
+def _model(cfg, hf, cp=None, ep=None):
     from hybridtrain.models import moe
     from hybridtrain.models.build import ModelBuilder
     from hybridtrain.models.families.base import padded_vocab
@@ -171,7 +177,7 @@ def _model(cfg, hf, cp=None):
 
     tp, cp = TPContext(), cp or CPContext()
     padded = padded_vocab(int(hf.vocab_size), 1)
-    builder = ModelBuilder.for_run(cfg, hf, tp, padded, cp=cp)
+    builder = ModelBuilder.for_run(cfg, hf, tp, padded, cp=cp, ep=ep)
     model = sequential_model(builder, moe.loss_of(VocabParallelLoss(padded, tp, cp), builder.family, hf))
     if cfg.trainer.precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -179,23 +185,37 @@ def _model(cfg, hf, cp=None):
 
 
 def measure(family: str, seq_len: int, *, batch: int = 1, attn: str = "sdpa", precision: str = "fp32",
-            checkpointing: bool = False, packed: bool = False, shape: dict | None = None, cp=None) -> dict:
+            checkpointing: bool = False, packed: bool = False, shape: dict | None = None, cp=None, ep=None) -> dict:
     """Saved bytes of one micro-batch ``[batch, seq_len]`` (with labels) through ``family``'s model on this rank:
     ``total`` (the whole model, what the plan's :func:`activation_bytes` estimates) and ``block`` (one block run
-    alone, without checkpointing). ``cp``: this rank's :class:`CPContext` in a context-parallel world."""
+    alone, without checkpointing). ``cp``: this rank's :class:`CPContext` in a context-parallel world; ``ep``: its
+    :class:`EPContext` in an expert-parallel one, where each rank draws its own tokens (a data-parallel rank's
+    batch) and the row records ``received``, the (token, slot) pairs its experts ran over all MoE blocks, and
+    ``sent``, its own tokens' pairs (``received / sent`` is 1 with balanced routing)."""
+    from hybridtrain.models.families import family_of
+    from hybridtrain.parallel.experts import ExpertDispatch
+
     cfg, hf = config(family, seq_len, attn=attn, precision=precision, checkpointing=checkpointing, packed=packed,
                      shape=shape)
     torch.manual_seed(0)
-    model, padded = _model(cfg, hf, cp)
-    ids = torch.randint(0, int(hf.vocab_size), (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    model, padded = _model(cfg, hf, cp, ep)
+    seed = 1 + (ep.rank if ep is not None else 0)
+    ids = torch.randint(0, int(hf.vocab_size), (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     pos = row_positions(seq_len, packed).repeat(batch, 1)
-    total, block = _count(model, (ids, pos), ids.clone(), checkpointing)
-    from hybridtrain.models.families import family_of
+    dispatchers = [m.forward for m in model.modules() if isinstance(getattr(m, "forward", None), ExpertDispatch)]
+    routed: dict[str, int] = {}
 
+    def after_forward():
+        routed["received"] = sum(d.last_received for d in dispatchers)
+
+    total, block = _count(model, (ids, pos), ids.clone(), checkpointing, after_forward if dispatchers else None)
+    moe = moe_dims(hf, family_of(cfg.model))
+    if dispatchers:
+        routed["sent"] = batch * seq_len * moe["top_k"] * len(dispatchers)
     return dict(family=family, seq_len=seq_len, batch=batch, attn=attn, precision=precision,
-                checkpointing=checkpointing, packed=packed, shape=shape or {}, **dims(cfg, hf),
-                **moe_dims(hf, family_of(cfg.model)),
-                padded_vocab=padded, cp=1 if cp is None else cp.size, total=total, block=block)
+                checkpointing=checkpointing, packed=packed, shape=shape or {}, **dims(cfg, hf), **moe,
+                padded_vocab=padded, cp=1 if cp is None else cp.size, ep=1 if ep is None else ep.size, **routed,
+                total=total, block=block)
 
 
 def dims(cfg, hf) -> dict:
@@ -222,7 +242,7 @@ def _facts(family: str, shape: str):
 
 def estimate(row: dict, cp: int | None = None) -> int:
     """The plan's activation bytes (:func:`hybridtrain.plan.memory.activation_bytes`) of a measured row's model, all
-    its units on one rank, at the row's cp (or ``cp``)."""
+    its units on one rank, at the row's cp (or ``cp``) and ep."""
     import dataclasses
 
     from hybridtrain.plan.memory import activation_bytes
@@ -231,7 +251,7 @@ def estimate(row: dict, cp: int | None = None) -> int:
                                 seq_len=row["seq_len"])
     return activation_bytes(facts.units, facts, row["batch"], 1, row["precision"], row["checkpointing"],
                             eager=row["attn"] == "eager", mask=row["packed"] and row["attn"] == "sdpa",
-                            cp=cp or row["cp"])
+                            cp=cp or row["cp"], ep=row.get("ep", 1))
 
 
 def measured_peak(row: dict) -> int:
@@ -240,29 +260,43 @@ def measured_peak(row: dict) -> int:
     return row["total"] + (row["block"] if row["checkpointing"] else 0)
 
 
-def _cp_rank(rank: int, world: int, emit) -> None:
-    """A rank of the cp world: every case of ``HT_ACT_CASES`` (JSON) measured at cp = ``world``."""
+def _world_rank(rank: int, world: int, emit) -> None:
+    """A rank of the two-rank world: every case of ``HT_ACT_CASES`` (JSON) measured with ``HT_ACT_AXIS`` (``cp``
+    or ``ep``) = ``world``."""
     import os
 
     import torch.distributed as dist
 
-    from hybridtrain.parallel.context import CPContext
+    from hybridtrain.parallel.context import CPContext, EPContext
 
-    cp = CPContext(group=dist.group.WORLD, rank=rank, size=world)
+    axis = os.environ["HT_ACT_AXIS"]
+    context = (CPContext if axis == "cp" else EPContext)(group=dist.group.WORLD, rank=rank, size=world)
     for i, case in enumerate(json.loads(os.environ["HT_ACT_CASES"])):
-        emit(str(i), measure(**case, cp=cp))
+        emit(str(i), measure(**case, **{axis: context}))
 
 
-def measure_cp(cases: list[dict], cp: int = 2, timeout_s: float = 300.0) -> list[dict]:
-    """:func:`measure` of each case (keyword dicts) on rank 0 of a ``cp``-rank gloo world (ranks alike)."""
+def measure_world(cases: list[dict], axis: str, size: int = 2, timeout_s: float = 300.0) -> list[list[dict]]:
+    """:func:`measure` of each case (keyword dicts) on every rank of a ``size``-rank gloo world split over ``axis``
+    (``cp`` or ``ep``): per case, the rows of ranks 0 .. size - 1."""
     import os
 
     from hybridtrain.parallel.spawn import run_world
 
-    os.environ["HT_ACT_CASES"] = json.dumps(cases)
-    run = run_world(_cp_rank, cp, timeout_s=timeout_s, deepspeed_comm=False)
+    os.environ["HT_ACT_CASES"], os.environ["HT_ACT_AXIS"] = json.dumps(cases), axis
+    run = run_world(_world_rank, size, timeout_s=timeout_s, deepspeed_comm=False)
     assert not run.problems, run.problem_report()
-    return [run.emitted[0][str(i)] for i in range(len(cases))]
+    return [[run.emitted[r][str(i)] for r in range(size)] for i in range(len(cases))]
+
+
+def measure_cp(cases: list[dict], cp: int = 2, timeout_s: float = 300.0) -> list[dict]:
+    """:func:`measure` of each case on rank 0 of a ``cp``-rank context-parallel world (the ranks alike)."""
+    return [rows[0] for rows in measure_world(cases, "cp", cp, timeout_s)]
+
+
+def measure_ep(cases: list[dict], ep: int = 2, timeout_s: float = 300.0) -> list[dict]:
+    """:func:`measure` of each case on every rank of an ``ep``-rank expert-parallel world (one row per rank: the
+    ranks route differently)."""
+    return [row for rows in measure_world(cases, "ep", ep, timeout_s) for row in rows]
 
 
 def structural(r: dict, attn: str | None = None) -> float:
@@ -410,6 +444,16 @@ matrix splits over cp), packed GPT-2, plain causal sdpa on a 256-wide Llama, and
 cp mask's worst case)."""
 
 
+EP_CASES = [
+    dict(family="qwen3_moe", seq_len=256, precision="fp32"),
+    dict(family="qwen2_moe", seq_len=256, precision="fp32"),
+    dict(family="qwen3_moe", seq_len=256, precision="bf16"),
+    dict(family="qwen3_moe", seq_len=256, precision="fp32", checkpointing=True),
+]
+"""The ep = 2 rows (and their ep = 1 twins): each rank draws its own tokens, so its experts receive more or fewer
+pairs than its tokens send (the plan's :data:`~hybridtrain.plan.memory.EXPERT_LOAD_MARGIN` covers the heavier)."""
+
+
 def _measure_tagged(case: dict) -> dict:
     tag = case.get("tag")
     row = measure(**{k: v for k, v in case.items() if k != "tag"})
@@ -420,24 +464,39 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="*", default=list(SHAPES))
     parser.add_argument("--no-cp", action="store_true", help="skip the two-rank cp = 2 rows")
+    parser.add_argument("--no-ep", action="store_true", help="skip the two-rank ep = 2 rows")
+    parser.add_argument("--ep-only", action="store_true",
+                        help="only the ep = 2 rows and their ep = 1 twins, to bench/results/activations-ep_DATE.json")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    families = list(dict.fromkeys([*args.families, *(MOE_ATTENTION[f] for f in args.families if f in MOE_ATTENTION)]))
-    rows = [_measure_tagged(c) for f in families for c in fitting_cases(f)]
-    dense = fit([r for r in rows if r["family"] not in MOE_SHAPES])
-    fitted = {**dense, **fit_moe([r for r in rows if r["family"] in MOE_SHAPES], dense)}
-    result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fitted.items()}}
-    if not args.no_cp:
-        result["cp1"] = [measure(**c) for c in CP_CASES]
-        result["cp2"] = measure_cp(CP_CASES)
+    if args.ep_only:
+        result = {"torch": torch.__version__, "ep1": [measure(**c) for c in EP_CASES], "ep2": measure_ep(EP_CASES)}
+    else:
+        families = list(dict.fromkeys([*args.families,
+                                       *(MOE_ATTENTION[f] for f in args.families if f in MOE_ATTENTION)]))
+        rows = [_measure_tagged(c) for f in families for c in fitting_cases(f)]
+        dense = fit([r for r in rows if r["family"] not in MOE_SHAPES])
+        fitted = {**dense, **fit_moe([r for r in rows if r["family"] in MOE_SHAPES], dense)}
+        result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fitted.items()}}
+        if not args.no_cp:
+            result["cp1"] = [measure(**c) for c in CP_CASES]
+            result["cp2"] = measure_cp(CP_CASES)
+        if not args.no_ep:
+            result["ep1"] = [measure(**c) for c in EP_CASES]
+            result["ep2"] = measure_ep(EP_CASES)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
-    out = Path(args.out or Path(__file__).parent / "results" / f"activations_{stamp}.json")
+    name = f"activations-ep_{stamp}.json" if args.ep_only else f"activations_{stamp}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
     out.write_text(json.dumps(result, indent=1))
-    for key, c in result["fit"].items():
+    for key, c in result.get("fit", {}).items():
         print(f"{key:14s} " + " ".join(f"{k}={v}" for k, v in c.items()))
     for a, b in zip(result.get("cp1", []), result.get("cp2", [])):
         print(f"{a['family']:6s} s={a['seq_len']} {a['attn']:5s} packed={a['packed']!s:5s} h={a['hidden']:4d} "
               f"cp1={a['total']:>10d} cp2={b['total']:>10d} ratio={b['total'] / a['total']:.3f}")
+    for r in result.get("ep2", []):
+        print(f"{r['family']:9s} {r['precision']} ckpt={r['checkpointing']!s:5s} ep2 received/sent="
+              f"{r['received'] / r['sent']:.3f} measured={measured_peak(r):>9d} estimate={estimate(r):>9d} "
+              f"ratio={estimate(r) / measured_peak(r):.3f}")
     print(out)
 
 

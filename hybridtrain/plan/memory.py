@@ -65,9 +65,12 @@ recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output,
 the constants of the dense family with their attention (Qwen3-MoE: Qwen3's, Mixtral: Mistral's, OLMoE: OLMo 2's,
 Qwen2-MoE: Qwen2's) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` per unit of one expert's
 width ``/ t`` for each of a token's ``top_k`` routed pairs, ``router`` per expert, ``moe_hidden`` per hidden unit and a
-shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4). Routing is taken as
-balanced: at ``ep`` > 1 a rank's experts receive on average the pairs its own tokens send. Families without
-measurements (``model.family=auto``) get Llama's constants (:data:`FALLBACK`).
+shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4). At ``ep`` = 1 a
+rank's experts run exactly its own tokens' pairs; at ``ep`` > 1 they run the pairs the router sends them from every
+rank, which the dropless dispatch does not cap: the plan counts :data:`EXPERT_LOAD_MARGIN` times the balanced share
+(measured at ep = 2, ``bench.activations.measure_ep``: each pair a rank receives beyond its share costs about three
+quarters of the pair's bytes; the margin is put on all of them). Families without measurements
+(``model.family=auto``) get Llama's constants (:data:`FALLBACK`).
 """
 from __future__ import annotations
 
@@ -244,9 +247,13 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
 ``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
 at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
 MOE_FALLBACK = "qwen3_moe"
-"""The family whose constants an MoE family without measurements (gpt-oss, ``model.family=auto``) is given."""
+"""The family whose constants an MoE family without measurements (gpt-oss, DeepSeek-V3) is given."""
 FALLBACK = "llama"
 """The family whose constants a family without measurements (``model.family=auto``) is given."""
+EXPERT_LOAD_MARGIN = 1.25
+"""At ``ep`` > 1, the routed (token, slot) pairs a rank's experts run, over the pairs its own tokens send, that the
+plan makes room for (the capacity factor GShard and Switch Transformer use; the dispatch itself is dropless, so a
+router that sends a rank more uses more memory than planned). ``docs/moe.md#memory``."""
 
 
 def activations_of(model_type: str, precision: str) -> Activations:
@@ -275,7 +282,7 @@ def attention_extra(seq: int, local: int, batch: int, q: int, kv: int, w: int, e
 
 def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int, tp: int, precision: str,
                      checkpointing: bool, eager: bool, mask: bool = False, cp: int = 1,
-                     loss_chunk: int | None = None) -> int:
+                     loss_chunk: int | None = None, ep: int = 1) -> int:
     """Activation bytes of one micro-batch through ``units`` on one rank (kept for the backward), from the family's
     measured :class:`Activations`.
 
@@ -287,7 +294,8 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     activation checkpointing a block keeps only its input ``s b h w`` and one block is recomputed at a time (its
     whole activations: the peak during the backward). ``loss_chunk`` (``trainer.loss_chunk_tokens``): a rank whose
     micro-batch holds more tokens makes the logits one piece at a time (``VocabParallelLoss``), so the head's
-    term counts one piece."""
+    term counts one piece. At ``ep`` > 1 an MoE block's routed pairs are counted :data:`EXPERT_LOAD_MARGIN` times:
+    the dispatch is dropless, so the rank whose experts the router favours runs more pairs than its tokens send."""
     s, b = facts.seq_len, micro_batch
     local = s // cp  # this rank's tokens of a row
     h = facts.hidden
@@ -299,10 +307,11 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
         c = activations_of(MOE_FALLBACK, precision)
     attention = c.hidden * h + c.query * q + c.kv * kv
     dense = local * b * (attention + c.mlp * mlp / tp)
-    # an MoE block: top_k routed pairs per token through E / ep of the experts (balanced routing: a rank's experts
-    # get on average the pairs its own tokens send, whatever ep), the router's [T, E] probabilities
+    # an MoE block: top_k routed pairs per token through E / ep of the experts (at ep = 1 exactly the rank's own
+    # pairs; at ep > 1 up to the margin over them, the most loaded rank's), the router's [T, E] probabilities
+    load = EXPERT_LOAD_MARGIN if ep > 1 else 1.0
     moe = local * b * (attention + c.moe_hidden * h + c.mlp * facts.shared_width / tp + c.router * facts.num_experts
-                       + facts.top_k * (c.routed * h + c.expert * facts.expert_width / tp))
+                       + load * facts.top_k * (c.routed * h + c.expert * facts.expert_width / tp))
     extra = c.scores * facts.heads / tp * local * s * b if eager else 0.0
     shared_mask = cp > 1 and mask and not eager  # the cp sdpa mask: one per micro-batch, shared by the stage's blocks
     if cp > 1 and not (eager or mask):  # mask-free causal chunks: the gathered keys and values of the whole row
@@ -360,7 +369,7 @@ def units_memory(facts: ModelFacts, start: int, stop: int, stage: int, dims: Par
         frozen = stage_param_sizes(units, dims.tp) + [n for u in units for n in u.expert_sizes(dims.tp, dims.ep)]
         params, grads, optim = model_state(trained, zero, dims.data, precision, frozen=frozen)
     act = activation_bytes(units, facts, micro_batch, dims.tp, precision, checkpointing, eager, mask, dims.cp,
-                           loss_chunk)
+                           loss_chunk, dims.ep)
     return RankMemory(params, grads, optim, act * in_flight(stage, dims.pp, micro_batches),
                       reduction_buffer(sum(trained), zero, dims.data, precision))
 
