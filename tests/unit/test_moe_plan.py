@@ -94,6 +94,16 @@ def test_an_moe_model_plans():
     assert plan.dims.tp == 2 and plan.dims.pp == 2 and hf_config.num_experts == 8
 
 
+def test_fp32_kept_models_plan_with_the_default_precision_on_cpus():
+    """gpt-oss and DeepSeek-V3 (modules transformers keeps in fp32) plan with ``trainer.precision`` left null on a
+    CPU machine: the 16-bit refusal reads the resolved precision (fp32 there), not the null."""
+    for model in (("model=gpt_oss",), tuple(o for o in TINY_DEEPSEEK if o != "trainer.precision=fp32")):
+        cfg = compose(*model)
+        assert cfg.trainer.precision is None
+        plan, _ = resolve(cfg, CPU)
+        assert str(cfg.trainer.precision) == "fp32", model
+
+
 def _tiny_moe_config():
     from helpers.moe import moe_config
 
