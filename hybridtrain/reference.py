@@ -129,9 +129,11 @@ def peft_model(model, cfg: Config, family):
         # peft >= 0.18 under transformers 5 maps the names of a target string onto the fused experts and the
         # router (LoRA on 3-D parameters), which hybridtrain keeps frozen (docs/moe.md#lora)
         from hybridtrain.models.lora import resolve_targets
+        from hybridtrain.models.units import block_variants
 
         layers = int(getattr(model.config, family.n_layers))
-        targets = sorted(resolve_targets(family, layers, (n for n, _ in model.named_modules()), lo.target_modules))
+        targets = sorted(resolve_targets(family, layers, (n for n, _ in model.named_modules()), lo.target_modules,
+                                         block_variants(family, model.config)))  # a dense block's MLP by its plan
     config = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=targets,
                         use_rslora=lo.rslora, fan_in_fan_out=any(r.conv1d for r in family.tp_plan.values()),
                         bias="none", task_type="CAUSAL_LM")

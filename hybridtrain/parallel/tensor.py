@@ -210,6 +210,31 @@ class GradSum(TPStyle):
         return module
 
 
+class GradSumLinear(GradSum):
+    """``grad_sum_linear``: a :class:`GradSum` linear layer (DeepSeek-V3's low-rank ``q_a_proj`` and
+    ``kv_a_proj_with_mqa``, whole on every rank inside the tensor-parallel region, read by this rank's heads only)
+    that LoRA can adapt, as peft's ``all-linear`` does: ``A`` and ``B`` whole, their gradients partial like the
+    weight's and summed over the TP group the same way."""
+
+    name = "grad_sum_linear"
+    lora = True
+
+    def lora_splits(self, fused=1):
+        return Split(), Split()
+
+    def lora_numel(self, r, n_in, n_out, tp):
+        return r * n_in, n_out * r
+
+    def lora_layer(self, layer, a, b, scaling, dropout, tp):
+        from hybridtrain.parallel.layers import sum_grad_over_tp
+        from hybridtrain.parallel.lora import LoraReplicatedLinear
+
+        adapted = LoraReplicatedLinear(layer, a, b, scaling, dropout)
+        sum_grad_over_tp(adapted.lora_A.weight, tp)
+        sum_grad_over_tp(adapted.lora_B.weight, tp)
+        return adapted
+
+
 class Replicated(TPStyle):
     """``replicated``: a linear layer outside the tensor-parallel region, kept whole on every rank (Qwen2-MoE's
     ``shared_expert_gate``, which reads the block's input beside the router): its input and output are the
@@ -314,8 +339,8 @@ class Heads(TPStyle):
         return module
 
 
-STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), Replicated(), Experts(),
-                                                   InterleavedExperts(), Heads())}
+STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), GradSumLinear(), Replicated(),
+                                                   Experts(), InterleavedExperts(), Heads())}
 """Every tensor-parallel style by its name in a ``TPRule``."""
 
 

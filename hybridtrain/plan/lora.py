@@ -58,8 +58,6 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     _need(0 <= lo.dropout < 1, f"{KEY}.dropout", f"must be in [0, 1), got {lo.dropout}")
     # 16-bit ZeRO-0 (DeepSpeed's separate optimizer) is refused for every run by plan/validate.py
     family = family_of(cfg.model)
-    _need(not family.lora_unsupported, "finetune.method", f"finetune.method=lora on {family.model_type} is not "
-          f"supported yet: {family.lora_unsupported}; use finetune.method=full")
     hf_model = hf_model if hf_model is not None else meta_model(hf_config)
     if lo.init_from:
         given = _adapter(cfg, family, hf_config, hf_model).spec(lo.dropout)
@@ -68,8 +66,32 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
         spec = lora_spec(lo, family, hf_config, hf_model)
     except AdapterError as err:
         raise PlanError(f"{KEY}.target_modules", str(err)) from None
+    _check_peft_renames(spec, family, hf_config)
     _check_stages(spec, family, plan)
     return spec
+
+
+def _check_peft_renames(spec: LoraSpec, family: Family, hf_config) -> None:
+    """Refuse targets that peft would move elsewhere when it loads the adapter: under transformers 5, peft rewrites
+    the target names of MoE model types whose experts transformers fuses (its own tables,
+    ``peft.utils.transformers_weight_conversion``): any target ending in an old expert projection's name
+    (``gate_proj``, ``up_proj``, ``down_proj``) becomes LoRA on the fused experts. On DeepSeek-V3 the dense blocks'
+    MLP and the shared experts carry those names, so peft would adapt the experts instead and the adapter would
+    not load as trained. Models whose only such names are their fused experts (never adapted here) pass."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:  # a peft without the MoE conversion adapts the paths as given
+        return
+    pattern = _MODEL_TO_CONVERSION_PATTERN.get(family.model_type)
+    renamed = set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {})) if pattern else set()
+    hit = sorted(t for t in spec.targets if t.rsplit(".", 1)[-1] in renamed)
+    if not hit:
+        return
+    leaves = sorted({t.rsplit(".", 1)[-1] for t in spec.targets} - renamed)
+    raise PlanError(f"{KEY}.target_modules", f"peft maps the target names {sorted(renamed & {t.rsplit('.', 1)[-1] for t in hit})} "
+                    f"of a {family.model_type} model onto its fused experts when it loads an adapter (under "
+                    f"transformers 5), so an adapter on {hit[0]} and {len(hit) - 1} more such modules would not load as "
+                    f"trained; adapt the others only, e.g. finetune.lora.target_modules=[{','.join(leaves)}]")
 
 
 def _check_stages(spec: LoraSpec, family: Family, plan: Plan) -> None:

@@ -70,6 +70,7 @@ def test_finetune_group_composes_with_the_issue_keys():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_targets_and_trainable_count_equal_peft(family):
     from hybridtrain.models.lora import lora_spec
+    from hybridtrain.models.units import block_variants
     from hybridtrain.plan.lora import in_out, trainable_params
 
     fam = get_family(family)
@@ -300,7 +301,7 @@ def test_merge_refuses_a_checkpoint_without_adapters(tmp_path):
     assert "holds no LoRA adapters (adapter/): --merge is for finetune.method=lora checkpoints" in str(info.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])  # DeepSeek-V3: the plan refuses all-linear
 def test_moe_all_linear_is_every_linear_of_the_blocks_and_peft_adapts_exactly_those(family):
     """On an MoE model ``all-linear`` is every ``nn.Linear`` of the decoder blocks (none silently left out: the
     Qwen2-MoE ``shared_expert_gate`` is one), never the fused experts or the router; and peft, given those paths
@@ -309,13 +310,15 @@ def test_moe_all_linear_is_every_linear_of_the_blocks_and_peft_adapts_exactly_th
     from helpers.moe import moe_config
     from transformers import AutoModelForCausalLM
 
+    from hybridtrain.models.units import block_variants
     from hybridtrain.plan.lora import in_out, trainable_params
 
     fam = get_family(family)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(family))
     layers = int(getattr(model.config, fam.n_layers))
-    ours = resolve_targets(fam, layers, [n for n, _ in model.named_modules()], "all-linear")
+    ours = resolve_targets(fam, layers, [n for n, _ in model.named_modules()], "all-linear",
+                           block_variants(fam, model.config))  # each block by its variant's plan
     linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(f"{fam.blocks}.")}
     assert set(ours) == linear and not any(".experts" in n or n.endswith(".mlp.gate") for n in ours)
     theirs, count = _peft_targets(model, sorted(ours))

@@ -62,8 +62,10 @@ CASES = {  # id -> (overrides, key, fragments of the message)
     "deepseek_v3_with_cp": ((*TINY_DEEPSEEK, "parallel.cp=2"), "parallel.cp",
                             ["parallel.cp=2: deepseek_v3 cannot run with context parallelism", "value heads narrower",
                              "use parallel.cp=1"]),
-    "deepseek_v3_with_lora": ((*TINY_DEEPSEEK, "finetune.method=lora"), "finetune.method",
-                              ["finetune.method=lora on deepseek_v3 is not supported yet", "use finetune.method=full"]),
+    "deepseek_v3_lora_on_mlp_names": ((*TINY_DEEPSEEK, "finetune.method=lora"), "finetune.lora.target_modules",
+                                      ["peft maps the target names ['down_proj', 'gate_proj', 'up_proj'] of a "
+                                       "deepseek_v3 model onto its fused experts",
+                                       "target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,q_a_proj,q_b_proj]"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }
@@ -248,8 +250,8 @@ def test_deepseek_v3_plans_mla_split_by_heads_and_its_dense_block():
     dense, routed = family.block_plan(hf, 0), family.block_plan(hf, 1)
     for p in (dense, routed):
         assert {n: p[n].style for n in p if n.startswith("self_attn.")} == {
-            "self_attn.q_proj": "column", "self_attn.q_a_proj": "grad_sum", "self_attn.q_a_layernorm": "grad_sum",
-            "self_attn.q_b_proj": "column", "self_attn.kv_a_proj_with_mqa": "grad_sum",
+            "self_attn.q_proj": "column", "self_attn.q_a_proj": "grad_sum_linear", "self_attn.q_a_layernorm": "grad_sum",
+            "self_attn.q_b_proj": "column", "self_attn.kv_a_proj_with_mqa": "grad_sum_linear",
             "self_attn.kv_a_layernorm": "grad_sum", "self_attn.kv_b_proj": "column", "self_attn.o_proj": "row"}
     assert {n: r.style for n, r in dense.items() if n.startswith("mlp.")} == {
         "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}

@@ -14,7 +14,8 @@ from hybridtrain.parallel.tensor import STYLES, hf_dim, style_of
 
 def test_a_rule_names_its_style_object():
     assert TPRule("row").tp_style is STYLES["row"] is style_of("row")
-    assert sorted(STYLES) == ["column", "experts", "experts_interleaved", "grad_sum", "heads", "norm", "replicated", "row"]
+    assert sorted(STYLES) == ["column", "experts", "experts_interleaved", "grad_sum", "grad_sum_linear", "heads", "norm",
+                              "replicated", "row"]
     with pytest.raises(ValueError, match="unknown tensor-parallel style 'rowwise'; use one of"):
         style_of("rowwise")
 
@@ -36,10 +37,12 @@ def test_keep_follows_the_checkpoint_split(conv1d):
 
 
 def test_sharded_leaves():
-    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False, False, False, True]
-    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False, False, False, True]
-    assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, False, True, True, True]
+    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False, False, False, False, True]
+    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False, False, False, False, True]
+    assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, False, False, True, True, True]
     assert STYLES["replicated"].lora and STYLES["replicated"].lora_numel(4, 8, 1, tp=2) == (32, 4)  # A, B whole
+    assert STYLES["grad_sum_linear"].lora and STYLES["grad_sum_linear"].lora_numel(4, 8, 2, tp=2) == (32, 8)
+    assert not STYLES["grad_sum"].lora  # a norm: no adapter
     assert STYLES["experts"].sharded("gate_up_proj") and STYLES["experts"].sharded("down_proj")
     interleaved = STYLES["experts_interleaved"]  # gpt-oss: every leaf per expert, all but the down bias split over tp
     assert all(interleaved.sharded(leaf) for leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj"))

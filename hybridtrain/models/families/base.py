@@ -166,8 +166,6 @@ class Family:
     context_parallel: Optional[str] = None
     """Why ``parallel.cp`` > 1 cannot run this family (DeepSeek-V3: MLA's value head is narrower than its
     query/key head, which the context-parallel attention kernels do not take); ``None``: it can."""
-    lora_unsupported: Optional[str] = None
-    """Why ``finetune.method=lora`` cannot run this family yet (the plan refuses it, naming this); ``None``: it can."""
     saved_buffers: tuple[str, ...] = ()
     """Block-relative names of persistent buffers a checkpoint holds and a run keeps as they are (DeepSeek-V3's
     ``mlp.gate.e_score_correction_bias``): read from the pretrained weights, written into ``hf/`` and the export.

@@ -6,7 +6,8 @@ Attention under tensor parallelism, split by heads: the low-rank down-projection
 (``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``) stay whole on every rank inside the
 tensor-parallel region (after the attention's "f"): each rank runs them on the full hidden states, but only its own
 heads read their outputs, so their weight gradients are partial and are summed over the group (``grad_sum``, what
-transformers' ``mla_kv_a_proj`` style stands for). The up-projections (``q_b_proj``, or ``q_proj`` when
+transformers' ``mla_kv_a_proj`` style stands for; the two linears as ``grad_sum_linear``, so that LoRA adapts them
+as peft's ``all-linear`` does, their adapters' gradients summed the same way). The up-projections (``q_b_proj``, or ``q_proj`` when
 ``q_lora_rank`` is ``None``, and ``kv_b_proj``) are column-parallel by heads, ``o_proj`` row-parallel. transformers'
 forward views every head tensor with ``-1`` heads, so no head count needs dividing; the rotary embedding acts on
 the ``qk_rope_head_dim`` part of each head and the shared ``k_rot``, both per token, so it is unchanged.
@@ -53,9 +54,9 @@ FAMILY = Family(
     hf_config_class="DeepseekV3Config",
     tp_rules={
         **EXPERTS_RULES,
-        "self_attn.q_a_proj": TPRule("grad_sum"),
+        "self_attn.q_a_proj": TPRule("grad_sum_linear"),
         "self_attn.q_a_layernorm": TPRule("grad_sum"),
-        "self_attn.kv_a_proj_with_mqa": TPRule("grad_sum"),  # transformers' "mla_kv_a_proj"
+        "self_attn.kv_a_proj_with_mqa": TPRule("grad_sum_linear"),  # transformers' "mla_kv_a_proj"
         "self_attn.kv_a_layernorm": TPRule("grad_sum"),
         "mlp.gate_proj": None,
         "mlp.up_proj": None,
@@ -64,8 +65,6 @@ FAMILY = Family(
     input_copy=("self_attn", "mlp.shared_experts"),
     variant_rules={"dense": {**DENSE_MLP_RULES, **{name: None for name in SHARED}}},
     variant_input_copy={"dense": ("self_attn", "mlp")},
-    lora_unsupported=("peft's all-linear adapts MLA's low-rank q_a_proj and kv_a_proj_with_mqa, which are replicated "
-                      "over tp here and carry no adapter, and LoRA on this family is not verified against peft"),
     saved_buffers=("mlp.gate.e_score_correction_bias",),
     attn_implementations=("sdpa", "eager"),
     context_parallel=("its multi-head latent attention has value heads narrower than its query/key heads "
