@@ -27,6 +27,7 @@ import contextlib
 import datetime as dt
 import functools
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -63,15 +64,38 @@ MOE_SHAPES: dict[str, dict] = {
     "olmoe": dict(_MOE, intermediate_size=32, num_experts=8, pad_token_id=1),
     "qwen2_moe": dict(_MOE, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                       num_experts=8),
+    "gpt_oss": dict(_MOE, head_dim=16, intermediate_size=32, num_local_experts=8, sliding_window=128,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "deepseek_v3": dict(_MOE, num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=0),
 }
 """The mixture-of-experts families' small shapes (two MoE blocks, 8 experts of width 32, top-2; Qwen2-MoE with a
-shared expert of width 64). Their attention is a dense family's (:data:`MOE_ATTENTION`), whose constants the fit
-keeps; only the MoE MLP's are fitted (:func:`fit_moe`)."""
+shared expert of width 64, DeepSeek-V3 with one of the experts' width). gpt-oss alternates a sliding window (128,
+shorter than the rows, as in the real model) with full attention. DeepSeek-V3's MLA keeps the real model's ratios of
+value to query/key head (2/3: 16 and 16 + 8) and one key-value head per query head; its blocks are all MoE here and
+all dense in its dense rows (:data:`DENSE_OF`). Each family's attention constants are a dense fit's
+(:data:`MOE_ATTENTION`); only the MoE MLP's are fitted over them (:func:`fit_moe`)."""
 SHAPES.update(MOE_SHAPES)
-MOE_ATTENTION = {"qwen3_moe": "qwen3", "mixtral": "mistral", "olmoe": "olmo2", "qwen2_moe": "qwen2"}
-"""The dense family whose block has the same attention as each MoE family's."""
+MOE_ATTENTION = {"qwen3_moe": "qwen3", "mixtral": "mistral", "olmoe": "olmo2", "qwen2_moe": "qwen2",
+                 "gpt_oss": "qwen2", "deepseek_v3": "deepseek_v3/dense"}
+"""The dense fit whose block has the same attention as each MoE family's: a dense family's, gpt-oss's from Qwen2
+(biased q, k, v, grouped-query heads; the sink column and o's bias keep nothing more per token, the rows show it),
+DeepSeek-V3's from its own dense blocks (``first_k_dense_replace``: the fit group :data:`DENSE_OF`)."""
+DENSE_OF = {"deepseek_v3/dense": ("deepseek_v3", dict(first_k_dense_replace=2))}
+"""Fit groups of an MoE family's own dense blocks: the family and the shape that makes every block dense."""
+EAGER_ONLY = {"gemma2", "gpt_oss"}
+"""Families transformers gives no sdpa (gpt-oss: its sinks run in eager only)."""
+MATH_SDPA = {"deepseek_v3"}
+"""Families whose sdpa on CPU is torch's math kernel (value heads narrower than query heads,
+:func:`hybridtrain.plan.memory.kernel_flags`): fitted from eager rows, like those without sdpa."""
+FP32_ONLY = {"gpt_oss", "deepseek_v3"}
+"""Families the plan runs in fp32 only (transformers keeps their norms or router in fp32): no bf16 rows."""
 MOE_KEYS = {"qwen3_moe": ("moe_intermediate_size", "num_experts"), "mixtral": ("intermediate_size", "num_local_experts"),
-            "olmoe": ("intermediate_size", "num_experts"), "qwen2_moe": ("moe_intermediate_size", "num_experts")}
+            "olmoe": ("intermediate_size", "num_experts"), "qwen2_moe": ("moe_intermediate_size", "num_experts"),
+            "gpt_oss": ("intermediate_size", "num_local_experts"),
+            "deepseek_v3": ("moe_intermediate_size", "n_routed_experts")}
 """HF config keys of each MoE family's expert width and number of experts."""
 VOCAB = 2048
 HIDDEN_KEYS = ("hidden_size", "n_embd")
@@ -89,9 +113,18 @@ def config(family: str, seq_len: int, *, attn: str = "sdpa", precision: str = "f
     overrides = [f"model={family}", f"model.attn_implementation={attn}", f"data.seq_len={seq_len}",
                  f"trainer.precision={precision}", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
                  f"data.packing={'documents' if packed else 'none'}", f"++model.config.vocab_size={VOCAB}"]
-    overrides += [f"++model.config.{k}={v}" for k, v in shape.items()]
+    overrides += [f"++model.config.{k}={_override(v)}" for k, v in shape.items()]
     cfg = compose(overrides)
     return cfg, model_config(cfg)
+
+
+def _override(value) -> str:
+    """``value`` in Hydra's override grammar (lists and dicts, whose keys are bare names)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override(v) for v in value) + "]"
+    return f"'{value}'" if isinstance(value, str) else str(value)
 
 
 def row_positions(seq_len: int, packed: bool) -> torch.Tensor:
@@ -103,17 +136,19 @@ def row_positions(seq_len: int, packed: bool) -> torch.Tensor:
 
 
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves while active, parameters and buffers excluded."""
+    """Bytes of the distinct storages autograd saves while active and still holds when read, parameters and buffers
+    excluded. A tensor saved by a node that is freed before the backward (a branch nothing differentiates, e.g. a
+    router's choice of experts) is not counted: its memory is released, and may be reused by a later tensor."""
 
     def __init__(self, model: torch.nn.Module):
         self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        self.storages: dict[int, int] = {}
+        self.saved: list[tuple[weakref.ref, int, int]] = []
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
             storage = t.untyped_storage()
             if storage.data_ptr() not in self.skip:
-                self.storages[storage.data_ptr()] = storage.nbytes()
+                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
         return t
 
     def add(self, t: torch.Tensor) -> None:
@@ -122,7 +157,8 @@ class SavedBytes:
 
     @property
     def total(self) -> int:
-        return sum(self.storages.values())
+        live = {ptr: nbytes for ref, ptr, nbytes in self.saved if ref() is not None}  # views share a storage
+        return sum(live.values())
 
     @contextlib.contextmanager
     def counting(self):
@@ -163,8 +199,9 @@ def _count(model, inputs, labels, checkpointing: bool, after_forward=None) -> tu
     with alone.counting():
         out = blocks[0]((hidden, *x[1:]))
     blocks[0].checkpointing = saved_flag
+    block = alone.total  # before the backward frees what the block saved
     out[0].float().sum().backward()
-    return total, alone.total
+    return total, block
 
 
 def _model(cfg, hf, cp=None, ep=None):
@@ -192,7 +229,6 @@ def measure(family: str, seq_len: int, *, batch: int = 1, attn: str = "sdpa", pr
     :class:`EPContext` in an expert-parallel one, where each rank draws its own tokens (a data-parallel rank's
     batch) and the row records ``received``, the (token, slot) pairs its experts ran over all MoE blocks, and
     ``sent``, its own tokens' pairs (``received / sent`` is 1 with balanced routing)."""
-    from hybridtrain.models.families import family_of
     from hybridtrain.parallel.experts import ExpertDispatch
 
     cfg, hf = config(family, seq_len, attn=attn, precision=precision, checkpointing=checkpointing, packed=packed,
@@ -209,24 +245,27 @@ def measure(family: str, seq_len: int, *, batch: int = 1, attn: str = "sdpa", pr
         routed["received"] = sum(d.last_received for d in dispatchers)
 
     total, block = _count(model, (ids, pos), ids.clone(), checkpointing, after_forward if dispatchers else None)
-    moe = moe_dims(hf, family_of(cfg.model))
+    shapes = dims(cfg, hf)
     if dispatchers:
-        routed["sent"] = batch * seq_len * moe["top_k"] * len(dispatchers)
+        routed["sent"] = batch * seq_len * shapes["top_k"] * len(dispatchers)
     return dict(family=family, seq_len=seq_len, batch=batch, attn=attn, precision=precision,
-                checkpointing=checkpointing, packed=packed, shape=shape or {}, **dims(cfg, hf), **moe,
+                checkpointing=checkpointing, packed=packed, shape=shape or {}, **shapes,
                 padded_vocab=padded, cp=1 if cp is None else cp.size, ep=1 if ep is None else ep.size, **routed,
                 total=total, block=block)
 
 
 def dims(cfg, hf) -> dict:
     """The shape the plan reads (:class:`~hybridtrain.plan.costs.ModelFacts`): hidden, MLP width, query and
-    key-value widths, heads, blocks."""
+    key-value widths, MLA's low-rank widths, heads, blocks; an MoE model's experts per token, one expert's width,
+    experts and the shared experts' width."""
     from hybridtrain.plan.costs import model_facts
     from hybridtrain.models.families import family_of
 
     f = model_facts(family_of(cfg.model), hf, int(cfg.data.seq_len))
+    moe = dict(top_k=f.top_k, expert_width=f.expert_width, num_experts=f.num_experts,
+               shared_width=f.shared_width) if f.top_k else {}
     return dict(hidden=f.hidden, intermediate=f.intermediate, q_dim=f.q_dim, kv_dim=f.kv_dim, heads=f.heads,
-                blocks=f.num_layers)
+                blocks=f.num_layers, latent=f.latent_dim, **moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,12 +284,12 @@ def estimate(row: dict, cp: int | None = None) -> int:
     its units on one rank, at the row's cp (or ``cp``) and ep."""
     import dataclasses
 
-    from hybridtrain.plan.memory import activation_bytes
+    from hybridtrain.plan.memory import activation_bytes, kernel_flags
 
     facts = dataclasses.replace(_facts(row["family"], json.dumps(row["shape"], sort_keys=True)),
                                 seq_len=row["seq_len"])
-    return activation_bytes(facts.units, facts, row["batch"], 1, row["precision"], row["checkpointing"],
-                            eager=row["attn"] == "eager", mask=row["packed"] and row["attn"] == "sdpa",
+    flags = kernel_flags(row["attn"], row["packed"], facts, gpus=False)  # measured on CPU
+    return activation_bytes(facts.units, facts, row["batch"], 1, row["precision"], row["checkpointing"], **flags,
                             cp=cp or row["cp"], ep=row.get("ep", 1))
 
 
@@ -315,16 +354,23 @@ def structural(r: dict, attn: str | None = None) -> float:
     return out + (w * b * local * s if attn == "sdpa" else 0.0)
 
 
-def fit(rows: list[dict]) -> dict:
-    """Per ``(family, precision)``, the constants of :class:`hybridtrain.plan.memory.Activations` from the fitting rows
-    (``tag``: A base, I wider MLP, H wider hidden, D wider heads, K more KV heads, S twice the sequence, E eager,
-    P packed): least squares of the block's bytes per token over the widths, eager's bytes per element of the
-    attention matrix, the bytes outside the blocks per hidden unit and per vocabulary entry."""
-    import numpy as np
-
+def _groups(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
+    """The rows by ``(fit group, precision)`` and then by tag (the group: the row's ``group``, else its family)."""
     by: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
-        by.setdefault((r["family"], r["precision"]), {})[r["tag"]] = r
+        by.setdefault((r.get("group") or r["family"], r["precision"]), {})[r["tag"]] = r
+    return by
+
+
+def fit(rows: list[dict]) -> dict:
+    """Per ``(fit group, precision)`` (the group: the row's ``group``, else its family), the constants of
+    :class:`hybridtrain.plan.memory.Activations` from the fitting rows (``tag``: A base, I wider MLP, H wider hidden,
+    D wider heads, K more KV heads, L wider MLA low-rank projections, S twice the sequence, E eager, P packed): least
+    squares of the block's bytes per token over the widths, eager's bytes per element of the attention matrix, the
+    bytes outside the blocks per hidden unit and per vocabulary entry."""
+    import numpy as np
+
+    by = _groups(rows)
     out = {}
     for (family, precision), t in by.items():
         a, s = t["A"], t["A"]["seq_len"]
@@ -341,10 +387,10 @@ def fit(rows: list[dict]) -> dict:
             extra = structural(r) + (scores * r["heads"] * s * s if r["attn"] == "eager" else 0.0)
             return (r["block"] - extra) / r["seq_len"]
 
-        heads_vary = "D" in t
-        tags = [k for k in "AIHDK" if k in t]
+        heads_vary, latent = "D" in t, "L" in t
+        tags = [k for k in "AIHDKL" if k in t]
         x = np.array([[t[k]["hidden"], t[k]["intermediate"]] + ([t[k]["q_dim"], t[k]["kv_dim"]] if heads_vary else [])
-                      for k in tags], float)
+                      + ([t[k]["latent"]] if latent else []) for k in tags], float)
         y = np.array([token_wise(t[k]) for k in tags])
         coef = np.linalg.lstsq(x, y, rcond=None)[0]
 
@@ -355,46 +401,38 @@ def fit(rows: list[dict]) -> dict:
         per_h = (outside(h2) - outside(a)) / (h2["hidden"] - a["hidden"])
         per_v = (outside(a) - per_h * a["hidden"]) / a["padded_vocab"]
         const = dict(hidden=coef[0], mlp=coef[1], query=coef[2] if heads_vary else 0.0,
-                     kv=coef[3] if heads_vary else 0.0, scores=scores or 0.0, outside=per_h, vocab=per_v)
+                     kv=coef[3] if heads_vary else 0.0, scores=scores or 0.0, outside=per_h, vocab=per_v,
+                     **({"latent": coef[-1]} if latent else {}))
         out[family, precision] = {k: round(float(v), 3) for k, v in const.items()}
         out[family, precision]["fit_error"] = round(float(np.max(np.abs(x @ coef / y - 1))), 4)
     return out
 
 
-def moe_dims(hf, family) -> dict:
-    """An MoE model's routing shape the plan reads: experts per token, one expert's width, experts, a shared expert's
-    width (0 without one)."""
-    moe = family.moe
-    if moe is None:
-        return {}
-    return dict(top_k=int(getattr(hf, moe.top_k)), expert_width=int(getattr(hf, moe.width)),
-                num_experts=int(getattr(hf, moe.num_experts)),
-                shared_width=int(getattr(hf, moe.shared_width)) if moe.shared_width else 0)
-
-
 def fit_moe(rows: list[dict], dense: dict) -> dict:
     """Per ``(MoE family, precision)``, the MoE constants of :class:`hybridtrain.plan.memory.Activations` from its
-    fitting rows (``tag`` A base, k top-4, W wider experts, N twice the experts), over its attention family's fitted
-    constants ``dense`` (``{(family, precision): constants}``, :func:`fit`), which the MoE family keeps: ``routed``
-    bytes per routed (token, slot) pair per hidden unit, ``expert`` per pair per unit of the expert's width,
-    ``router`` per token per expert, and ``moe_hidden`` per token per hidden unit (what is left of the base row:
-    the MLP's norm and input, a shared expert's gate)."""
-    by: dict[tuple[str, str], dict[str, dict]] = {}
-    for r in rows:
-        by.setdefault((r["family"], r["precision"]), {})[r["tag"]] = r
+    fitting rows (``tag`` A base, k top-4, W wider experts, N twice the experts), over its attention's fitted
+    constants ``dense`` (``{(fit group, precision): constants}``, :func:`fit`, :data:`MOE_ATTENTION`), which the MoE
+    family keeps: ``routed`` bytes per routed (token, slot) pair per hidden unit, ``expert`` per pair per unit of
+    the expert's width, ``router`` per token per expert, and ``moe_hidden`` per token per hidden unit (what is left
+    of the base row: the MLP's norm and input, a shared expert's gate). Shared experts as wide as the routed ones
+    (DeepSeek-V3) widen with them in the W row: their ``mlp`` bytes are taken off first."""
     out = {}
-    for (family, precision), t in by.items():
+    for (family, precision), t in _groups(rows).items():
         c = dense[MOE_ATTENTION[family], precision]
         a, k, w, n = t["A"], t["k"], t["W"], t["N"]
 
-        def per_token(r):
-            return r["block"] / r["seq_len"]
+        def per_token(r):  # the block's bytes per token without eager's s^2 and repeated-KV terms
+            s = r["seq_len"]
+            extra = structural(r) + (c["scores"] * r["heads"] * s * s if r["attn"] == "eager" else 0.0)
+            return (r["block"] - extra) / s
 
-        expert = (per_token(w) - per_token(a)) / (a["top_k"] * (w["expert_width"] - a["expert_width"]))
+        shared = c["mlp"] * (w["shared_width"] - a["shared_width"])
+        expert = (per_token(w) - per_token(a) - shared) / (a["top_k"] * (w["expert_width"] - a["expert_width"]))
         pair = (per_token(k) - per_token(a)) / (k["top_k"] - a["top_k"])
         routed = (pair - expert * a["expert_width"]) / a["hidden"]
         router = (per_token(n) - per_token(a)) / (n["num_experts"] - a["num_experts"])
-        attention = c["hidden"] * a["hidden"] + c["query"] * a["q_dim"] + c["kv"] * a["kv_dim"]
+        attention = (c["hidden"] * a["hidden"] + c["query"] * a["q_dim"] + c["kv"] * a["kv_dim"]
+                     + c.get("latent", 0.0) * a.get("latent", 0))
         left = (per_token(a) - attention - c["mlp"] * a["shared_width"] - a["top_k"] * pair
                 - router * a["num_experts"])
         consts = {**c, "routed": routed, "expert": expert, "router": router, "moe_hidden": left / a["hidden"]}
@@ -403,24 +441,29 @@ def fit_moe(rows: list[dict], dense: dict) -> dict:
 
 
 def fitting_cases(family: str) -> list[dict]:
-    """The rows :func:`fit` reads for ``family`` in each precision: ``tag`` A the base shape at s = 256 (sdpa; eager
-    for Gemma 2, which has no sdpa), I wider MLP, H wider hidden (head widths kept), S s = 512, D wider heads, K more
-    KV heads (families with a ``head_dim``), E eager, P packed, C activation checkpointing."""
+    """The rows :func:`fit` (and :func:`fit_moe`) read for ``family`` in each precision (fp32 only for
+    :data:`FP32_ONLY`): ``tag`` A the base shape at s = 256 (sdpa; eager for :data:`EAGER_ONLY` and
+    :data:`MATH_SDPA`), I wider MLP, H wider hidden (head widths kept), S s = 512, D wider heads, K more KV heads
+    (families with a ``head_dim``), L wider MLA low-rank projections, E eager, P packed, C activation
+    checkpointing; an MoE family's k top-4, W wider experts, N twice the experts, M sdpa (:data:`MATH_SDPA`: the
+    math kernel's rows, checked, not fitted), and its dense blocks' rows (:data:`DENSE_OF`)."""
+    precisions = ("fp32",) if family in FP32_ONLY else ("fp32", "bf16")
+    base = "eager" if family in EAGER_ONLY | MATH_SDPA else "sdpa"
+    out = [case for group, (of, _) in DENSE_OF.items() if of == family for case in _dense_cases(group)]
     if family in MOE_SHAPES:
         width, experts = MOE_KEYS[family]
         shape = MOE_SHAPES[family]
         tags = [("A", {}), ("k", dict(shape=dict(num_experts_per_tok=4))),
                 ("W", dict(shape={width: 2 * shape[width]})), ("N", dict(shape={experts: 2 * shape[experts]})),
                 ("H", dict(shape=dict(hidden_size=128))), ("C", dict(checkpointing=True))]
-        return [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": "sdpa", **kw})
-                for precision in ("fp32", "bf16") for tag, kw in tags]
-    base = "eager" if family == "gemma2" else "sdpa"
+        tags += [("M", dict(attn="sdpa"))] if family in MATH_SDPA else []
+        return out + [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": base, **kw})
+                      for precision in precisions for tag, kw in tags]
     hd = SHAPES[family].get("head_dim", 8)
     heads_fixed = family in ("gpt2", "gpt_neox")  # head width = hidden / heads
     wider_mlp = dict(n_inner=128) if family == "gpt2" else dict(intermediate_size=256)
     wider = dict(n_embd=128) if family == "gpt2" else dict(hidden_size=128, **({} if heads_fixed else {"head_dim": hd}))
-    out = []
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         tags = [("A", {}), ("I", dict(shape=wider_mlp)), ("H", dict(shape=wider)), ("S", dict(seq_len=512))]
         if not heads_fixed:
             tags += [("D", dict(shape=dict(head_dim=2 * hd))), ("K", dict(shape=dict(num_key_value_heads=8)))]
@@ -430,6 +473,21 @@ def fitting_cases(family: str) -> list[dict]:
         out += [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": base, **kw})
                 for tag, kw in tags]
     return out
+
+
+def _dense_cases(group: str) -> list[dict]:
+    """The rows of an MoE family's dense blocks (:data:`DENSE_OF`), fitted like a dense family's (MLA: D widens
+    every head width, L the low-rank projections; eager, the family's sdpa being the math kernel on CPU)."""
+    family, dense = DENSE_OF[group]
+    shape = SHAPES[family]
+    heads = {k: 2 * shape[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    latent = {k: 2 * shape[k] for k in ("q_lora_rank", "kv_lora_rank")}
+    tags = [("A", {}), ("I", dict(intermediate_size=256)), ("H", dict(hidden_size=128)), ("D", heads),
+            ("L", latent)]
+    rows = [dict(tag=tag, shape={**dense, **kw}) for tag, kw in tags]
+    rows += [dict(tag="S", shape=dense, seq_len=512), dict(tag="C", shape=dense, checkpointing=True)]
+    return [dict(group=group, family=family, precision="fp32", **{"seq_len": 256, "attn": "eager", **r})
+            for r in rows]
 
 
 CP_CASES = [
@@ -449,15 +507,17 @@ EP_CASES = [
     dict(family="qwen2_moe", seq_len=256, precision="fp32"),
     dict(family="qwen3_moe", seq_len=256, precision="bf16"),
     dict(family="qwen3_moe", seq_len=256, precision="fp32", checkpointing=True),
+    dict(family="gpt_oss", seq_len=256, precision="fp32", attn="eager"),
+    dict(family="deepseek_v3", seq_len=256, precision="fp32"),
 ]
-"""The ep = 2 rows (and their ep = 1 twins): each rank draws its own tokens, so its experts receive more or fewer
-pairs than its tokens send (the plan's :data:`~hybridtrain.plan.memory.EXPERT_LOAD_MARGIN` covers the heavier)."""
+"""The ep = 2 rows (and their ep = 1 twins; gpt-oss in eager, its one kernel, DeepSeek-V3 in sdpa, torch's math
+kernel on CPU): each rank draws its own tokens, so its experts receive more or fewer pairs than its tokens send (the plan's :data:`~hybridtrain.plan.memory.EXPERT_LOAD_MARGIN` covers the heavier)."""
 
 
 def _measure_tagged(case: dict) -> dict:
-    tag = case.get("tag")
-    row = measure(**{k: v for k, v in case.items() if k != "tag"})
-    return {**row, "tag": tag} if tag else row
+    """:func:`measure` of a fitting case, its ``tag`` and fit ``group`` kept in the row."""
+    labels = {k: case[k] for k in ("tag", "group") if k in case}
+    return {**measure(**{k: v for k, v in case.items() if k not in labels}), **labels}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -473,10 +533,10 @@ def main(argv: list[str] | None = None) -> None:
         result = {"torch": torch.__version__, "ep1": [measure(**c) for c in EP_CASES], "ep2": measure_ep(EP_CASES)}
     else:
         families = list(dict.fromkeys([*args.families,
-                                       *(MOE_ATTENTION[f] for f in args.families if f in MOE_ATTENTION)]))
+                                       *(MOE_ATTENTION[f] for f in args.families if MOE_ATTENTION.get(f) in SHAPES)]))
         rows = [_measure_tagged(c) for f in families for c in fitting_cases(f)]
-        dense = fit([r for r in rows if r["family"] not in MOE_SHAPES])
-        fitted = {**dense, **fit_moe([r for r in rows if r["family"] in MOE_SHAPES], dense)}
+        dense = fit([r for r in rows if r["family"] not in MOE_SHAPES or r.get("group")])
+        fitted = {**dense, **fit_moe([r for r in rows if r["family"] in MOE_SHAPES and not r.get("group")], dense)}
         result = {"torch": torch.__version__, "rows": rows, "fit": {f"{k[0]}/{k[1]}": v for k, v in fitted.items()}}
         if not args.no_cp:
             result["cp1"] = [measure(**c) for c in CP_CASES]

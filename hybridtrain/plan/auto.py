@@ -181,7 +181,7 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
         # memory.py's formulas at cp > 1 too: the rank's seq / cp tokens, the gathered keys and values, the mask
         mem = rank_memory(facts, bounds, st, dims, zero=plan.zero_stage, precision=plan.precision,
                           micro_batch=c.micro_batch_size, micro_batches=m, checkpointing=c.activation_checkpointing,
-                          **memory_flags(cfg))
+                          **memory_flags(cfg, facts, plan.gpus))
         worst_mem = max(worst_mem, mem.total)
     total = pipeline + dp_comm + optim
     parts = {"compute+comm per micro-batch (slowest stage)": slowest, "micro-batches": m,

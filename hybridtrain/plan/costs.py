@@ -72,6 +72,11 @@ class UnitFacts:
         return work / tp
 
 
+LATENT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim")
+"""HF config keys of multi-head latent attention's per-token low-rank widths (DeepSeek-V3; ``q_lora_rank`` ``None``
+when the queries are full rank): :attr:`ModelFacts.latent_dim`."""
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """All pipeline layers of a model, for a given sequence length and padded vocabulary."""
@@ -89,6 +94,12 @@ class ModelFacts:
     """Query width, heads x head dimension (0: the hidden size)."""
     kv_dim: int = 0
     """Key (and value) width, key-value heads x head dimension (0: the hidden size)."""
+    v_dim: int = 0
+    """Value width, key-value heads x value head dimension: :attr:`kv_dim` but where a value head is narrower
+    (DeepSeek-V3's ``v_head_dim``; 0: the hidden size)."""
+    latent_dim: int = 0
+    """Multi-head latent attention's low-rank widths per token, ``q_lora_rank + kv_lora_rank + qk_rope_head_dim``
+    (the down-projections' outputs, DeepSeek-V3; 0: none)."""
     top_k: int = 0
     """An MoE model's experts per token (0: a dense model)."""
     expert_width: int = 0
@@ -96,7 +107,7 @@ class ModelFacts:
     num_experts: int = 0
     """Routed experts per MoE block."""
     shared_width: int = 0
-    """A shared expert's MLP width (Qwen2-MoE; 0: none)."""
+    """A shared expert's MLP width (Qwen2-MoE; DeepSeek-V3's shared experts together; 0: none)."""
 
     @property
     def names(self) -> list[str]:
@@ -150,16 +161,19 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
-    heads, head_dim = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)[0]  # q and k
+    heads, (head_dim, v_head) = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)
     width = mlp_width_of(family, hf_config)
     moe = family.moe
     routing = {} if moe is None else dict(
         top_k=int(getattr(hf_config, moe.top_k)), expert_width=int(getattr(hf_config, moe.width)),
         num_experts=int(getattr(hf_config, moe.num_experts)),
-        shared_width=int(getattr(hf_config, moe.shared_width)) if moe.shared_width else 0)
+        shared_width=moe.shared_width_of(hf_config))
+    kv_heads = kv_heads_of(family, hf_config)
+    mla = getattr(hf_config, "kv_lora_rank", None)
+    latent = sum(int(getattr(hf_config, key, None) or 0) for key in LATENT_KEYS) if mla else 0
     return ModelFacts(family=family, hidden=hidden, heads=heads, num_layers=layers, seq_len=seq_len,
                       padded_vocab=vocab, units=units, intermediate=width, q_dim=heads * head_dim,
-                      kv_dim=kv_heads_of(family, hf_config) * head_dim, **routing)
+                      kv_dim=kv_heads * head_dim, v_dim=kv_heads * v_head, latent_dim=latent, **routing)
 
 
 def stage_params(facts: ModelFacts, bounds: list[int], stage: int, tp: int, ep: int = 1) -> int:

@@ -20,4 +20,4 @@ def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
     return rank_memory(facts, plan.stage_bounds, stage, plan.dims, zero=plan.zero_stage,
                        precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
                        checkpointing=cfg.parallel.activation_checkpointing, lora=lora_memory(cfg, hf_config, plan),
-                       **memory_flags(cfg))
+                       **memory_flags(cfg, facts, plan.gpus))

@@ -30,7 +30,7 @@ reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bi
 
 Activations (per micro-batch, per rank; measured, not assumed: ``bench/activations.py`` counts every tensor autograd
 saves for the backward through hybridtrain's own layers, per storage, parameters excluded, and
-``bench/results/activations_2026-12-03_160400.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
+``bench/results/activations_2026-12-05_232635.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
 ``h`` hidden, ``I`` MLP width, ``q`` / ``k`` query and key widths (heads x head dim), ``a`` heads, ``t`` = tp,
 ``w`` activation bytes, ``V`` padded vocabulary; per block, bytes per token (bf16 / fp32, :data:`ACTIVATIONS`):
 
@@ -63,9 +63,11 @@ model's, not measured). With activation checkpointing a block keeps only its inp
 recomputed at a time. Outside the blocks: ``outside x s b h`` (embedding output, final norm, head input) and
 ``4 s b V / t``. In 1F1B stage ``s`` holds up to ``min(pp - s, m)`` micro-batches. The MoE families keep
 the constants of the dense family with their attention (Qwen3-MoE: Qwen3's, Mixtral: Mistral's, OLMoE: OLMo 2's,
-Qwen2-MoE: Qwen2's) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` per unit of one expert's
+Qwen2-MoE and gpt-oss: Qwen2's; DeepSeek-V3 those of its own dense blocks, MLA's low-rank widths at ``latent`` per
+unit) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` per unit of one expert's
 width ``/ t`` for each of a token's ``top_k`` routed pairs, ``router`` per expert, ``moe_hidden`` per hidden unit and a
-shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4). At ``ep`` = 1 a
+shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4; gpt-oss's clamped,
+interleaved experts 28 per unit of width and a router keeping only its top-k). On CPUs DeepSeek-V3's sdpa is torch's math kernel, counted as eager (:func:`kernel_flags`). At ``ep`` = 1 a
 rank's experts run exactly its own tokens' pairs; at ``ep`` > 1 they run the pairs the router sends them from every
 rank, which the dropless dispatch does not cap: the plan counts :data:`EXPERT_LOAD_MARGIN` times the balanced share
 (measured at ep = 2, ``bench.activations.measure_ep``: each pair a rank receives beyond its share costs about three
@@ -83,7 +85,7 @@ from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
-from hybridtrain.plan.devices import GiB, memory_budget  # noqa: F401 (GiB: the unit the report prints)
+from hybridtrain.plan.devices import GiB, memory_budget, uses_gpus  # noqa: F401 (GiB: the unit the report prints)
 
 PERSISTENCE_THRESHOLD = 100_000
 """ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's
@@ -168,18 +170,27 @@ def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
     return out
 
 
-def attention_flags(cfg) -> dict[str, bool]:
-    """What the attention kernel keeps for the backward, from the config: ``eager`` (the attention
-    matrix) and ``mask`` (sdpa with packed records keeps their block-causal mask)."""
-    attn = str(cfg.model.attn_implementation)
+def kernel_flags(attn: str, packed: bool, facts: ModelFacts, gpus: bool) -> dict[str, bool]:
+    """What the attention kernel ``attn`` keeps for the backward: ``eager`` (the attention matrix) and ``mask``
+    (sdpa with packed records keeps their block-causal mask). ``gpus``: whether the ranks run on GPUs
+    (:attr:`~hybridtrain.plan.types.Plan.gpus`). On CPUs sdpa runs torch's math kernel, which keeps the attention
+    matrix like eager, where a value head is narrower than a query head (DeepSeek-V3's MLA: torch's CPU flash
+    kernel takes equal widths only, ``check_head_dim_size_cpp`` in ``sdp_utils_cpp``; on GPUs the memory-efficient
+    kernel takes them and keeps no matrix); measured, ``bench/activations.py``."""
+    math = attn == "sdpa" and not gpus and bool(facts.v_dim) and facts.v_dim != facts.kv_dim
+    return {"eager": attn == "eager" or math, "mask": packed and attn == "sdpa" and not math}
+
+
+def attention_flags(cfg, facts: ModelFacts, gpus: bool) -> dict[str, bool]:
+    """:func:`kernel_flags` of the config's attention kernel and packing."""
     packed = Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents
-    return {"eager": attn == "eager", "mask": packed and attn == "sdpa"}
+    return kernel_flags(str(cfg.model.attn_implementation), packed, facts, gpus)
 
 
-def memory_flags(cfg) -> dict:
+def memory_flags(cfg, facts: ModelFacts, gpus: bool) -> dict:
     """The keywords of :func:`rank_memory` that come from the config: :func:`attention_flags` and ``loss_chunk``
     (``trainer.loss_chunk_tokens``: the head's logits one piece at a time beyond it)."""
-    return {**attention_flags(cfg), "loss_chunk": int(cfg.trainer.loss_chunk_tokens)}
+    return {**attention_flags(cfg, facts, gpus), "loss_chunk": int(cfg.trainer.loss_chunk_tokens)}
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,10 @@ class Activations:
     moe_hidden: float = 0.0
     """MoE blocks: bytes per token per hidden unit beyond the attention's (the MLP's norm and input, a shared
     expert's gate); an MoE block's shared expert counts ``mlp`` per unit of its width."""
+    latent: float = 0.0
+    """Multi-head latent attention: bytes per token per unit of its low-rank widths
+    (:attr:`~hybridtrain.plan.costs.ModelFacts.latent_dim`: the down-projections' outputs and their norms, kept
+    whole on every tensor-parallel rank)."""
 
 
 ACTIVATIONS: dict[tuple[str, str], Activations] = {
@@ -234,6 +249,8 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
     ("qwen3", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979),  # fit 0.4%
     ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
     # mixture-of-experts families: their attention family's constants, the MoE MLP's fitted over them (fit_moe)
+    ("deepseek_v3", "fp32"): Activations(hidden=24.052, mlp=16.026, query=8.008, kv=8.008, scores=4.0, outside=12.0, vocab=3.979, latent=12.052, routed=8.631, expert=15.987, router=4.016, moe_hidden=0.141),  # attention: its dense blocks' (fit 0.04%)
+    ("gpt_oss", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.75, expert=28.0, router=0.016, moe_hidden=0.644),  # attention: qwen2's
     ("mixtral", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994, routed=4.625, expert=8.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
     ("mixtral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.625, expert=16.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
     ("olmoe", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979, routed=4.531, expert=8.0, router=4.016, moe_hidden=-4.144),  # attention: olmo2's
@@ -247,7 +264,8 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
 ``bench.activations.fit`` from ``bench/results/activations_*.json`` (two-block models of :data:`bench.activations.SHAPES`
 at several widths; "fit": the largest error of the least-squares fit of the block's token-wise bytes)."""
 MOE_FALLBACK = "qwen3_moe"
-"""The family whose constants an MoE family without measurements (gpt-oss, DeepSeek-V3) is given."""
+"""The family whose constants an MoE family without measurements is given (none today: every registered family
+is measured, ``tests/unit/test_activation_memory.py``)."""
 FALLBACK = "llama"
 """The family whose constants a family without measurements (``model.family=auto``) is given."""
 EXPERT_LOAD_MARGIN = 1.25
@@ -303,9 +321,9 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
     mlp = facts.intermediate or 4 * h
     w = 4 if precision == "fp32" else 2
     c = activations_of(facts.family.model_type, precision)
-    if facts.top_k and not c.routed:  # an MoE family without its own measurement (gpt-oss): Qwen3-MoE's
+    if facts.top_k and not c.routed:  # an MoE family without its own measurement: Qwen3-MoE's
         c = activations_of(MOE_FALLBACK, precision)
-    attention = c.hidden * h + c.query * q + c.kv * kv
+    attention = c.hidden * h + c.query * q + c.kv * kv + c.latent * facts.latent_dim
     dense = local * b * (attention + c.mlp * mlp / tp)
     # an MoE block: top_k routed pairs per token through E / ep of the experts (at ep = 1 exactly the rank's own
     # pairs; at ep > 1 up to the margin over them, the most loaded rank's), the router's [T, E] probabilities
@@ -412,6 +430,7 @@ def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches
     if not limit:
         return costs, None
 
+    flags = memory_flags(cfg, facts, uses_gpus(cfg.launcher, machine))
     known: dict[tuple[int, int, int], bool] = {}  # the partition's search asks for the same stages many times
 
     def fits(stage: int, start: int, stop: int) -> bool:
@@ -419,7 +438,7 @@ def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches
             mem = units_memory(facts, start, stop, stage, dims, zero=zero,
                                precision=cfg.trainer.precision, micro_batch=par.micro_batch_size,
                                micro_batches=micro_batches, checkpointing=par.activation_checkpointing,
-                               **memory_flags(cfg))
+                               **flags)
             known[stage, start, stop] = mem.total <= limit
         return known[stage, start, stop]
 

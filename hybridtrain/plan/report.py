@@ -82,7 +82,7 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
         mem = rank_memory(facts, plan.stage_bounds, s, plan.dims, zero=plan.zero_stage,
                           precision=plan.precision, micro_batch=plan.micro_batch_size,
                           micro_batches=plan.grad_accum, checkpointing=cfg.parallel.activation_checkpointing,
-                          lora=lora, **memory_flags(cfg))
+                          lora=lora, **memory_flags(cfg, facts, plan.gpus))
         stages.append(StageReport(s, facts.names[a:b], stage_params(facts, plan.stage_bounds, s, plan.dims.tp,
                                                                 plan.dims.ep),
                                   stage_flops(facts, plan.stage_bounds, s), sum(costs[a:b]), mem))

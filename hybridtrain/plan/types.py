@@ -52,6 +52,10 @@ class Plan:
     partition_method: str = ""
     """How ``stage_bounds`` were chosen: the ``parallel.partition`` method, or ``manual`` when
     ``parallel.stage_layers`` gave them; empty in a ``plan.json`` written before it was recorded."""
+    gpus: bool = False
+    """Whether the ranks run on GPUs (:func:`~hybridtrain.plan.devices.uses_gpus`): which kernels sdpa picks, so
+    what the attention keeps (:func:`~hybridtrain.plan.memory.attention_flags`). A ``plan.json`` predating it:
+    ``False``."""
 
     def stage_layers(self, stage: int) -> list[str]:
         """Pipeline layer names of ``stage``."""

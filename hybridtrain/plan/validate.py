@@ -274,4 +274,5 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         seq_len=cfg.data.seq_len, tokens_per_step=tr.global_batch_size * cfg.data.seq_len,
         vocab_size=model_vocab, padded_vocab_size=padded,
         num_layers=num_layers, layer_names=names, stage_bounds=bounds,
-        partition_method=MANUAL if par.stage_layers is not None else str(par.partition))
+        partition_method=MANUAL if par.stage_layers is not None else str(par.partition),
+        gpus=uses_gpus(lau, machine))

@@ -300,12 +300,12 @@ def test_memory_estimate_follows_what_packing_adds(recipe):
     b, s = 2, 256
     cfg = compose(f"+recipe={recipe}", "data.packing=documents", f"data.seq_len={s}")
     plan, hf = resolve(cfg, Machine())
-    assert attention_flags(cfg) == {"eager": False, "mask": True}
+    facts = model_facts(family_of(cfg.model), hf, s, 1, cfg.model.vocab_pad_multiple)
+    assert attention_flags(cfg, facts, plan.gpus) == {"eager": False, "mask": True}
     block = DecoderBlock(ModelBuilder.for_run(cfg, hf, TPContext(), plan.padded_vocab_size), 0)
     x = torch.randn(b, s, hf.hidden_size, requires_grad=True)
     plain = _saved_bytes(block, x, torch.arange(s).repeat(b, 1))
     packed = _saved_bytes(block, x, torch.from_numpy(np.stack([row_positions(np.array([100, 56, 60]), s)] * b)))
-    facts = model_facts(family_of(cfg.model), hf, s, 1, cfg.model.vocab_pad_multiple)
     one_block = [u for u in facts.units if u.kind.name == "BLOCK"][:1]
     added = (activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=True)
              - activation_bytes(one_block, facts, b, 1, "fp32", False, False, mask=False))

@@ -85,6 +85,9 @@ class MoE:
     """HF config key: one expert's MLP width (``I``), split over tensor parallelism."""
     shared_width: Optional[str] = None
     """HF config key of the shared expert's MLP width (Qwen2-MoE), split over tensor parallelism; ``None``: none."""
+    shared_experts: Optional[str] = None
+    """HF config key of the number of shared experts of the routed experts' width, which transformers runs as one
+    MLP that many times as wide (DeepSeek-V3's ``n_shared_experts``); ``None``: none, or :attr:`shared_width`."""
     aux_coef: str = "router_aux_loss_coef"
     """HF config key: the coefficient of the load-balancing loss in the training loss."""
     aux_on: str = "output_router_logits"
@@ -99,6 +102,14 @@ class MoE:
     def dense_blocks(self, hf_config: Any) -> list[int]:
         """The blocks of ``hf_config`` whose MLP is dense (no experts)."""
         return sorted(int(i) for i in self.dense_layers(hf_config)) if self.dense_layers else []
+
+    def shared_width_of(self, hf_config: Any) -> int:
+        """The MLP width of the block's shared expert(s) every token runs (0: none)."""
+        if self.shared_width:
+            return int(getattr(hf_config, self.shared_width))
+        if self.shared_experts:
+            return int(getattr(hf_config, self.shared_experts) or 0) * int(getattr(hf_config, self.width))
+        return 0
 
     def aux_enabled(self, hf_config: Any) -> bool:
         """Whether the model's loss includes the router's load-balancing term (transformers' rule)."""

@@ -70,7 +70,8 @@ FAMILY = Family(
     context_parallel=("its multi-head latent attention has value heads narrower than its query/key heads "
                       "(v_head_dim vs qk_nope_head_dim + qk_rope_head_dim), which the context-parallel attention "
                       "kernels do not take"),
-    moe=MoE(num_experts="n_routed_experts", dense_layers=dense_layers, aux_loss=False),
+    moe=MoE(num_experts="n_routed_experts", shared_experts="n_shared_experts", dense_layers=dense_layers,
+            aux_loss=False),
     block_variants=variants,
     dropout_keys=("attention_dropout",),
 )
