@@ -168,3 +168,13 @@ def test_deepseek_shared_experts_count_at_their_width():
     assert _facts("deepseek_v3", "{}").shared_width == 32
     assert _facts("deepseek_v3", '{"n_shared_experts": 2}').shared_width == 64
     assert _facts("qwen2_moe", "{}").shared_width == 64 and _facts("qwen3_moe", "{}").shared_width == 0
+
+
+def test_cpu_sdpa_keeps_the_matrix_exactly_where_value_heads_are_narrower():
+    """The torch fact behind :func:`hybridtrain.plan.memory.kernel_flags` on CPUs: sdpa with DeepSeek-V3's head
+    widths (queries and keys 24, values 16, its ratio) saves the attention matrix (the math kernel); with equal
+    widths the CPU flash kernel saves none. The GPU side: ``tests/gpu/test_gpu_mla_sdpa.py``."""
+    from helpers.sdpa_saved import keeps_attention_matrix
+
+    assert keeps_attention_matrix("cpu", 24, 16)
+    assert not keeps_attention_matrix("cpu", 24, 24)
