@@ -90,8 +90,8 @@ EAGER_ONLY = {"gemma2", "gpt_oss"}
 MATH_SDPA = {"deepseek_v3"}
 """Families whose sdpa on CPU is torch's math kernel (value heads narrower than query heads,
 :func:`hybridtrain.plan.memory.kernel_flags`): fitted from eager rows, like those without sdpa."""
-FP32_ONLY = {"gpt_oss", "deepseek_v3"}
-"""Families the plan runs in fp32 only (transformers keeps their norms or router in fp32): no bf16 rows."""
+FP32_ONLY = {"deepseek_v3"}
+"""Families the plan runs in fp32 only (transformers keeps their router in fp32 in 16-bit models): no bf16 rows."""
 MOE_KEYS = {"qwen3_moe": ("moe_intermediate_size", "num_experts"), "mixtral": ("intermediate_size", "num_local_experts"),
             "olmoe": ("intermediate_size", "num_experts"), "qwen2_moe": ("moe_intermediate_size", "num_experts"),
             "gpt_oss": ("intermediate_size", "num_local_experts"),
@@ -362,6 +362,15 @@ def _groups(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
     return by
 
 
+def eager_scores(a: dict, longer: dict) -> float:
+    """Eager's bytes per element of the attention matrix from two eager rows, ``longer`` at twice ``a``'s sequence:
+    what the longer row's block keeps beyond twice the shorter's (its token-wise terms, the MoE ones included,
+    double) is the matrix's growth."""
+    s, s2 = a["seq_len"], longer["seq_len"]
+    extra = (longer["block"] - structural(longer)) - (s2 / s) * (a["block"] - structural(a))
+    return extra / (a["heads"] * (s2 * s2 - (s2 / s) * s * s))
+
+
 def fit(rows: list[dict]) -> dict:
     """Per ``(fit group, precision)`` (the group: the row's ``group``, else its family), the constants of
     :class:`hybridtrain.plan.memory.Activations` from the fitting rows (``tag``: A base, I wider MLP, H wider hidden,
@@ -376,9 +385,7 @@ def fit(rows: list[dict]) -> dict:
         a, s = t["A"], t["A"]["seq_len"]
         scores = None
         if a["attn"] == "eager":  # no sdpa (Gemma 2): the s^2 term from twice the sequence
-            b2 = t["S"]
-            extra = (b2["block"] - structural(b2)) - 2 * (a["block"] - structural(a))
-            scores = extra / (a["heads"] * (b2["seq_len"] ** 2 - 2 * s * s))
+            scores = eager_scores(a, t["S"])
         elif "E" in t:
             e = t["E"]
             scores = (e["block"] - structural(e) - a["block"]) / (a["heads"] * s * s)
@@ -420,6 +427,8 @@ def fit_moe(rows: list[dict], dense: dict) -> dict:
     for (family, precision), t in _groups(rows).items():
         c = dense[MOE_ATTENTION[family], precision]
         a, k, w, n = t["A"], t["k"], t["W"], t["N"]
+        if "S" in t:  # eager only (gpt-oss): its own matrix (its softmax keeps the model's dtype, Qwen2's fp32)
+            c = {**c, "scores": eager_scores(a, t["S"])}
 
         def per_token(r):  # the block's bytes per token without eager's s^2 and repeated-KV terms
             s = r["seq_len"]
@@ -445,8 +454,9 @@ def fitting_cases(family: str) -> list[dict]:
     :data:`FP32_ONLY`): ``tag`` A the base shape at s = 256 (sdpa; eager for :data:`EAGER_ONLY` and
     :data:`MATH_SDPA`), I wider MLP, H wider hidden (head widths kept), S s = 512, D wider heads, K more KV heads
     (families with a ``head_dim``), L wider MLA low-rank projections, E eager, P packed, C activation
-    checkpointing; an MoE family's k top-4, W wider experts, N twice the experts, M sdpa (:data:`MATH_SDPA`: the
-    math kernel's rows, checked, not fitted), and its dense blocks' rows (:data:`DENSE_OF`)."""
+    checkpointing; an MoE family's k top-4, W wider experts, N twice the experts, S s = 512 (eager only: its own
+    attention matrix), M sdpa (:data:`MATH_SDPA`: the math kernel's rows, checked, not fitted), and its dense
+    blocks' rows (:data:`DENSE_OF`)."""
     precisions = ("fp32",) if family in FP32_ONLY else ("fp32", "bf16")
     base = "eager" if family in EAGER_ONLY | MATH_SDPA else "sdpa"
     out = [case for group, (of, _) in DENSE_OF.items() if of == family for case in _dense_cases(group)]
@@ -457,6 +467,7 @@ def fitting_cases(family: str) -> list[dict]:
                 ("W", dict(shape={width: 2 * shape[width]})), ("N", dict(shape={experts: 2 * shape[experts]})),
                 ("H", dict(shape=dict(hidden_size=128))), ("C", dict(checkpointing=True))]
         tags += [("M", dict(attn="sdpa"))] if family in MATH_SDPA else []
+        tags += [("S", dict(seq_len=512))] if family in EAGER_ONLY else []
         return out + [dict(tag=tag, family=family, precision=precision, **{"seq_len": 256, "attn": base, **kw})
                       for precision in precisions for tag, kw in tags]
     hd = SHAPES[family].get("head_dim", 8)

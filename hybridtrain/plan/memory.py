@@ -30,7 +30,7 @@ reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bi
 
 Activations (per micro-batch, per rank; measured, not assumed: ``bench/activations.py`` counts every tensor autograd
 saves for the backward through hybridtrain's own layers, per storage, parameters excluded, and
-``bench/results/activations_2026-12-05_232635.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
+``bench/results/activations_2026-12-05_234455.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
 ``h`` hidden, ``I`` MLP width, ``q`` / ``k`` query and key widths (heads x head dim), ``a`` heads, ``t`` = tp,
 ``w`` activation bytes, ``V`` padded vocabulary; per block, bytes per token (bf16 / fp32, :data:`ACTIVATIONS`):
 
@@ -67,7 +67,8 @@ Qwen2-MoE and gpt-oss: Qwen2's; DeepSeek-V3 those of its own dense blocks, MLA's
 unit) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` per unit of one expert's
 width ``/ t`` for each of a token's ``top_k`` routed pairs, ``router`` per expert, ``moe_hidden`` per hidden unit and a
 shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4; gpt-oss's clamped,
-interleaved experts 28 per unit of width and a router keeping only its top-k). On CPUs DeepSeek-V3's sdpa is torch's math kernel, counted as eager (:func:`kernel_flags`). At ``ep`` = 1 a
+interleaved experts 28 per unit of width and a router keeping only its top-k, its eager softmax in the model's
+dtype: 2 bytes per matrix element in bf16). On CPUs DeepSeek-V3's sdpa is torch's math kernel, counted as eager (:func:`kernel_flags`). At ``ep`` = 1 a
 rank's experts run exactly its own tokens' pairs; at ``ep`` > 1 they run the pairs the router sends them from every
 rank, which the dropless dispatch does not cap: the plan counts :data:`EXPERT_LOAD_MARGIN` times the balanced share
 (measured at ep = 2, ``bench.activations.measure_ep``: each pair a rank receives beyond its share costs about three
@@ -250,7 +251,8 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
     ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
     # mixture-of-experts families: their attention family's constants, the MoE MLP's fitted over them (fit_moe)
     ("deepseek_v3", "fp32"): Activations(hidden=24.052, mlp=16.026, query=8.008, kv=8.008, scores=4.0, outside=12.0, vocab=3.979, latent=12.052, routed=8.631, expert=15.987, router=4.016, moe_hidden=0.141),  # attention: its dense blocks' (fit 0.04%)
-    ("gpt_oss", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.75, expert=28.0, router=0.016, moe_hidden=0.644),  # attention: qwen2's
+    ("gpt_oss", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=2.0, outside=8.0, vocab=3.994, routed=4.688, expert=14.0, router=0.016, moe_hidden=4.383),  # attention: qwen2's, its own eager matrix
+    ("gpt_oss", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=4.0, outside=12.0, vocab=3.979, routed=8.75, expert=28.0, router=0.016, moe_hidden=0.133),  # attention: qwen2's, its own eager matrix
     ("mixtral", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994, routed=4.625, expert=8.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
     ("mixtral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979, routed=8.625, expert=16.0, router=4.016, moe_hidden=0.359),  # attention: mistral's
     ("olmoe", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979, routed=4.531, expert=8.0, router=4.016, moe_hidden=-4.144),  # attention: olmo2's

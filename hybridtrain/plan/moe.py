@@ -58,13 +58,19 @@ def expert_facts(family: Any, hf_config: Any, dims: Any, total_params: int) -> O
                        expert_params=sum(per_variant[v] for v in variants), total_params=total_params)
 
 
-def fp32_modules(hf_config: Any) -> list[str]:
-    """The modules transformers' causal-LM class of ``hf_config`` keeps in fp32 in a 16-bit model
-    (``_keep_in_fp32_modules`` and ``_strict``: gpt-oss's norms, DeepSeek-V3's router)."""
+def fp32_modules(hf_config: Any, precision: str) -> list[str]:
+    """The modules transformers' causal-LM class of ``hf_config`` keeps in fp32 in a model of ``precision``
+    (transformers' rule, ``PreTrainedModel._keep_in_fp32_modules``: ``_keep_in_fp32_modules_strict`` under bf16 and
+    fp16, DeepSeek-V3's router weight and ``e_score_correction_bias``; ``_keep_in_fp32_modules`` under fp16 only,
+    gpt-oss's norms)."""
     from transformers import AutoModelForCausalLM
 
+    if precision not in ("bf16", "fp16"):
+        return []
     cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
-    names = [*(getattr(cls, "_keep_in_fp32_modules", None) or []), *(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])]
+    names = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+    if precision == "fp16":
+        names += getattr(cls, "_keep_in_fp32_modules", None) or []
     return list(dict.fromkeys(names))
 
 
@@ -87,17 +93,22 @@ def check_moe(cfg: Any, family: Any, hf_config: Any) -> None:
 
 
 def check_moe_precision(cfg: Any, family: Any, hf_config: Any) -> None:
-    """Refuse bf16/fp16 for an MoE model whose HF class keeps modules in fp32 in a 16-bit model (gpt-oss's norms,
-    DeepSeek-V3's router weight and ``e_score_correction_bias``): DeepSpeed's 16-bit engine casts every parameter
-    and buffer to one dtype, so the model would no longer be transformers'. ``cfg.trainer.precision`` as resolved
-    (``null``: bf16 on GPUs, fp32 on CPUs), so this runs after :func:`~hybridtrain.plan.precision.devices.precision_for`."""
-    if family.moe is None or str(cfg.trainer.precision) == "fp32":
+    """Refuse a 16-bit precision for an MoE model whose HF class keeps modules in fp32 at that precision
+    (:func:`fp32_modules`: DeepSeek-V3's router weight and ``e_score_correction_bias`` in bf16 and fp16, gpt-oss's
+    norms in fp16): DeepSpeed's 16-bit engine casts every parameter to the training dtype (its
+    ``data_types.keep_in_fp32_modules`` keeps buffers only), so the model would no longer be transformers'.
+    gpt-oss in bf16 is transformers' bf16 model (its norms follow the dtype there). ``cfg.trainer.precision`` as
+    resolved (``null``: bf16 on GPUs, fp32 on CPUs), so this runs after
+    :func:`~hybridtrain.plan.devices.precision_for`."""
+    precision = str(cfg.trainer.precision)
+    if family.moe is None:
         return
-    kept = fp32_modules(hf_config)
+    kept = fp32_modules(hf_config, precision)
     if kept:
-        raise PlanError("trainer.precision", f"trainer.precision={cfg.trainer.precision}: transformers keeps "
-                        f"{', '.join(kept)} of {family.model_type} in fp32 in a 16-bit model, which DeepSpeed's "
-                        "bf16/fp16 engine (one dtype for every parameter) does not; use trainer.precision=fp32")
+        raise PlanError("trainer.precision", f"trainer.precision={precision}: transformers keeps "
+                        f"{', '.join(kept)} of {family.model_type} in fp32 in {precision} models, which DeepSpeed's "
+                        f"{precision} engine does not (it casts every parameter to {precision}); use "
+                        "trainer.precision=fp32" + (" or bf16" if not fp32_modules(hf_config, "bf16") else ""))
 
 
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:

@@ -10,7 +10,7 @@ expert groups over the same ranks and sums the expert norms over the expert-para
 - fp32 ZeRO-2 at dp = 2 x ep = 2: per-step losses (1e-4) and gradient norms (1e-3) of the one-process oracle
   (transformers + AdamW), and the plan's model-state estimate within 10% of rank 0's measured state (slow).
 - bf16 at dp = 2 x ep = 2 against bf16 at dp = 2 x ep = 1, the same global batch and micro-batches (CI: ZeRO-1,
-  DeepSpeed's BF16 optimizer; slow: ZeRO-2): the first step, from the same weights, has the same loss and the
+  DeepSpeed's BF16 optimizer; slow: ZeRO-2, and gpt-oss, also against transformers' fp32 first loss): the first step, from the same weights, has the same loss and the
   same gradient norm (1e-4: a missing or doubled expert reduction changes the norm by far more); the later
   steps stay within bf16's rounding of each other (1e-3).
 """
@@ -34,7 +34,8 @@ def _common(folder) -> list[str]:
     return moe_overrides(folder, STEPS, "trainer.save_final=false")
 
 
-def _bf16_pair(folder, tmp_path, *extra: str) -> None:
+def _bf16_pair(folder, tmp_path, *extra: str) -> dict[int, list[dict]]:
+    """bf16 runs at dp = 2 with ep = 1 and 2 (their metrics by ep), checked against each other."""
     runs = {}
     for ep in (1, 2):
         run_cli(tmp_path / f"ep{ep}", *_common(folder), "trainer.precision=bf16", "parallel.dp=2", f"parallel.ep={ep}",
@@ -47,6 +48,7 @@ def _bf16_pair(folder, tmp_path, *extra: str) -> None:
     for a, b in zip(one[1:], two[1:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), f"step {b['step']}"
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2), f"step {b['step']}"
+    return runs
 
 
 def test_bf16_expert_parallel_equals_bf16_without(qwen3_moe, tmp_path):
@@ -56,6 +58,22 @@ def test_bf16_expert_parallel_equals_bf16_without(qwen3_moe, tmp_path):
 @pytest.mark.slow
 def test_bf16_zero2_expert_parallel_equals_bf16_without(qwen3_moe, tmp_path):
     _bf16_pair(qwen3_moe, tmp_path, "parallel.zero_stage=2")
+
+
+@pytest.mark.slow
+def test_gpt_oss_in_bf16_expert_parallel_equals_bf16_without_and_fp32_transformers(tmp_path):
+    """gpt-oss trains in bf16 (transformers keeps its norms in fp32 under fp16 only): dp = 2 x ep = 2 against
+    dp = 2 x ep = 1 as above, and the first step's loss within bf16's rounding (1e-2) of transformers' in fp32."""
+    from hybridtrain.plan import apply_pretrained_defaults
+    from hybridtrain.reference import reference_run
+
+    folder = make_moe_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    runs = _bf16_pair(folder, tmp_path)
+    cfg = compose(*_common(folder))
+    apply_pretrained_defaults(cfg)
+    want = reference_run(cfg)[0]["loss"]
+    assert runs[1][0]["loss"] == pytest.approx(want, rel=1e-2)
+    assert runs[1][0]["loss"] != pytest.approx(want, rel=1e-6)  # bf16 did run
 
 
 @pytest.mark.slow

@@ -48,9 +48,9 @@ CASES = {  # id -> (overrides, key, fragments of the message)
                                   "parallel.stage_layers=[3,2]"), "parallel.stage_layers",
                                  ["stage 1 (final_norm, head) holds no MoE block", "parallel.zero_stage=0"]),
     "ep_below_one": ((*TINY_MOE, "parallel.ep=0"), "parallel.ep", ["must be >= 1, got 0"]),
-    "fp32_modules_in_bf16": (("model=gpt_oss", "trainer.precision=bf16"), "trainer.precision",
-                             ["transformers keeps post_attention_layernorm, input_layernorm, norm of gpt_oss in fp32",
-                              "use trainer.precision=fp32"]),
+    "fp32_modules_in_fp16": (("model=gpt_oss", "trainer.precision=fp16"), "trainer.precision",
+                             ["transformers keeps post_attention_layernorm, input_layernorm, norm of gpt_oss in fp32 "
+                              "in fp16 models", "use trainer.precision=fp32 or bf16"]),
     "ep_stage_with_dense_blocks_only": ((*TINY_MOE, "+model.config.mlp_only_layers=[0]", "parallel.dp=2",
                                          "parallel.ep=2", "parallel.pp=2", "parallel.stage_layers=[2,3]"),
                                         "parallel.stage_layers", ["stage 0 (embed, block.0) holds no MoE block"]),
@@ -327,3 +327,17 @@ def test_every_rank_of_an_moe_model_starts_from_the_reference_weights(model_type
             assert state.keys() == ref.keys(), (index, sorted(set(state) ^ set(ref)))
             for name, value in ref.items():
                 assert torch.equal(state[name], value), (model_type, rank, index, name)
+
+
+def test_gpt_oss_plans_in_bf16_as_transformers_keeps_its_norms_in_fp32_under_fp16_only():
+    """transformers keeps gpt-oss's norms (``_keep_in_fp32_modules``) in fp32 in fp16 models only: a bf16 gpt-oss is
+    all bf16 there, so the plan takes it (and refuses fp16, above); DeepSeek-V3's strict list holds in bf16 too."""
+    from hybridtrain.plan.moe import fp32_modules
+
+    cfg = compose("model=gpt_oss", "trainer.precision=bf16")
+    plan, hf = resolve(cfg, CPU)
+    assert plan.precision == "bf16"
+    assert fp32_modules(hf, "bf16") == [] and fp32_modules(hf, "fp32") == []
+    assert fp32_modules(hf, "fp16") == ["post_attention_layernorm", "input_layernorm", "norm"]
+    _, deepseek = resolve(compose(*TINY_DEEPSEEK), CPU)
+    assert set(fp32_modules(deepseek, "bf16")) == {"e_score_correction_bias", "gate.weight"}
