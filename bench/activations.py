@@ -522,7 +522,8 @@ EP_CASES = [
     dict(family="deepseek_v3", seq_len=256, precision="fp32"),
 ]
 """The ep = 2 rows (and their ep = 1 twins; gpt-oss in eager, its one kernel, DeepSeek-V3 in sdpa, torch's math
-kernel on CPU): each rank draws its own tokens, so its experts receive more or fewer pairs than its tokens send (the plan's :data:`~hybridtrain.plan.memory.EXPERT_LOAD_MARGIN` covers the heavier)."""
+kernel on CPU): each rank draws its own tokens, so its experts receive more or fewer pairs than its tokens send
+(the plan's :data:`~hybridtrain.plan.memory.EXPERT_LOAD_MARGIN` covers the heavier)."""
 
 
 def _measure_tagged(case: dict) -> dict:

@@ -68,7 +68,8 @@ unit) and add, per MoE block, ``routed`` bytes per hidden unit and ``expert`` pe
 width ``/ t`` for each of a token's ``top_k`` routed pairs, ``router`` per expert, ``moe_hidden`` per hidden unit and a
 shared expert's width at ``mlp`` (``bench.activations.fit_moe``; fp32 8.6, 16, 4; bf16 4.5, 8, 4; gpt-oss's clamped,
 interleaved experts 28 per unit of width and a router keeping only its top-k, its eager softmax in the model's
-dtype: 2 bytes per matrix element in bf16). On CPUs DeepSeek-V3's sdpa is torch's math kernel, counted as eager (:func:`kernel_flags`). At ``ep`` = 1 a
+dtype: 2 bytes per matrix element in bf16). On CPUs DeepSeek-V3's sdpa is torch's math kernel, counted as eager
+(:func:`kernel_flags`). At ``ep`` = 1 a
 rank's experts run exactly its own tokens' pairs; at ``ep`` > 1 they run the pairs the router sends them from every
 rank, which the dropless dispatch does not cap: the plan counts :data:`EXPERT_LOAD_MARGIN` times the balanced share
 (measured at ep = 2, ``bench.activations.measure_ep``: each pair a rank receives beyond its share costs about three

@@ -107,7 +107,8 @@ def check_moe_precision(cfg: Any, family: Any, hf_config: Any) -> None:
     if kept:
         raise PlanError("trainer.precision", f"trainer.precision={precision}: transformers keeps "
                         f"{', '.join(kept)} of {family.model_type} in fp32 in {precision} models, which DeepSpeed's "
-                        f"{precision} engine does not (it keeps buffers in fp32, but casts every parameter to {precision}); use "
+                        f"{precision} engine does not (it keeps buffers in fp32, but casts every parameter to "
+                        f"{precision}); use "
                         "trainer.precision=fp32" + (" or bf16" if not fp32_modules(hf_config, "bf16") else ""))
 
 

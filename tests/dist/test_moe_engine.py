@@ -10,9 +10,9 @@ expert groups over the same ranks and sums the expert norms over the expert-para
 - fp32 ZeRO-2 at dp = 2 x ep = 2: per-step losses (1e-4) and gradient norms (1e-3) of the one-process oracle
   (transformers + AdamW), and the plan's model-state estimate within 10% of rank 0's measured state (slow).
 - bf16 at dp = 2 x ep = 2 against bf16 at dp = 2 x ep = 1, the same global batch and micro-batches (CI: ZeRO-1,
-  DeepSpeed's BF16 optimizer; slow: ZeRO-2, and gpt-oss, also against transformers' fp32 first loss): the first step, from the same weights, has the same loss and the
-  same gradient norm (1e-4: a missing or doubled expert reduction changes the norm by far more); the later
-  steps stay within bf16's rounding of each other (1e-3).
+  DeepSpeed's BF16 optimizer; slow: ZeRO-2, and gpt-oss, also against transformers' fp32 first loss): the first
+  step, from the same weights, has the same loss and the same gradient norm (1e-4: a missing or doubled expert
+  reduction changes the norm by far more); the later steps stay within bf16's rounding of each other (1e-3).
 """
 from __future__ import annotations
 
