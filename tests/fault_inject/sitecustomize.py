@@ -19,6 +19,9 @@ class's ``_INSTRUCTION_MAP``) so that:
   ``HT_FAULT_AT`` (the ``hybridtrain`` client state's step) the rank first fills the checkpoint's file
   system with a file inside the checkpoint folder being written, up to the last byte, as another
   process filling the disk would; DeepSpeed's own write then meets the full disk (a real ENOSPC).
+- ``HT_FAULT=pause``: the same save of step ``HT_FAULT_AT`` first writes ``time.time()`` to
+  ``HT_FAULT_STAMP`` and sleeps ``HT_FAULT_PAUSE`` seconds: a save caught in the middle (its
+  ``.tmp-step_N`` folder exists, DeepSpeed's files are not written yet), for a signal sent meanwhile.
 
 The production code has no test hooks; this patches DeepSpeed's class from outside.
 """
@@ -43,7 +46,7 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
             time.sleep(0.02)
         if getattr(cls, "_ht_wrapped", False):  # wrapped before this process was forked
             return
-        if os.environ["HT_FAULT"] == "fill":
+        if os.environ["HT_FAULT"] in ("fill", "pause"):
             return _ht_patch_save()
         original = cls._exec_backward_pass
         at, calls = int(os.environ["HT_FAULT_AT"]), [0]
@@ -75,7 +78,12 @@ if os.environ.get("HT_FAULT") and os.environ.get("RANK", os.environ.get("HT_FAUL
 
         def save_checkpoint(self, save_dir, *args, **kwargs):
             step = (kwargs.get("client_state") or {}).get("hybridtrain", {}).get("step")
-            if os.environ.get("RANK") == os.environ["HT_FAULT_RANK"] and step == int(os.environ["HT_FAULT_AT"]):
+            hit = os.environ.get("RANK") == os.environ["HT_FAULT_RANK"] and step == int(os.environ["HT_FAULT_AT"])
+            if hit and os.environ["HT_FAULT"] == "pause":
+                with open(os.environ["HT_FAULT_STAMP"], "w") as f:
+                    f.write(repr(time.time()))
+                time.sleep(float(os.environ["HT_FAULT_PAUSE"]))
+            elif hit:
                 chunk = b"\0" * (1 << 20)
                 with open(os.path.join(save_dir, "ht_filler"), "wb", buffering=0) as f:
                     try:
