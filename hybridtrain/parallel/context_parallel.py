@@ -264,6 +264,31 @@ def flash_segments(positions: torch.Tensor, q_index: torch.Tensor) -> FlashSegme
                          int(len_q.max()), int(len_k.max()))
 
 
+class _ConfigAs:
+    """A model config read through, its ``_attn_implementation`` replaced (:class:`AttentionAs`)."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self._config, self._attn_implementation = config, name
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._config, key)
+
+
+class AttentionAs:
+    """An attention module seen with ``config._attn_implementation = name``, every other attribute its own.
+
+    transformers' ``flash_attention_forward`` picks its kernel by ``module.config._attn_implementation``; at cp > 1
+    the config says :data:`ATTENTION_NAME` (so that every module calls :func:`context_parallel_attention`), a name
+    it knows no kernel for ("Could not find the currently requested flash attention implementation"). The base
+    attention gets the module under the name it stands for; the shared config is never written mid-forward."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self._module, self.config = module, _ConfigAs(module.config, name)
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._module, key)
+
+
 def flash_varlen_attention(flash, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            positions: torch.Tensor, q_index: torch.Tensor, segments: Optional[FlashSegments] = None,
                            **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -280,6 +305,7 @@ def flash_varlen_attention(flash, module: torch.nn.Module, query: torch.Tensor, 
         return flat.index_select(1, seg.key_index).unsqueeze(0)
 
     kwargs.pop("position_ids", None)  # the pieces' offsets say it all; position ids would make another varlen
+    module = AttentionAs(module, "flash_attention_2") if module is not None else None
     out, weights = flash(module, q, pick(key), pick(value), None, cu_seq_lens_q=seg.cu_q, cu_seq_lens_k=seg.cu_k,
                          max_length_q=seg.max_q, max_length_k=seg.max_k, is_causal=True, **kwargs)
     return out.reshape(batch, local, heads, -1), weights  # [1, B x Sq, H, D] -> [B, Sq, H, D]

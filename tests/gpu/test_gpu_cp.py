@@ -43,11 +43,12 @@ def test_flash_pieces_equal_the_masked_attention_on_the_gpu(rows, window, cp):
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     from hybridtrain.parallel.context import chunk_indices
-    from hybridtrain.parallel.context_parallel import cp_attention_mask, flash_varlen_attention
+    from hybridtrain.parallel.context_parallel import cp_attention_mask, flash_varlen_attention, register_attention
 
     heads, kv_heads, dim = 8, 2, 64
     config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          num_hidden_layers=1, attn_implementation="flash_attention_2")
+    config._attn_implementation = register_attention()  # as ModelBuilder.for_run sets it at cp > 1 (gpu-review-3 #1)
     module = LlamaAttention(config, layer_idx=0).to("cuda", torch.bfloat16)
     positions = _positions(rows).cuda()
     torch.manual_seed(3)

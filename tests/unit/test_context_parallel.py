@@ -195,3 +195,39 @@ def test_whole_model_hands_cp_context_to_every_layer():
     model.config._attn_implementation = register_attention()
     got = model(input_ids=ids, position_ids=positions, cp_context=CPAttention(CPContext(), "sdpa", positions)).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_flash_base_reaches_transformers_kernel_lookup_under_its_own_name(monkeypatch):
+    """gpu-review-3 finding 1: at cp > 1 the config's attention name is ``hybridtrain_cp`` (as ``ModelBuilder.for_run``
+    sets it), and transformers' ``flash_attention_forward`` picks its kernel by ``module.config._attn_implementation``:
+    given the module itself it asked for a kernel named ``hybridtrain_cp`` and raised at the first call. The core
+    varlen call is stood in for by the kernel's documented semantics (no flash-attn on a CPU); the name it is asked
+    for, and the whole packed model's logits against its sdpa twin, are checked."""
+    import transformers.integrations.flash_attention as fa
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    asked = []
+
+    def varlen(query, key, value, attention_mask, query_length, is_causal, softmax_scale=None,
+               attn_implementation=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None,
+               max_length_k=None, **_):
+        asked.append(attn_implementation)
+        out, _ = _varlen_reference(None, *(x.transpose(1, 2) for x in (query, key, value)), None, cu_seq_lens_q,
+                                   cu_seq_lens_k, max_length_q, max_length_k, is_causal, scaling=softmax_scale)
+        return out
+
+    monkeypatch.setattr(fa, "_flash_attention_forward", varlen)
+    config = LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=32, vocab_size=20, max_position_embeddings=S, attn_implementation="sdpa",
+                         use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 20, (2, S))
+    positions = POSITIONS["packed"]
+    want = model(input_ids=ids, position_ids=positions).logits
+    model.config._attn_implementation = register_attention()
+    got = model(input_ids=ids, position_ids=positions,
+                cp_context=CPAttention(CPContext(), "flash_attention_2", positions)).logits
+    assert asked == ["flash_attention_2"] * 2  # one call per layer, each for the kernel the run asked for
+    assert model.config._attn_implementation == "hybridtrain_cp"  # the shared config is left as it was
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
