@@ -50,7 +50,8 @@ def layer_sums(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
     probs = torch.nn.functional.softmax(router_logits.reshape(-1, experts), dim=-1)  # [T, E]
     with torch.no_grad():
         chosen = torch.topk(probs, top_k, dim=-1).indices  # [T, k]
-        counts = torch.bincount(chosen.reshape(-1), minlength=experts)
+        flat = chosen.reshape(-1)  # [T x k]; counted without bincount (on CUDA it reads min and max to the host)
+        counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return probs.float().sum(dim=0), counts
 
 

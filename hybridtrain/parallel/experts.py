@@ -180,9 +180,13 @@ class ExpertDispatch:
         tokens, k = top_k_index.shape  # [T, k]
         ids = top_k_index.reshape(-1)  # [S = T x k]
         order = torch.argsort(ids, stable=True)  # pairs by expert, hence by owner
-        sent = torch.bincount(ids // self.local, minlength=self.ep.size)  # [ep] pairs to each owner
+        owners = ids // self.local  # [S]
+        # counted without bincount, which reads the ids' min and max to the host on CUDA (two more syncs)
+        sent = torch.zeros(self.ep.size, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, owners, torch.ones_like(owners))  # [ep] pairs to each owner
         received = collectives.all_to_all_counts(sent, self.ep.group)
-        in_splits, out_splits = sent.tolist(), received.tolist()  # one host sync per layer (dropless)
+        splits = torch.cat([sent, received]).tolist()  # the one host read per layer forward: the splits (dropless)
+        in_splits, out_splits = splits[:self.ep.size], splits[self.ep.size:]
         self.last_received = sum(out_splits)  # rows this rank's experts ran in the last forward (tests, observers)
         rows = collectives.all_to_all_rows(hidden_states[order // k], out_splits, in_splits, self.ep.group)  # [R, H]
         with torch.no_grad():

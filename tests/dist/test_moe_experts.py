@@ -31,6 +31,7 @@ def _block(one_owner: bool):
 
     config = AutoConfig.for_model("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E,
                                   num_experts_per_tok=K, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"  # as a run's model gets it (from_config's default)
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(config)
     with torch.no_grad():
@@ -58,6 +59,9 @@ def _run(rank: int, world: int, emit) -> None:
     from hybridtrain.parallel.dims import ParallelDims
     from hybridtrain.parallel.experts import shard_experts, split_experts_over_ep
     from hybridtrain.parallel.tensor import STYLES
+    from torch.utils.checkpoint import checkpoint
+
+    from helpers.syncs import HostSyncs, counted_calls
 
     for name, (dp, tp, ep, one_owner) in CASES.items():
         dims = ParallelDims(dp=dp, tp=tp, ep=ep)
@@ -79,8 +83,17 @@ def _run(rank: int, world: int, emit) -> None:
 
         x = _tokens(dims.coords(rank).dp, one_owner).requires_grad_()
         upstream = torch.randn(T, H, generator=torch.Generator().manual_seed(7 + dims.coords(rank).dp))
-        y = sharded(x[None])[0]
+        # under activation checkpointing first: each run of the block (the forward, then the recompute inside
+        # the backward, where autograd's engine does not carry an outer mode) counts its own calls
+        runs: list = []
+        y = checkpoint(counted_calls(sharded, runs), x[None], use_reentrant=False)[0]
         y.backward(upstream)
+        sharded.zero_grad(set_to_none=True)
+        x.grad = None
+        y = sharded(x[None])[0]
+        with HostSyncs() as counted:
+            y.backward(upstream)
+        syncs = {"forward": runs[0], "recompute": runs[1:], "backward": counted.calls}
         checks = {}
         want_x = x.detach().clone().requires_grad_()
         want = full(want_x[None])[0]
@@ -102,6 +115,7 @@ def _run(rank: int, world: int, emit) -> None:
             want_grad = shard_tensor(getattr(summed.experts, leaf).grad[start:stop], dim, blocks, tp_ctx.rank, tp)
             checks[f"{leaf}_grad"] = (getattr(sharded.experts, leaf).grad, want_grad)
         checks["received_rows"] = int(getattr(sharded.experts.forward, "last_received", -1))
+        checks["syncs"] = syncs
         emit(name, checks)
 
 
@@ -115,7 +129,7 @@ def test_expert_parallel_block_matches_unsharded(world_run: WorldRun, case: str)
     assert not world_run.problems, world_run.problem_report()
     for rank in range(WORLD):
         checks = world_run.emitted[rank][case]
-        for check, (got, want) in ((k, v) for k, v in checks.items() if k != "received_rows"):
+        for check, (got, want) in ((k, v) for k, v in checks.items() if k not in ("received_rows", "syncs")):
             scale = want.abs().max().item()
             if scale == 0:  # experts that received no token: no gradient (DeepSpeed reduces a zero for it)
                 assert check.endswith("proj_grad") and CASES[case][3] and rank > 0, (case, rank, check)
@@ -126,3 +140,15 @@ def test_expert_parallel_block_matches_unsharded(world_run: WorldRun, case: str)
     if CASES[case][3]:  # routed to rank 0's experts only: the other ranks of each EP group received nothing
         received = [world_run.emitted[r][case]["received_rows"] for r in range(WORLD)]
         assert received[0] == WORLD * T * K and received[1:] == [0, 0, 0], received
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_expert_parallel_layer_reads_the_host_once_per_forward(world_run: WorldRun, case: str) -> None:
+    """gpu-review-3 finding 2 (syncs counted, not described): one MoE layer's forward makes one host read, the
+    split sizes NCCL's all-to-all needs on the host (sent and received together), on every rank, a rank that
+    receives nothing included; the recompute under activation checkpointing makes that one again and the
+    backward none (tests/helpers/syncs.py counts what would sync on CUDA: bincount did three more)."""
+    assert not world_run.problems, world_run.problem_report()
+    for rank in range(WORLD):
+        syncs = world_run.emitted[rank][case]["syncs"]
+        assert syncs == {"forward": ["tolist"], "recompute": [["tolist"]], "backward": []}, (case, rank, syncs)

@@ -172,3 +172,23 @@ def test_deepseek_v3_reads_its_routing_bias_and_has_no_aux_loss(moe_folders):
     plain = one_process_model_of(folder)((ids, _positions(ids)), labels)
     with_flag = one_process_model_of(folder, "+model.config.output_router_logits=true")((ids, _positions(ids)), labels)
     assert with_flag.item() == plain.item()
+
+
+def test_the_router_sums_read_nothing_to_the_host_and_count_as_bincount():
+    """gpu-review-3 finding 2: the aux loss's per-layer ``(P, C)`` (``models.moe.layer_sums``) counts the top-k
+    choices without ``bincount`` (whose CUDA kernel reads min and max to the host): no syncing call
+    (tests/helpers/syncs.py), and the same counts, experts never chosen included."""
+    import torch
+
+    from helpers.syncs import HostSyncs
+    from hybridtrain.models.moe import layer_sums
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 8)
+    logits[..., 5] = -30.0  # expert 5 is never chosen
+    with HostSyncs() as syncs:
+        p_sum, counts = layer_sums(logits, 2)
+    assert syncs.calls == []
+    chosen = torch.topk(torch.softmax(logits.reshape(-1, 8), dim=-1), 2, dim=-1).indices
+    assert torch.equal(counts, torch.bincount(chosen.reshape(-1), minlength=8)) and counts[5] == 0
+    assert counts.dtype == torch.int64 and p_sum.dtype == torch.float32
