@@ -120,6 +120,23 @@ def uses_tf32(precision: str, tf32: bool) -> bool:
     return precision == "fp32" and tf32
 
 
+ALLOCATOR_KEYS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""The environment variables torch's CUDA caching allocator reads its settings from (the first is torch's
+newer name, the second its older one, both honoured by torch 2.13)."""
+
+EXPANDABLE = "expandable_segments:True"
+"""The allocator setting a GPU rank gets unless the environment sets the allocator: segments that grow in
+place, so the varying ``[rows, H]`` shapes of a dropless MoE dispatch (and of packed rows) reuse memory
+instead of fragmenting the cache into blocks of every size (what torchtitan's launch script sets too)."""
+
+
+def allocator_settings(environ) -> None:
+    """Put :data:`EXPANDABLE` into ``environ`` (a GPU rank's ``os.environ``, before CUDA starts) unless one of
+    :data:`ALLOCATOR_KEYS` is set already: the user's own allocator settings win, whatever they say."""
+    if not any(environ.get(key) for key in ALLOCATOR_KEYS):
+        environ[ALLOCATOR_KEYS[1]] = EXPANDABLE
+
+
 def rate_key(precision: str, tf32: bool = False) -> str:
     """The table column a run's matmuls reach: ``bf16`` (bf16, fp16), ``tf32`` (fp32 with
     ``trainer.tf32``) or ``fp32``."""

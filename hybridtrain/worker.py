@@ -110,11 +110,14 @@ def run(run_dir: Path) -> int:
 def _setup_gpu(cfg) -> None:
     """Bind this rank to its GPU before the process group starts (NCCL creates its communicator on
     the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let an fp32 run's
-    matmuls use TF32 tensor cores when ``trainer.tf32`` (:func:`hybridtrain.gpus.uses_tf32`)."""
+    matmuls use TF32 tensor cores when ``trainer.tf32`` (:func:`hybridtrain.gpus.uses_tf32`). The CUDA
+    allocator gets expandable segments unless the environment configures it (:func:`~hybridtrain.gpus.allocator_settings`):
+    read when CUDA starts, which ``set_device`` does."""
     import torch
 
-    from hybridtrain.gpus import uses_tf32
+    from hybridtrain.gpus import allocator_settings, uses_tf32
 
+    allocator_settings(os.environ)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if uses_tf32(cfg.trainer.precision, cfg.trainer.tf32):
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls (cuBLAS); bf16/fp16 unaffected

@@ -165,3 +165,19 @@ def test_device_probes_run_in_a_child_process():
 
     flops, overhead = device_probes(1, "cpu", (16, 16), in_child=True)
     assert flops > 1e6 and 0 < overhead < 1
+
+
+@pytest.mark.parametrize("environ,want", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}),
+], ids=["unset", "users_old_name", "users_new_name"])
+def test_a_gpu_rank_gets_expandable_segments_unless_the_user_set_the_allocator(environ, want):
+    """gpu-review-3 finding 11: dropless MoE dispatch (and packed rows) allocate other shapes at every micro-batch;
+    a GPU rank's allocator gets expandable segments (``worker._setup_gpu`` before CUDA starts), and a user's own
+    allocator settings, under either of torch's names, are kept as they are."""
+    from hybridtrain.gpus import allocator_settings
+
+    env = dict(environ)
+    allocator_settings(env)
+    assert env == want
