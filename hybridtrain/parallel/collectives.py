@@ -126,30 +126,42 @@ def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[i
 
 
 class _AllGather(torch.autograd.Function):
-    """``all_gather`` of equal tensors, differentiable: the backward reduce-scatters the gradients of the
-    gathered copies, so each rank gets the sum of every rank's gradient of its own piece.
+    """``all_gather`` of equal tensors into one ``[world, ...]`` buffer, differentiable: the backward
+    reduce-scatters the gradients of the gathered copies, so each rank gets the sum of every rank's gradient
+    of its own piece.
 
     Written here because torch's autograd wrapper (``torch.distributed.nn.functional.all_gather``) is
     deprecated in torch 2.13 (a ``FutureWarning`` per call) and, on gloo, its backward emulates the
     reduce-scatter with one ``dist.scatter`` per member passing the *group* rank as the *global* source:
     on a group that is not ranks ``0..n-1`` (a cp group at tp > 1) it raises "Global rank 1 is not part of
-    group". Gloo runs the list ``reduce_scatter`` itself since torch 2.x (checked on 2.13, on a subgroup),
-    so one backward serves gloo and NCCL."""
+    group". The single-tensor collectives (not the list ones, which NCCL runs through a flat buffer of its
+    own and copies out of: two more copies of K and V per layer, gpu-review-3 finding 14) run on gloo and
+    NCCL alike (checked on gloo, torch 2.13)."""
 
     @staticmethod
     def forward(ctx, tensor, group):
-        ctx.group = group
-        tensor = tensor.contiguous()
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group)
-        return tuple(out)
+        ctx.group, ctx.shape = group, tensor.shape
+        out = tensor.new_empty((_world(group) * tensor.numel(),))
+        _gather_single(out, tensor.contiguous().view(-1), group)
+        return out.view(-1, *tensor.shape)  # [world, ...] in group-rank order
 
     @staticmethod
-    def backward(ctx, *grads):
-        grads = [g.contiguous() for g in grads]
-        mine = torch.empty_like(grads[0])
-        dist.reduce_scatter(mine, grads, group=ctx.group)
-        return mine, None
+    def backward(ctx, grad):
+        mine = grad.new_empty((grad[0].numel(),))
+        _reduce_scatter_single(mine, grad.contiguous().view(-1), ctx.group)
+        return mine.view(ctx.shape), None
+
+
+def _gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    """torch 2.13's ``all_gather_single``; ``all_gather_into_tensor`` (its older name) where a torch lacks it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    """torch 2.13's ``reduce_scatter_single`` (a sum); ``reduce_scatter_tensor`` where a torch lacks it."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, tensor, group=group)
 
 
 def all_gather_autograd(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -158,7 +170,7 @@ def all_gather_autograd(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     owner (:class:`_AllGather`). A group of one returns ``[tensor]``."""
     if _world(group) == 1:
         return [tensor]
-    return list(_AllGather.apply(tensor, group))
+    return list(_AllGather.apply(tensor, group).unbind(0))  # views of the one buffer
 
 
 class _AllReduceSum(torch.autograd.Function):
