@@ -113,16 +113,17 @@ def tokenizer_difference(saved: Path, now: Path) -> Optional[str]:
 def _check_tokenizer(cfg: Config, path: Path) -> None:
     """The run's tokenizer gives the ids the checkpoint's model was trained on (its ``hf/tokenizer.json``): a
     tokenizer of the same size with other ids passes every shape check, and training on would unlearn the model.
-    Refused, not warned: nothing of the checkpoint is worth resuming with it."""
+    Refused rather than warned: the loss would only show it after the steps had already undone the training."""
     from hybridtrain.data.tokenizer import tokenizer_file
 
-    saved, now = CheckpointDir(path).hf / "tokenizer.json", tokenizer_file(cfg.data)
+    own = CheckpointDir(path).hf
+    saved, now = own / "tokenizer.json", tokenizer_file(cfg.data)
     if not saved.is_file() or not now.is_file():  # nothing to compare (a slow-only HF tokenizer folder)
         return
     why = tokenizer_difference(saved, now)
     if why is not None:
         raise PlanError("data.tokenizer", f"{now} is not the tokenizer the checkpoint {path} was trained with ({why}); "
-                        f"resume with the checkpoint's own, data.tokenizer={CheckpointDir(path).hf}, or start a new run")
+                        f"resume with the checkpoint's own, data.tokenizer={own}, or start a new run")
 
 
 def _checkpoint_folder(value: str) -> Path:
