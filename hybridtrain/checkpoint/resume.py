@@ -84,8 +84,8 @@ def _check_model_type(path: Path, ckpt_config: dict, hf_config) -> None:
 
 
 TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog; 0123456789, naïve café, 日本語, <|endoftext|>\n"
-"""Text both tokenizers encode in :func:`tokenizer_difference`: the same vocabulary with other merges splits
-it differently."""
+"""Text both tokenizers encode in :func:`tokenizer_difference`: the same vocabulary with other merges or another
+pre-tokenizer (a prefix space) splits it into other ids."""
 
 
 def tokenizer_difference(saved: Path, now: Path) -> Optional[str]:
@@ -106,7 +106,7 @@ def tokenizer_difference(saved: Path, now: Path) -> Optional[str]:
         return f"the token {token!r} is id {va[token]} in the checkpoint's but {where} in this run's"
     ia, ib = a.encode(TOKENIZER_PROBE).ids, b.encode(TOKENIZER_PROBE).ids
     if ia != ib:
-        return f"the same vocabulary splits text differently (other merges): {ia[:8]} vs {ib[:8]}"
+        return f"the same vocabulary splits text differently (other merges or pre-tokenization): {ia[:8]} vs {ib[:8]}"
     return None
 
 

@@ -392,3 +392,20 @@ def test_a_latest_pointer_to_no_checkpoint_is_noted(checkpoint, capsys):
     assert _resolve("auto", run_dir) == checkpoint
     assert (f"[hybridtrain] note: {pointer} names '../../../../../etc', which is no step_N folder of this run; "
             "ignored (auto takes the newest loadable step_N)") in capsys.readouterr().out
+
+
+def test_a_tokenizer_with_the_same_ids_that_splits_text_otherwise_is_told_apart(tmp_path):
+    """The same vocabulary and ids with another pre-tokenizer (a prefix space) encodes text to other ids: told apart
+    by the probe text; the file as a save rewrites it (save_pretrained) is not."""
+    from hybridtrain.checkpoint.io import save_tokenizer
+    from hybridtrain.checkpoint.resume import tokenizer_difference
+    from hybridtrain.data.embedded import TOKENIZER
+
+    spec = json.loads(TOKENIZER.read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    variant = tmp_path / "prefix.json"
+    variant.write_text(json.dumps(spec))
+    (tmp_path / "hf").mkdir()
+    save_tokenizer(variant, tmp_path / "hf")
+    assert tokenizer_difference(tmp_path / "hf" / "tokenizer.json", variant) is None
+    assert tokenizer_difference(TOKENIZER, variant).startswith("the same vocabulary splits text differently")
