@@ -116,23 +116,27 @@ def load_keeping_schedule(engine, plan, step: int, load: Callable[[], None]) -> 
     which the first step would train with. The resuming run's own (built from its ``optim.*`` keys; the
     multipliers come from its ``trainer.max_steps`` and are never saved, a ``LambdaLR`` keeps no function in its
     state) are taken before the load and put back after it, so a same-plan resume follows the same schedule as a
-    re-sharded one (:func:`set_schedule`). The AdamW moments and step counts are the checkpoint's."""
+    re-sharded one (:func:`set_schedule`). The AdamW moments and step counts are the checkpoint's, and so is the
+    schedule's position (``last_epoch``: ``step``, less any fp16 step DeepSpeed skipped on an overflow, which
+    does not advance the schedule), so an unchanged config resumes exactly."""
     sched = engine.lr_scheduler
     groups = [{k: v for k, v in group.items() if k != "params"} for group in sched.optimizer.param_groups]
     base_lrs = list(sched.base_lrs)
     load()
+    position = sched.last_epoch
     for group, kept in zip(sched.optimizer.param_groups, groups, strict=True):
         group.update(kept)
     sched.base_lrs = base_lrs
-    set_schedule(engine, plan, step)
+    set_schedule(engine, plan, step, position)
 
 
-def set_schedule(engine, plan, step: int) -> None:
-    """Continue the learning-rate schedule and DeepSpeed's counters at ``step``."""
+def set_schedule(engine, plan, step: int, position: int | None = None) -> None:
+    """Continue the learning-rate schedule at ``position`` (default ``step``: the optimizer steps taken) and
+    DeepSpeed's counters at ``step``."""
     import warnings
 
     sched = engine.lr_scheduler
-    sched.last_epoch = step - 1
+    sched.last_epoch = (step if position is None else position) - 1
     with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": moving it is the point
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         sched.step()  # sets every group's lr for optimizer step ``step``
