@@ -175,19 +175,34 @@ class RunDir:
         """``plan.json`` as written, or ``None`` when there is none (the report reads what it finds)."""
         return _json_or_none(self.plan_file)
 
-    def metric_records(self) -> list[dict[str, Any]]:
-        """Every line of ``metrics.jsonl`` as written: training steps, validations and resume events."""
+    def metric_records(self, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+        """Every line of ``metrics.jsonl`` as written: training steps, validations and resume events. A line that
+        is not a JSON object (cut short by a killed run or a full disk) is left out, its 1-based number appended
+        to ``skipped``: one bad line must not hide the rest of the history."""
         if not self.metrics_file.is_file():
             raise FileNotFoundError(f"{self.metrics_file} does not exist: give the run directory of a training run")
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        out = []
+        for number, line in enumerate(self.metrics_file.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                out.append(record)
+            elif skipped is not None:
+                skipped.append(number)
+        return out
 
-    def metrics(self) -> list[dict[str, Any]]:
+    def metrics(self, skipped: list[int] | None = None) -> list[dict[str, Any]]:
         """The run's one history in step order: training steps and validations, as it continues from
         each resume. A resume at step N (its event record) replaces what an earlier run logged after
         step N (steps a killed run trained past its checkpoint, or the newer steps of a resume that
-        fell back to an older checkpoint); the event records themselves are left out (:meth:`resumes`)."""
+        fell back to an older checkpoint); the event records themselves are left out (:meth:`resumes`). Unreadable
+        lines are skipped (their numbers appended to ``skipped``, :meth:`metric_records`)."""
         out: list[dict[str, Any]] = []
-        for record in self.metric_records():
+        for record in self.metric_records(skipped):
             if record.get("event") == RESUME_EVENT:
                 out = [r for r in out if r.get("step", 0) <= record["step"]]
             elif "event" not in record:

@@ -174,8 +174,9 @@ def through_hf(saved: dict, plan, saved_vocab: int) -> bool:
 def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     """Restore everything from ``checkpoint``; return the step to continue from.
 
-    Same plan: DeepSpeed's own state (bit-exact). Another plan: weights were built from the
-    checkpoint's HF-named tensors; the AdamW moments, step and schedule are set here.
+    Same plan: DeepSpeed's own state (bit-exact), but the learning-rate schedule of this run. Another plan:
+    weights were built from the checkpoint's HF-named tensors; the AdamW moments, step and schedule are set here.
+    Either way the schedule is recomputed from this run's ``optim.*`` keys and ``trainer.max_steps``.
     """
     from hybridtrain.checkpoint.io import CheckpointDir
     from hybridtrain.checkpoint.save import load_verified, stage_hf_params
@@ -188,7 +189,10 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
         load_moments(built, params, CheckpointDir(checkpoint).optim, step, plan.padded_vocab_size)
         set_schedule(built.engine, plan, step)
     else:
-        load_verified(built, checkpoint, rank, plan.world_size)  # digests of ds/ checked before DeepSpeed unpickles
+        from hybridtrain.checkpoint.reshard import load_keeping_schedule
+
+        # digests of ds/ checked before DeepSpeed unpickles; the lr schedule stays this run's (its optim.*, max_steps)
+        load_keeping_schedule(built.engine, plan, step, lambda: load_verified(built, checkpoint, rank, plan.world_size))
     if rank == 0:
         saved = _saved_plan(checkpoint)
         same = saved == plan.layout() and _saved_vocab(checkpoint) == plan.padded_vocab_size

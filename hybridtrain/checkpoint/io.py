@@ -45,6 +45,8 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 DS_TAG = "ds"
 """DeepSpeed's checkpoint tag: ``engine.save_checkpoint(path, tag=DS_TAG)`` writes ``path/ds/``."""
 META = "meta.json"
+LATEST = "latest"
+"""``checkpoints/latest``: a text file naming the newest published ``step_N`` (for people and scripts)."""
 DIGESTS = "sha256"
 """The ``meta.json`` key of every file's sha256 digest (``relative path -> hex``)."""
 HF_PART = "model-stage{stage:03d}.safetensors"
@@ -126,8 +128,17 @@ class CheckpointDir:
         return self.rng / f"rank_{rank:05d}.safetensors"
 
     def meta(self) -> dict:
-        """``meta.json``: step, samples seen, plan layout, file sizes."""
-        return json.loads(self.meta_file.read_text())
+        """``meta.json``: step, samples seen, plan layout, file sizes. The one reader of it: a file that is not a
+        JSON object (a save cut short by a full disk, an edit) is a :class:`MetaError`, never a ``JSONDecodeError``."""
+        try:
+            meta = json.loads(self.meta_file.read_text())
+        except ValueError as err:  # JSONDecodeError, or bytes that are no UTF-8
+            raise MetaError(f"{self.path} is not a complete checkpoint (meta.json is not valid JSON: {err}; cut short "
+                            "or edited since the save)") from None
+        if not isinstance(meta, dict):
+            raise MetaError(f"{self.path} is not a complete checkpoint (meta.json holds a JSON "
+                            f"{type(meta).__name__}, not the object a save writes)")
+        return meta
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -155,6 +166,11 @@ class CheckpointError(RuntimeError):
     def __init__(self, message: str, shared: bool = False):
         super().__init__(message)
         self.shared = shared
+
+
+class MetaError(CheckpointError, ValueError):
+    """A ``meta.json`` that cannot be read as the object a save writes (:meth:`CheckpointDir.meta`). Also a
+    ``ValueError``, which callers that treat an unreadable pointer as "no checkpoint" already catch."""
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -215,7 +231,10 @@ def problem(path: Path) -> Optional[str]:
     truncated or not matching its sha256 digest), or ``None``. Reads every file once."""
     if not is_complete(path):
         return f"{path} is not a complete checkpoint (no meta.json: the save was interrupted)"
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+    except MetaError as err:
+        return str(err)
     why = _listing_problem(path, meta)
     if why is not None:
         return why
@@ -256,6 +275,22 @@ def latest_checkpoint(run_dir: Path, skipped: Optional[list[str]] = None) -> Opt
             return path
         if skipped is not None:
             skipped.append(why)
+    return None
+
+
+def latest_pointer_problem(run_dir: Path) -> Optional[str]:
+    """Why ``checkpoints/latest`` of a run names no ``step_N`` folder of that run (rewritten by hand, copied from
+    elsewhere), or ``None`` (also when there is no pointer). Nothing reads the pointer to resume (``auto`` takes
+    the newest loadable ``step_N``, :func:`latest_checkpoint`); this says so when it is wrong."""
+    pointer = RunDir(run_dir).checkpoints / LATEST
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, ValueError) as err:
+        return f"{pointer} cannot be read ({type(err).__name__}: {err})"
+    if not STEP_DIR.match(name) or not (pointer.parent / name).is_dir():
+        return f"{pointer} names {name[:80]!r}, which is no step_N folder of this run"
     return None
 
 
@@ -300,7 +335,7 @@ def finalize(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    pointer = final.parent / "latest"
+    pointer = final.parent / LATEST
     tmp_pointer = final.parent / ".latest.tmp"
     tmp_pointer.write_text(final.name)
     os.replace(tmp_pointer, pointer)

@@ -17,6 +17,7 @@ its ``E / ep`` experts of each MoE layer back.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -106,10 +107,38 @@ def load_moments(built, params: list, folder: Path, step: int, padded_vocab: int
                 base.state[param][key] = local.to(param.device)
 
 
-def set_schedule(engine, plan, step: int) -> None:
-    """Continue the learning-rate schedule and DeepSpeed's counters at ``step``."""
+def load_keeping_schedule(engine, plan, step: int, load: Callable[[], None]) -> None:
+    """A same-plan resume: ``load()`` (DeepSpeed's ``load_checkpoint``), then this run's schedule at ``step``.
+
+    deepspeed 0.19.8's ``load_checkpoint`` restores the scheduler's state (``base_lrs``: the saving run's
+    ``optim.lr``, and ``last_epoch``) and, through the optimizer's ``load_state_dict``, every param group's
+    hyperparameters as saved (``lr``: the old schedule's last value, ``initial_lr``, ``betas``, ``weight_decay``),
+    which the first step would train with. The resuming run's own (built from its ``optim.*`` keys; the
+    multipliers come from its ``trainer.max_steps`` and are never saved, a ``LambdaLR`` keeps no function in its
+    state) are taken before the load and put back after it, so a same-plan resume follows the same schedule as a
+    re-sharded one (:func:`set_schedule`). The AdamW moments and step counts are the checkpoint's, and so is the
+    schedule's position (``last_epoch``: ``step``, less any fp16 step DeepSpeed skipped on an overflow, which
+    does not advance the schedule), so an unchanged config resumes exactly."""
     sched = engine.lr_scheduler
-    sched.last_epoch = step - 1
-    sched.step()  # sets every group's lr for optimizer step ``step``
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in sched.optimizer.param_groups]
+    base_lrs = list(sched.base_lrs)
+    load()
+    position = sched.last_epoch
+    for group, kept in zip(sched.optimizer.param_groups, groups, strict=True):
+        group.update(kept)
+    sched.base_lrs = base_lrs
+    set_schedule(engine, plan, step, position)
+
+
+def set_schedule(engine, plan, step: int, position: int | None = None) -> None:
+    """Continue the learning-rate schedule at ``position`` (default ``step``: the optimizer steps taken) and
+    DeepSpeed's counters at ``step``."""
+    import warnings
+
+    sched = engine.lr_scheduler
+    sched.last_epoch = (step if position is None else position) - 1
+    with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": moving it is the point
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        sched.step()  # sets every group's lr for optimizer step ``step``
     engine.global_steps = step
     engine.global_samples = step * plan.global_batch_size

@@ -40,7 +40,8 @@ def write_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and its plots for ``run_dir``; return the path of ``report.md``."""
     run_dir = Path(run_dir)
     files = RunDir(run_dir)
-    records = files.metrics()  # one history: what a resume replaced is left out
+    unreadable: list[int] = []
+    records = files.metrics(unreadable)  # one history: what a resume replaced is left out
     resumes = files.resumes()
     plan = files.plan_record() or {}
     if not plan.get("partition_method"):  # a plan.json written before the method was recorded
@@ -81,6 +82,10 @@ def write_report(run_dir: str | Path) -> Path:
     if resumes:
         lines += ["Resumed " + "; ".join(f"at step {r['step']} from `{r['checkpoint']}`" for r in resumes)
                   + " (the records an earlier run logged after a resume's step are left out).", ""]
+    if unreadable:
+        shown = ", ".join(map(str, unreadable[:5])) + (" ..." if len(unreadable) > 5 else "")
+        lines += [f"{len(unreadable)} line(s) of `metrics.jsonl` could not be read and are left out (line {shown}: "
+                  "cut short, e.g. by a killed run or a full disk).", ""]
     tok, tfl, mfu = med("tokens_per_sec"), med("tflops_per_device"), med("mfu")
     step_t, wait = med("step_time_s"), med("data_wait_max_s") or med("data_wait_s")
     table = [("steps logged", f"{len(train)} (last step {train[-1]['step']})" if train else "0"),

@@ -27,6 +27,8 @@ class MetricsWriter:
     def __init__(self, path: Path | None, append: bool = False, also: Callable[[dict], None] | None = None):
         self._file = open(path, "a" if append else "w", buffering=1) if path is not None else None
         self._also = also  # the logger (TensorBoard, W&B) gets every record too
+        if append and path is not None and not _ends_a_line(path):
+            self._file.write("\n")  # a line cut by a killed run or a full disk stays alone: readers skip it
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a non-finite number (an fp16 overflow's infinite gradient norm) is written
@@ -51,6 +53,15 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether file ``path`` is empty or ends in a newline (then an appended record starts a line of its own)."""
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def _step_pipeline(built: Built, stream) -> float:

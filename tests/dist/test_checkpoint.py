@@ -264,6 +264,28 @@ def test_resume_under_another_plan_continues_the_losses(source, target, saved_ru
     assert [m["lr"] for m in resumed] == pytest.approx([m["lr"] for m in metrics(saved_runs[source])[3:]])
 
 
+def test_resume_follows_the_resuming_runs_schedule_on_both_paths(saved_runs, tmp_path):
+    """Fault probe n48: the final step_6 of a 6-step run resumed with trainer.max_steps=8 and another optim.lr,
+    under the same plan (DeepSpeed's ds/, which holds the old schedule's state and the optimizer groups' last lr)
+    and at tp=2 (re-sharded through hf/ and optim/): both log, from step 7 on, the lr of the resuming run's
+    schedule, and the same losses. The same-plan resume trained step 7 at the old schedule's last lr."""
+    from hybridtrain.engine import lr_lambda
+
+    step_6 = RunDir(saved_runs[("gpt_tiny", (1, 1, 1))]).checkpoints / "step_6"
+    runs = {}
+    for tp in (1, 2):
+        runs[tp] = tmp_path / f"tp{tp}"
+        run_cli(runs[tp], "+recipe=gpt_tiny", f"parallel.tp={tp}", "trainer.max_steps=8", "optim.lr=2e-3",
+                f"trainer.resume={step_6}")
+    cfg = compose("+recipe=gpt_tiny", "trainer.max_steps=8", "optim.lr=2e-3")
+    expected = [2e-3 * lr_lambda(cfg.optim, 8)(s) for s in (6, 7)]  # optimizer steps 6 and 7 (0-based)
+    same, resharded = metrics(runs[1]), metrics(runs[2])
+    assert [m["step"] for m in same] == [m["step"] for m in resharded] == [7, 8]
+    assert [m["lr"] for m in same] == pytest.approx(expected, rel=1e-9)
+    assert [m["lr"] for m in resharded] == pytest.approx(expected, rel=1e-9)
+    assert [m["loss"] for m in same] == pytest.approx([m["loss"] for m in resharded], rel=1e-5, abs=0)
+
+
 # The save's host memory, measured in a spawned gloo world of dp = 2 x tp = 2 (one stage): each rank
 # holds its TP shard of a few 16 MiB weights and their AdamW moments (ZeRO-0: the torch optimizer's state),
 # and calls the real save_checkpoint with a stand-in engine (DeepSpeed's own part is one small file).

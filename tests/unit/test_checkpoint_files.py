@@ -291,3 +291,121 @@ def test_hf_shapes_are_known_before_the_gather():
     zero3 = torch.nn.Parameter(torch.zeros(0))
     zero3.ds_shape = torch.Size([4, 6])  # a ZeRO-3 partitioned parameter: its full shape is ds_shape
     assert hf_shape(zero3, Split(dim=1, transpose=True), 2) == (12, 4)
+
+
+def _resolve(value: str, run_dir: Path, *overrides: str, model_type: str = "gpt2"):
+    """:func:`resolve_resume` of ``trainer.resume=value`` for the fixture checkpoint (its plan: every axis 1,
+    global batch 12) under the composed ``gpt_tiny`` recipe and ``overrides``."""
+    from hybridtrain.checkpoint.resume import resolve_resume
+    from hybridtrain.plan.types import saved_layout
+
+    from helpers.config import cfg_of
+
+    cfg = cfg_of("+recipe=gpt_tiny", *overrides)
+    cfg.trainer.resume = value
+    plan = SimpleNamespace(layout=lambda: saved_layout({}), global_batch_size=12)
+    return resolve_resume(cfg, plan, SimpleNamespace(model_type=model_type), run_dir)
+
+
+@pytest.mark.parametrize("how", ["explicit", "auto"])
+def test_a_meta_json_that_is_not_json_is_an_incomplete_checkpoint(how, checkpoint, capsys):
+    """Fault probe n44: ``meta.json`` cut in half. An explicit resume is a config error naming it and the newest
+    loadable checkpoint (not a JSONDecodeError traceback); ``auto`` skips it for the previous step."""
+    from hybridtrain.errors import PlanError
+
+    older = shutil.copytree(checkpoint, checkpoint.with_name("step_2"))
+    meta = CheckpointDir(checkpoint).meta_file
+    meta.write_text(meta.read_text()[: meta.stat().st_size // 2])
+    run_dir = checkpoint.parent.parent
+    if how == "explicit":
+        with pytest.raises(PlanError) as err:
+            _resolve(str(checkpoint), run_dir)
+        assert str(err.value).startswith(f"trainer.resume: {checkpoint} is not a complete checkpoint (meta.json is "
+                                         "not valid JSON: ")
+        assert str(err.value).endswith(f"cut short or edited since the save); the newest loadable checkpoint there "
+                                       f"is {older}")
+    else:
+        assert _resolve("auto", run_dir) == older
+        assert (f"skipping a checkpoint that cannot be loaded: {checkpoint} is not a complete checkpoint (meta.json "
+                "is not valid JSON") in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_model_type_is_refused(checkpoint):
+    """Fault probe n49: a gpt2 checkpoint resumed by a Llama recipe is a config error naming model.model_type,
+    before any rank starts (it was a state-dict traceback in the ranks)."""
+    from hybridtrain.errors import PlanError
+
+    (checkpoint / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    _seal(checkpoint)
+    assert _resolve(str(checkpoint), checkpoint.parent.parent) == checkpoint
+    with pytest.raises(PlanError) as err:
+        _resolve(str(checkpoint), checkpoint.parent.parent, model_type="llama")
+    assert str(err.value) == (f"model.model_type: the checkpoint {checkpoint} is gpt2 but this run's model is llama; "
+                              "resume with the same model (the recipe that saved it, model.model_type=gpt2)")
+
+
+def _shuffled_tokenizer(source: Path, out: Path) -> Path:
+    """``source`` (a BPE tokenizer.json) with the ids of its ordinary tokens permuted: the same size and tokens."""
+    spec = json.loads(source.read_text())
+    special = {t["id"] for t in spec["added_tokens"]}
+    vocab = spec["model"]["vocab"]
+    ordinary = [t for t, i in vocab.items() if i not in special]
+    ids = [vocab[t] for t in ordinary]
+    random.Random(0).shuffle(ids)
+    vocab.update(zip(ordinary, ids))
+    out.write_text(json.dumps(spec))
+    return out
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(checkpoint, tmp_path):
+    """Fault probe n51: the embedded tokenizer with its ids shuffled (the same 8000 tokens) passes every shape
+    check; the resume compares it with the checkpoint's hf/tokenizer.json (as a save writes it) and refuses it,
+    naming data.tokenizer and the checkpoint's own. The run's own tokenizer passes."""
+    from hybridtrain.checkpoint.io import save_tokenizer
+    from hybridtrain.data.embedded import TOKENIZER
+    from hybridtrain.errors import PlanError
+
+    save_tokenizer(TOKENIZER, checkpoint / "hf")
+    _seal(checkpoint)
+    run_dir = checkpoint.parent.parent
+    assert _resolve(str(checkpoint), run_dir) == checkpoint
+    shuffled = _shuffled_tokenizer(TOKENIZER, tmp_path / "shuffled.json")
+    with pytest.raises(PlanError) as err:
+        _resolve(str(checkpoint), run_dir, f"data.tokenizer={shuffled}")
+    message = str(err.value)
+    assert message.startswith(f"data.tokenizer: {shuffled} is not the tokenizer the checkpoint {checkpoint} was "
+                              "trained with (the token ")
+    assert message.endswith(f"; resume with the checkpoint's own, data.tokenizer={checkpoint / 'hf'}, or start a new "
+                            "run")
+    assert _resolve(str(checkpoint), run_dir, f"data.tokenizer={checkpoint / 'hf'}") == checkpoint
+
+
+def test_a_latest_pointer_to_no_checkpoint_is_noted(checkpoint, capsys):
+    """Fault probe n70: ``checkpoints/latest`` rewritten to point out of the run; ``auto`` (which takes the newest
+    loadable step_N) says in one line that it ignored it, and says nothing about a good pointer."""
+    run_dir = checkpoint.parent.parent
+    pointer = checkpoint.parent / "latest"
+    pointer.write_text("step_3")
+    assert _resolve("auto", run_dir) == checkpoint
+    assert "latest" not in capsys.readouterr().out
+    pointer.write_text("../../../../../etc")
+    assert _resolve("auto", run_dir) == checkpoint
+    assert (f"[hybridtrain] note: {pointer} names '../../../../../etc', which is no step_N folder of this run; "
+            "ignored (auto takes the newest loadable step_N)") in capsys.readouterr().out
+
+
+def test_a_tokenizer_with_the_same_ids_that_splits_text_otherwise_is_told_apart(tmp_path):
+    """The same vocabulary and ids with another pre-tokenizer (a prefix space) encodes text to other ids: told apart
+    by the probe text; the file as a save rewrites it (save_pretrained) is not."""
+    from hybridtrain.checkpoint.io import save_tokenizer
+    from hybridtrain.checkpoint.resume import tokenizer_difference
+    from hybridtrain.data.embedded import TOKENIZER
+
+    spec = json.loads(TOKENIZER.read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    variant = tmp_path / "prefix.json"
+    variant.write_text(json.dumps(spec))
+    (tmp_path / "hf").mkdir()
+    save_tokenizer(variant, tmp_path / "hf")
+    assert tokenizer_difference(tmp_path / "hf" / "tokenizer.json", variant) is None
+    assert tokenizer_difference(TOKENIZER, variant).startswith("the same vocabulary splits text differently")

@@ -280,6 +280,30 @@ def test_report_of_a_resumed_run_reads_one_history(tmp_path, tiny_plan):
     assert f"Resumed at step 2 from `{ckpt}`" in text
 
 
+def test_a_metrics_line_cut_short_is_skipped_and_the_resume_starts_its_own_line(tmp_path, tiny_plan):
+    """Fault probe n72: a killed run left step 4's record cut mid-line; the resume (``trainer.resume=auto``)
+    writes its record on a line of its own, the readers skip and count the cut line, and the report is written."""
+    from hybridtrain.train.loop import MetricsWriter
+
+    files = RunDir(tmp_path)
+    text = "\n".join(json.dumps(_record(s)) for s in range(1, 5))
+    files.metrics_file.write_text(text[:-40])  # the last record cut, no newline
+    ckpt = str(tmp_path / "checkpoints" / "step_3")
+    writer = MetricsWriter(files.metrics_file, append=True)
+    writer.mark_resume(3, ckpt)
+    writer.write(_record(4, loss=1.25))
+    writer.close()
+    assert [r["step"] for r in files.metrics()] == [1, 2, 3, 4]
+    skipped: list[int] = []
+    assert len(files.metric_records(skipped)) == 5 and skipped == [4]  # 3 steps, the resume, step 4
+    assert files.resumes() == [{"event": "resume", "step": 3, "checkpoint": ckpt}]
+    assert files.losses()[-1] == 1.25
+    files.plan_file.write_text(json.dumps(tiny_plan))
+    report = write_report(tmp_path).read_text()
+    assert "1 line(s) of `metrics.jsonl` could not be read and are left out (line 4: cut short" in report
+    assert f"Resumed at step 3 from `{ckpt}`" in report and "| steps logged | 4 (last step 4) |" in report
+
+
 def test_report_of_an_older_plan_json_reads_the_method_from_config_yaml(tmp_path):
     cfg = compose("+recipe=gpt_tiny", "parallel.pp=2", "parallel.partition=blocks")
     files = RunDir(tmp_path)
