@@ -232,10 +232,10 @@ def set_rng_state(tensors: dict, metadata: dict) -> None:
 
 def save_rng(path: Path) -> None:
     """Write this rank's RNG states to ``path`` (safetensors)."""
-    from safetensors.torch import save_file
+    from hybridtrain.checkpoint.stream import save_tensors
 
     tensors, metadata = rng_state()
-    save_file(tensors, str(path), metadata=metadata)
+    save_tensors(tensors, path, metadata)
 
 
 def load_rng(path: Path) -> tuple[dict, dict]:

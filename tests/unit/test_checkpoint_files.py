@@ -62,15 +62,20 @@ def checkpoint(tmp_path) -> Path:
 
 
 class _Engine:
-    """Records whether DeepSpeed's ``load_checkpoint`` was reached."""
+    """Records whether DeepSpeed's ``load_checkpoint`` was reached, and through which checkpoint engine."""
 
     device = torch.device("cpu")
+    _config = None
 
     def __init__(self):
-        self.loaded = []
+        self.loaded, self.checkpoint_engine = [], "DeepSpeed's own"
+
+    def load_universal_checkpoint(self):
+        return False
 
     def load_checkpoint(self, path, tag):
         self.loaded.append((path, tag))
+        self.loaded_through = type(self.checkpoint_engine).__name__
 
 
 def test_the_bait_runs_code_when_unpickled(tmp_path):
@@ -122,6 +127,8 @@ def test_intact_checkpoint_passes_and_loads(checkpoint):
     engine = _Engine()
     load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
     assert engine.loaded == [(str(checkpoint), "ds")]
+    # through the weights-only engine, and DeepSpeed's own put back afterwards (its saves are DeepSpeed's)
+    assert engine.loaded_through == "WeightsOnlyCheckpointEngine" and engine.checkpoint_engine == "DeepSpeed's own"
     # two ranks split the files: rank 1 of 2 has none of the single ds file, rank 0 all of it
     assert verify_share(checkpoint, "ds", 1, 2) is None and verify_share(checkpoint, "ds", 0, 2) is None
 
