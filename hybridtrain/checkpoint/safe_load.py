@@ -38,6 +38,7 @@ DEEPSPEED_GLOBALS = (
 DeepSpeed's checkpoints hold. Each is a plain data class or enum whose construction runs no user input."""
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_UNPICKLER = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
 @lru_cache(maxsize=None)
@@ -94,8 +95,9 @@ def _engine_class():
                 with torch.serialization.safe_globals(list(allowed_globals())):
                     return torch.load(path, map_location=map_location, weights_only=True)
             except pickle.UnpicklingError as err:
-                found = _GLOBAL.search(str(err))
-                what = f"GLOBAL {found.group(1)}" if found else str(err).splitlines()[0]
+                found, other = _GLOBAL.search(str(err)), _UNPICKLER.search(str(err))
+                what = (f"GLOBAL {found.group(1)}" if found else
+                        f"unreadable weights-only: {other.group(1).strip() if other else type(err).__name__}")
                 raise CheckpointError(foreign_message(Path(path), what)) from None
 
     return WeightsOnlyCheckpointEngine
