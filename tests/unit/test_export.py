@@ -166,6 +166,15 @@ def test_a_file_added_to_hf_is_refused(checkpoint, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_folder_in_hf_is_refused(checkpoint, tmp_path, capsys):
+    _with_digests(checkpoint)
+    (checkpoint.hf / "extra").mkdir()
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert f"{checkpoint.hf / 'extra'} is not a regular file: the save writes none there" in _one_line_error(capsys)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)], ids=["umask_022", "umask_077"])
 def test_written_files_have_the_umasks_mode(checkpoint, tmp_path, umask, mode):
     """safetensors' save_file makes its files 0600; hybridtrain's (an export's model.safetensors, a checkpoint's
