@@ -489,10 +489,12 @@ def test_deepspeed_resumes_weights_only_at_every_zero_stage_and_in_a_pipeline(tm
     result = run_world(_safe_load_probe, 1, timeout_s=300)
     assert not result.problems, result.problem_report()
     got = result.emitted[0]
-    assert got["zero3"]["files"] == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert got["zero3"]["files"] == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     assert "layer_00-model_states.pt" in got["pipe"]["files"]
     for layout in SAFE_LAYOUTS:
-        assert got[layout]["same"] and got[layout]["foreign"] == [None] * len(got[layout]["files"]), (layout, got[layout])
+        assert got[layout]["same"], (layout, got[layout])
+        assert got[layout]["foreign"] == [None] * len(got[layout]["files"]), (layout, got[layout])
         victim = tmp_path / layout / "ds" / got[layout]["files"][-1]
         assert got[f"{layout}_bait"] == foreign_message(victim, "GLOBAL io.open"), layout  # pickle's name of open()
         assert not (tmp_path / f"pwned_{layout}").exists()
