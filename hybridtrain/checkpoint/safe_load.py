@@ -41,6 +41,12 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _UNPICKLER = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
+class ForeignPickleError(RuntimeError):
+    """A ``ds/`` file DeepSpeed's load met whose pickle names anything outside :data:`DEEPSPEED_GLOBALS`; the
+    message (:func:`foreign_message`) names the file. :func:`~hybridtrain.checkpoint.save.load_verified` raises it
+    as a ``CheckpointError``."""
+
+
 @lru_cache(maxsize=None)
 def allowed_globals() -> tuple:
     """The objects of :data:`DEEPSPEED_GLOBALS` (imports deepspeed)."""
@@ -88,8 +94,6 @@ def _engine_class():
         """Loads with ``torch.load(weights_only=True)`` under :data:`DEEPSPEED_GLOBALS`; saves as DeepSpeed does."""
 
         def load(self, path: str, map_location=None):
-            from hybridtrain.checkpoint.io import CheckpointError
-
             try:
                 with torch.serialization.safe_globals(list(allowed_globals())):
                     return torch.load(path, map_location=map_location, weights_only=True)
@@ -97,7 +101,7 @@ def _engine_class():
                 found, other = _GLOBAL.search(str(err)), _UNPICKLER.search(str(err))
                 what = (f"GLOBAL {found.group(1)}" if found else
                         f"unreadable weights-only: {other.group(1).strip() if other else type(err).__name__}")
-                raise CheckpointError(foreign_message(Path(path), what)) from None
+                raise ForeignPickleError(foreign_message(Path(path), what)) from None
 
     return WeightsOnlyCheckpointEngine
 

@@ -273,7 +273,7 @@ def load_verified(built, checkpoint: Path, rank: int, world: int) -> None:
     ``torch.load(weights_only=False)`` is never called. A collective."""
     import torch
 
-    from hybridtrain.checkpoint.safe_load import loading_safely
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, loading_safely
     from hybridtrain.parallel import collectives
 
     why = verify_share(checkpoint, DS_TAG, rank, world)
@@ -284,6 +284,9 @@ def load_verified(built, checkpoint: Path, rank: int, world: int) -> None:
     if collectives.all_reduce(flag, built.engine.device, op="max").item() > 0:
         raise CheckpointError(f"refusing to load {checkpoint}: {why or 'another rank found a file that does not match'}",
                               shared=why is None)
-    with loading_safely(built.engine):
-        built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
+    try:
+        with loading_safely(built.engine):
+            built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
+    except ForeignPickleError as err:  # a file changed after the scans: one line naming it, nothing of it ran
+        raise CheckpointError(str(err)) from None
     restore_rng(checkpoint, rank)

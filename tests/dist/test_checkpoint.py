@@ -451,8 +451,7 @@ def _safe_load_probe(rank: int, world: int, emit) -> None:
 
     import torch
 
-    from hybridtrain.checkpoint.io import CheckpointError
-    from hybridtrain.checkpoint.safe_load import foreign_global, loading_safely
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, foreign_global, loading_safely
 
     root = Path(os.environ[SAFE_ENV])
     for layout in SAFE_LAYOUTS:
@@ -473,7 +472,7 @@ def _safe_load_probe(rank: int, world: int, emit) -> None:
             with loading_safely(resumed):
                 resumed.load_checkpoint(str(root / layout), tag="ds")
             emit(f"{layout}_bait", "loaded")
-        except CheckpointError as err:
+        except ForeignPickleError as err:
             emit(f"{layout}_bait", str(err))
 
 

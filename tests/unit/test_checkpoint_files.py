@@ -127,7 +127,7 @@ def test_a_foreign_pickle_with_rewritten_digests_runs_nothing(checkpoint, target
     """n47: a ds/ file replaced by a pickle that writes a marker file when unpickled, meta.json's size and sha256
     rewritten to match (the sender controls meta.json): the controller's check, the ranks' check and the
     weights-only load each refuse it, naming the file and the global, and the marker never appears."""
-    from hybridtrain.checkpoint.safe_load import _engine_class, foreign_message
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, _engine_class, foreign_message
 
     marker = tmp_path / "pwned"
     f = checkpoint / target
@@ -144,9 +144,25 @@ def test_a_foreign_pickle_with_rewritten_digests_runs_nothing(checkpoint, target
     with pytest.raises(CheckpointError) as err:  # the ranks, started without that check
         load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
     assert str(err.value) == f"refusing to load {checkpoint}: {want}" and engine.loaded == []
-    with pytest.raises(CheckpointError) as err:  # DeepSpeed's load itself, had the file changed after both checks
+    with pytest.raises(ForeignPickleError) as err:  # DeepSpeed's load itself, had the file changed after both checks
         _engine_class()(None).load(str(f), map_location="cpu")
     assert str(err.value).startswith(f"{f} holds a pickled object outside what DeepSpeed saves (")
+    assert not marker.exists()
+
+
+def test_a_file_swapped_after_the_scans_is_refused_by_the_load_itself(checkpoint, tmp_path):
+    """The ranks' scans passed, then the file changed (a shared folder): DeepSpeed's load, through the
+    weights-only checkpoint engine load_verified sets, refuses it with one line naming it, and it never runs."""
+    marker, f = tmp_path / "pwned", checkpoint / DS_FILE
+
+    class Swapping(_Engine):
+        def load_checkpoint(self, path, tag):  # what DeepSpeed does: each ds/ file through its checkpoint engine
+            torch.save(_Bait(marker), f)
+            self.checkpoint_engine.load(str(f), map_location="cpu")
+
+    with pytest.raises(CheckpointError) as err:
+        load_verified(SimpleNamespace(engine=Swapping()), checkpoint, rank=0, world=1)
+    assert str(err.value).startswith(f"{f} holds a pickled object outside what DeepSpeed saves (GLOBAL io.open)")
     assert not marker.exists()
 
 
