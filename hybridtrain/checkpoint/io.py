@@ -18,9 +18,9 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
 DeepSpeed's ``ds/*.pt`` are pickles. They are opened with ``torch.load(weights_only=True)`` and an
 allowlist of what DeepSpeed saves (:mod:`hybridtrain.checkpoint.safe_load`), and every file is verified
 against the digests of ``meta.json`` before anything of the checkpoint is loaded (:func:`problem`, the
-controller; :func:`verify_share`, the ranks, just before DeepSpeed opens ``ds/``): a file not listed there,
-with another digest, or whose pickle names anything outside the allowlist is refused. hybridtrain's own
-files are safetensors, JSON and YAML, which never run code.
+controller; :func:`verify_share` and :func:`foreign_pickle`, the ranks, just before DeepSpeed opens ``ds/``):
+a file not listed there, with another digest, or whose pickle names anything outside the allowlist is
+refused. hybridtrain's own files are safetensors, JSON and YAML, which never run code.
 
 Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
 finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
