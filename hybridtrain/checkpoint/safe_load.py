@@ -79,7 +79,7 @@ def foreign_global(path: Path) -> Optional[str]:
     try:  # names only, so the controller imports no deepspeed
         unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) - set(DEEPSPEED_GLOBALS)
     except Exception as err:  # noqa: BLE001 - an unreadable pickle: pickle's, zipfile's or torch's own errors
-        return f"unreadable: {err}"
+        return f"unreadable: {(str(err).splitlines() or [type(err).__name__])[0]}"  # one line
     return f"GLOBAL {sorted(unsafe)[0]}" if unsafe else None
 
 
