@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -45,24 +46,37 @@ def recorded_sizes(meta: dict) -> dict[str, int]:
     return out
 
 
-def _check_sizes(ckpt, files: list[Path]) -> None:
-    """Every file export reads has the size ``meta.json`` recorded at save time (a truncated shard is
-    refused before anything is written) and, where the checkpoint records digests, its sha256 (a file
-    corrupted at the same size would otherwise export as a silently wrong model). A checkpoint saved before
-    digests existed is checked by size only: export is how such a checkpoint is carried forward."""
+def _check_files(ckpt, folders: list[Path]) -> None:
+    """Every entry of ``folders`` (``hf/``, and ``adapter/`` for a LoRA checkpoint: everything export reads or
+    copies) is a regular file that ``meta.json`` lists, of the size it recorded at save time (a truncated
+    shard is refused before anything is written) and, where the checkpoint records digests, of its sha256 (a
+    file changed at the same size, an edited ``config.json``, would otherwise export silently). A symbolic link
+    is refused, whatever it points to: export never copies what lies outside the checkpoint. A checkpoint saved
+    before digests existed is checked by size only (and one without sizes, for regular files only): export is
+    how such a checkpoint is carried forward."""
     from hybridtrain.checkpoint.io import DIGESTS, sha256
 
     meta = ckpt.meta()
     sizes, digests = recorded_sizes(meta), meta.get(DIGESTS) or {}
-    for f in files:
+    listed = set(sizes) | set(digests)
+    for f in sorted(p for folder in folders for p in folder.iterdir()):
         rel = str(f.relative_to(ckpt.path))
+        again = "; export another checkpoint of the run"
+        if f.is_symlink():
+            raise ExportError(f"{f} is a symbolic link (to {os.readlink(f)}), not a file the save wrote: export "
+                              f"copies nothing from outside the checkpoint{again}")
+        if not f.is_file():
+            raise ExportError(f"{f} is not a regular file: the save writes none there{again}")
+        if listed and rel not in listed:
+            raise ExportError(f"{f} is not listed in meta.json: it was added after the save, and export copies no "
+                              f"unverified file{again}")
         want = sizes.get(rel)
         if want is not None and f.stat().st_size != want:
             raise ExportError(f"{f} is {f.stat().st_size} bytes but was saved with {want} (meta.json): truncated or "
-                              "corrupt; export another checkpoint of the run")
+                              f"corrupt{again}")
         if rel in digests and sha256(f) != digests[rel]:
             raise ExportError(f"{f} does not match its sha256 digest in meta.json: corrupt or replaced since the "
-                              "save; export another checkpoint of the run")
+                              f"save{again}")
 
 
 def _check_target(out: Path, overwrite: bool) -> None:
@@ -81,8 +95,9 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     """Write the HF model folder of ``checkpoint`` into ``out_dir`` (a LoRA checkpoint: its peft adapter
     folder, or with ``merge`` the HF model with the adapters merged); return ``out_dir``.
 
-    ``out_dir`` must be new or empty unless ``overwrite``; a file there, an incomplete checkpoint or a
-    file whose size differs from ``meta.json`` is an :class:`ExportError` before anything is written,
+    ``out_dir`` must be new or empty unless ``overwrite``; a file there, an incomplete checkpoint, or an
+    ``hf/`` or ``adapter/`` entry that is a symbolic link, not a regular file, not listed in ``meta.json``, or
+    of another size or digest (:func:`_check_files`) is an :class:`ExportError` before anything is written,
     and a failed export removes the folder it created."""
     from hybridtrain.checkpoint.io import CheckpointDir
 
@@ -98,7 +113,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
     if merge and not adapters:
         raise ExportError(f"{checkpoint} holds no LoRA adapters (adapter/): --merge is for finetune.method=lora "
                           "checkpoints; export without --merge")
-    _check_sizes(ckpt, [*files, *adapters])
+    _check_files(ckpt, [src, *([ckpt.adapter] if adapters else [])])
     out = Path(out_dir)
     _check_target(out, overwrite)
     created = not out.exists()
@@ -116,7 +131,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5
 def _write_model(ckpt, out: Path, max_shard_size: str, adapters: list[Path]) -> Path:
     """The HF model folder of ``ckpt``'s ``hf/`` part, with the ``adapters`` files merged in when given."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+
+    from hybridtrain.checkpoint.stream import save_tensors
 
     files = ckpt.hf_parts()
     for old in out.glob("model*.safetensors*"):  # a previous export here must not mix with this one
@@ -124,13 +140,13 @@ def _write_model(ckpt, out: Path, max_shard_size: str, adapters: list[Path]) -> 
     tensors = _read(files)
     if adapters:
         _merge_adapters(tensors, _read(adapters), json.loads((ckpt.adapter / ADAPTER_CONFIG).read_text()))
-    for f in ckpt.hf.iterdir():  # config, generation config, tokenizer
-        if f.is_file() and f not in files:
-            shutil.copy2(f, out / f.name)
+    for f in ckpt.hf.iterdir():  # config, generation config, tokenizer (regular files, verified: _check_files)
+        if f not in files:
+            shutil.copyfile(f, out / f.name, follow_symlinks=False)  # new files: the umask's mode
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_tensors({n: tensors[n].contiguous() for n in names}, out / filename, {"format": "pt"})
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": split.tensor_to_filename}
@@ -156,10 +172,10 @@ def _read(files: list[Path]) -> dict:
 
 def _write_adapter(ckpt, out: Path) -> Path:
     """peft's adapter folder: the stages' adapters in ``adapter_model.safetensors``, ``adapter_config.json``."""
-    from safetensors.torch import save_file
+    from hybridtrain.checkpoint.stream import save_tensors
 
-    save_file(_read(ckpt.adapter_parts()), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    shutil.copy2(ckpt.adapter / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+    save_tensors(_read(ckpt.adapter_parts()), out / ADAPTER_WEIGHTS, {"format": "pt"})
+    shutil.copyfile(ckpt.adapter / ADAPTER_CONFIG, out / ADAPTER_CONFIG, follow_symlinks=False)
     return out
 
 

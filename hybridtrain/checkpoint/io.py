@@ -15,11 +15,12 @@ Layout of ``RUN_DIR/checkpoints/step_N/``::
     meta.json      step, samples seen, the size and sha256 digest of every other file; written last,
                    so its presence marks a complete checkpoint
 
-DeepSpeed's ``ds/*.pt`` are pickles that ``torch.load(weights_only=False)`` opens: whoever can
-change them runs code on resume. So every file is verified against the digests of ``meta.json``
-before anything of the checkpoint is loaded (:func:`problem`, the controller; :func:`verify_share`,
-the ranks, just before DeepSpeed opens ``ds/``): a file not listed there, or with another digest,
-is refused. hybridtrain's own files are safetensors, JSON and YAML, which never run code.
+DeepSpeed's ``ds/*.pt`` are pickles. They are opened with ``torch.load(weights_only=True)`` and an
+allowlist of what DeepSpeed saves (:mod:`hybridtrain.checkpoint.safe_load`), and every file is verified
+against the digests of ``meta.json`` before anything of the checkpoint is loaded (:func:`problem`, the
+controller; :func:`verify_share` and :func:`foreign_pickle`, the ranks, just before DeepSpeed opens ``ds/``):
+a file not listed there, with another digest, or whose pickle names anything outside the allowlist is
+refused. hybridtrain's own files are safetensors, JSON and YAML, which never run code.
 
 Everything is written into ``.tmp-step_N`` and renamed to ``step_N`` only when every rank has
 finished; the ``latest`` pointer is replaced after that. A run killed during a save leaves only a
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hybridtrain.checkpoint.safe_load import foreign_global, foreign_message
 from hybridtrain.rundir import CONFIG, PLAN, RunDir
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -228,7 +230,8 @@ def _listing_problem(path: Path, meta: dict, under: str = "") -> Optional[str]:
 
 def problem(path: Path) -> Optional[str]:
     """Why checkpoint ``path`` cannot be loaded (incomplete, without digests, a file missing, added,
-    truncated or not matching its sha256 digest), or ``None``. Reads every file once."""
+    truncated or not matching its sha256 digest, a ``ds/`` pickle naming anything DeepSpeed does not save),
+    or ``None``. Reads every file once."""
     if not is_complete(path):
         return f"{path} is not a complete checkpoint (no meta.json: the save was interrupted)"
     try:
@@ -249,6 +252,17 @@ def problem(path: Path) -> Optional[str]:
         why = _file_problem(path, rel, meta, digests[rel])
         if why is not None:
             return why
+    return foreign_pickle(path, [rel for rel in listed if rel.startswith(f"{DS_TAG}/")])
+
+
+def foreign_pickle(path: Path, rels: list[str]) -> Optional[str]:
+    """Why one of the ``ds/`` files ``rels`` of checkpoint ``path`` holds a pickled object outside what DeepSpeed
+    saves (:mod:`hybridtrain.checkpoint.safe_load`; its digest cannot tell: a sender may rewrite meta.json), or
+    ``None``. Reads each file's pickle, not its tensors."""
+    for rel in rels:
+        what = foreign_global(Path(path) / rel)
+        if what is not None:
+            return foreign_message(Path(path) / rel, what)
     return None
 
 

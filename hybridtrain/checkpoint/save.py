@@ -12,7 +12,8 @@ from typing import Callable
 from hybridtrain.checkpoint.hf_state import full_moment, gathered, hf_shape
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
 from hybridtrain.checkpoint.io import (DIGESTS, DS_TAG, CheckpointDir, CheckpointError, file_digests, file_sizes,
-                                      finalize, read_meta, step_dir, tmp_dir, verify_share, write_hf_metadata)
+                                      finalize, foreign_pickle, read_meta, step_dir, tmp_dir, verify_share,
+                                      write_hf_metadata)
 from hybridtrain.checkpoint.space import is_disk_full, mount_point, no_space, space_problem
 from hybridtrain.models.lora import is_lora, peft_name
 from hybridtrain.rundir import RunDir
@@ -231,10 +232,10 @@ def set_rng_state(tensors: dict, metadata: dict) -> None:
 
 def save_rng(path: Path) -> None:
     """Write this rank's RNG states to ``path`` (safetensors)."""
-    from safetensors.torch import save_file
+    from hybridtrain.checkpoint.stream import save_tensors
 
     tensors, metadata = rng_state()
-    save_file(tensors, str(path), metadata=metadata)
+    save_tensors(tensors, path, metadata)
 
 
 def load_rng(path: Path) -> tuple[dict, dict]:
@@ -264,19 +265,28 @@ def restore_rng(path: Path, rank: int) -> None:
 
 
 def load_verified(built, checkpoint: Path, rank: int, world: int) -> None:
-    """Same-plan resume: verify ``ds/`` against the digests of ``meta.json`` (each rank its share of
-    the files, then all agree), then let DeepSpeed load it and put back this rank's RNG states.
+    """Same-plan resume: verify ``ds/`` against the digests of ``meta.json`` and scan its pickles for anything
+    DeepSpeed does not save (each rank its share of the files, then all agree), then let DeepSpeed load it
+    weights-only (:mod:`hybridtrain.checkpoint.safe_load`) and put back this rank's RNG states.
 
-    DeepSpeed unpickles ``ds/*.pt`` (``torch.load(weights_only=False)``); no rank opens one before
-    every rank has found its share intact. A collective."""
+    No rank opens a ``ds/`` file before every rank has found its share intact; DeepSpeed's own
+    ``torch.load(weights_only=False)`` is never called. A collective."""
     import torch
 
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, loading_safely
     from hybridtrain.parallel import collectives
 
     why = verify_share(checkpoint, DS_TAG, rank, world)
+    if why is None:
+        mine = [rel for rel in sorted(read_meta(checkpoint)[DIGESTS]) if rel.startswith(f"{DS_TAG}/")][rank::world]
+        why = foreign_pickle(checkpoint, mine)
     flag = torch.tensor([1.0 if why else 0.0])
     if collectives.all_reduce(flag, built.engine.device, op="max").item() > 0:
         raise CheckpointError(f"refusing to load {checkpoint}: {why or 'another rank found a file that does not match'}",
                               shared=why is None)
-    built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
+    try:
+        with loading_safely(built.engine):
+            built.engine.load_checkpoint(str(checkpoint), tag=DS_TAG)
+    except ForeignPickleError as err:  # a file changed after the scans: one line naming it, nothing of it ran
+        raise CheckpointError(str(err)) from None
     restore_rng(checkpoint, rank)

@@ -10,11 +10,16 @@ The file is byte for byte what ``save_file`` writes for the same tensors and met
 data ordered by name, the header compact JSON padded with spaces to a multiple of 8 bytes), which
 ``tests/unit/test_checkpoint_files.py`` compares: every reader (``safe_open``, the export, resume)
 reads it unchanged.
+
+:func:`save_tensors` is ``save_file`` for a dict that is small enough to hold, with the file's mode set from the
+umask: ``save_file`` (safetensors 0.8) writes a temporary file of mode 0600 and renames it, so a checkpoint's RNG
+states or an export's ``model.safetensors`` could not be read by a teammate where the umask (022) says they can.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Optional
@@ -80,3 +85,23 @@ class StreamedSafetensors:
             self.close()
         else:
             self._file.close()
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file in this process: ``0o666`` less the umask. The umask is read from
+    ``/proc/self/status`` (Linux), which changes nothing; elsewhere by setting and restoring it at once."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        mask = next(int(line.split()[1], 8) for line in lines if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o077)  # the strictest value for the moment it is set
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict[str, str]] = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)``, the file then given :func:`new_file_mode`."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, new_file_mode())

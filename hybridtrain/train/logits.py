@@ -59,14 +59,14 @@ def logits_writer(built, plan, samples, step: int):
     writes ``logits.safetensors`` for the first micro-batch of step ``step`` (0-based)."""
 
     def write(folder: Path) -> None:
-        from safetensors.torch import save_file
+        from hybridtrain.checkpoint.stream import save_tensors
 
         layout = plan.batch_layout()
         inputs, labels = next(iter(samples.micro_batches(step, layout, 0)))  # every replica: rank 0's
         logits = micro_batch_logits(built, plan, inputs, labels)
         if logits is not None and built.tp_rank == 0 and built.data_rank == 0:
             input_ids, position_ids = inputs
-            save_file({"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
-                       "logits": logits.contiguous()}, str(Path(folder) / LOGITS_FILE), metadata={"step": str(step)})
+            save_tensors({"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
+                          "logits": logits.contiguous()}, Path(folder) / LOGITS_FILE, {"step": str(step)})
 
     return write

@@ -193,6 +193,32 @@ def test_tampered_checkpoint_is_refused_before_anything_loads(how, saved_runs, t
     assert not marker.exists()
 
 
+def test_a_foreign_pickle_with_rewritten_digests_is_refused_and_runs_nothing(saved_runs, tmp_path):
+    """n47: ds/mp_rank_00_model_states.pt replaced by a pickle that writes a file when unpickled, and meta.json's
+    size and sha256 of it rewritten (a sender controls meta.json): the digests pass, but the controller's scan of
+    the pickle finds a global DeepSpeed never saves; exit 2 before any rank starts, and the marker never appears.
+    (The ranks' own scan and the weights-only load itself: tests/unit/test_checkpoint_files.py and
+    test_deepspeed_resumes_weights_only_at_every_zero_stage_and_in_a_pipeline.)"""
+    import torch
+
+    from hybridtrain.checkpoint.io import DIGESTS, file_digests, file_sizes
+
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(saved_runs[("gpt_tiny", (1, 1, 1))], run_dir)
+    ckpt = RunDir(run_dir).checkpoints / "step_6"
+    victim = ckpt / "ds" / "mp_rank_00_model_states.pt"
+    torch.save(_Bait(marker), victim)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "files": file_sizes(ckpt), DIGESTS: file_digests(ckpt)}))
+    proc = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=8", f"trainer.resume={ckpt}", check=False,
+                   timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"config error: trainer.resume: {victim} holds a pickled object outside what DeepSpeed saves (GLOBAL "
+            "io.open); it was not written by hybridtrain") in proc.stderr
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
+    assert not marker.exists()
+
+
 def test_resume_from_a_file_says_what_it_is(saved_runs, tmp_path):
     """trainer.resume= the meta.json of a checkpoint: exit 2 saying it is a file and naming the checkpoint
     folder it lies in (other files: tests/unit/test_checkpoint_files.py)."""
@@ -402,3 +428,94 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+# DeepSpeed's ds/ files read weights-only (hybridtrain/checkpoint/safe_load.py): a real engine per ZeRO stage and
+# a one-stage PipelineModule (its layer_NN files) in a spawned 1-rank gloo world, a tiny model each (~15 s in all).
+SAFE_LAYOUTS = ["zero0", "zero1", "zero2", "zero3", "pipe"]
+SAFE_ENV = "HYBRIDTRAIN_TEST_SAFE_DIR"
+
+
+def _tiny_engine(layout: str, seed: int):
+    import deepspeed
+    import torch
+
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
+    if layout == "pipe":
+        from deepspeed.pipe import PipelineModule
+
+        model = PipelineModule(layers=layers, num_stages=1, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    else:
+        model = torch.nn.Sequential(*layers)
+    conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": 0 if layout == "pipe" else int(layout[-1])},
+            "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf)
+    return engine
+
+
+def _tiny_step(engine, layout: str) -> None:
+    import torch
+
+    x, y = torch.ones(1, 8), torch.zeros(1, 4)
+    if layout == "pipe":
+        engine.train_batch(iter([(x, y)]))
+    else:
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+
+
+def _safe_load_probe(rank: int, world: int, emit) -> None:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, foreign_global, loading_safely
+
+    root = Path(os.environ[SAFE_ENV])
+    for layout in SAFE_LAYOUTS:
+        saved, resumed = _tiny_engine(layout, seed=0), _tiny_engine(layout, seed=1)
+        _tiny_step(saved, layout)
+        saved.save_checkpoint(str(root / layout), tag="ds")
+        files = sorted((root / layout / "ds").iterdir())
+        with loading_safely(resumed):
+            resumed.load_checkpoint(str(root / layout), tag="ds")
+        _tiny_step(saved, layout)  # the next step needs the optimizer state too
+        _tiny_step(resumed, layout)
+        same = all(torch.equal(a, b) for a, b in zip(saved.module.parameters(), resumed.module.parameters()))
+        emit(layout, {"same": same, "files": [f.name for f in files], "foreign": [foreign_global(f) for f in files]})
+        # the scans bypassed (a file swapped after them): DeepSpeed's own load refuses the bait, which never runs
+        victim = files[-1]
+        torch.save(_Bait(root / f"pwned_{layout}"), victim)
+        try:
+            with loading_safely(resumed):
+                resumed.load_checkpoint(str(root / layout), tag="ds")
+            emit(f"{layout}_bait", "loaded")
+        except ForeignPickleError as err:
+            emit(f"{layout}_bait", str(err))
+
+
+def test_deepspeed_resumes_weights_only_at_every_zero_stage_and_in_a_pipeline(tmp_path, monkeypatch):
+    """DeepSpeed's own load_checkpoint, its checkpoint engine swapped for the weights-only one, restores a real
+    engine of each ZeRO stage 0-3 and a pipeline (layer_NN files) exactly: after one more step the weights equal
+    those of the engine that saved. Each ds/ file's pickle names nothing outside the allowlist; a crafted one put
+    in place of a file after the scans is refused by the load itself, naming the file, and never runs."""
+    from hybridtrain.checkpoint.safe_load import foreign_message
+    from hybridtrain.parallel.spawn import run_world
+
+    monkeypatch.setenv(SAFE_ENV, str(tmp_path))
+    result = run_world(_safe_load_probe, 1, timeout_s=300)
+    assert not result.problems, result.problem_report()
+    got = result.emitted[0]
+    assert got["zero3"]["files"] == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert "layer_00-model_states.pt" in got["pipe"]["files"]
+    for layout in SAFE_LAYOUTS:
+        assert got[layout]["same"], (layout, got[layout])
+        assert got[layout]["foreign"] == [None] * len(got[layout]["files"]), (layout, got[layout])
+        victim = tmp_path / layout / "ds" / got[layout]["files"][-1]
+        assert got[f"{layout}_bait"] == foreign_message(victim, "GLOBAL io.open"), layout  # pickle's name of open()
+        assert not (tmp_path / f"pwned_{layout}").exists()

@@ -62,15 +62,20 @@ def checkpoint(tmp_path) -> Path:
 
 
 class _Engine:
-    """Records whether DeepSpeed's ``load_checkpoint`` was reached."""
+    """Records whether DeepSpeed's ``load_checkpoint`` was reached, and through which checkpoint engine."""
 
     device = torch.device("cpu")
+    _config = None
 
     def __init__(self):
-        self.loaded = []
+        self.loaded, self.checkpoint_engine = [], "DeepSpeed's own"
+
+    def load_universal_checkpoint(self):
+        return False
 
     def load_checkpoint(self, path, tag):
         self.loaded.append((path, tag))
+        self.loaded_through = type(self.checkpoint_engine).__name__
 
 
 def test_the_bait_runs_code_when_unpickled(tmp_path):
@@ -109,6 +114,71 @@ def test_a_file_added_to_ds_is_refused(checkpoint, tmp_path):
     assert engine.loaded == [] and not marker.exists()
 
 
+DS_FILES = {"model_states": DS_FILE, "zero_optim_states": "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero3_model_states": "ds/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "pipeline_layer": "ds/layer_01-model_00-model_states.pt"}
+"""The ds/ files DeepSpeed unpickles on a same-plan resume: ZeRO-0 (model states), ZeRO-1/2 (optimizer partitions),
+ZeRO-3 (partitioned model states) and pp > 1 (one file per layer)."""
+
+
+@pytest.mark.parametrize("target", DS_FILES.values(), ids=DS_FILES.keys())
+@pytest.mark.parametrize("form", ["torch_save", "raw_pickle"])
+def test_a_foreign_pickle_with_rewritten_digests_runs_nothing(checkpoint, target, form, tmp_path):
+    """n47: a ds/ file replaced by a pickle that writes a marker file when unpickled, meta.json's size and sha256
+    rewritten to match (the sender controls meta.json): the controller's check, the ranks' check and the
+    weights-only load each refuse it, naming the file and the global, and the marker never appears."""
+    from hybridtrain.checkpoint.safe_load import ForeignPickleError, _engine_class, foreign_message
+
+    marker = tmp_path / "pwned"
+    f = checkpoint / target
+    if form == "torch_save":
+        torch.save(_Bait(marker), f)  # the zip archive DeepSpeed writes, its data.pkl naming open()
+        what = "GLOBAL io.open"
+    else:
+        f.write_bytes(_crafted(marker))
+        what = "not a torch.save zip archive, the format DeepSpeed writes"
+    _seal(checkpoint)
+    want = foreign_message(f, what)
+    assert problem(checkpoint) == want  # the controller: exit 2 before any rank starts
+    engine = _Engine()
+    with pytest.raises(CheckpointError) as err:  # the ranks, started without that check
+        load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
+    assert str(err.value) == f"refusing to load {checkpoint}: {want}" and engine.loaded == []
+    with pytest.raises(ForeignPickleError) as err:  # DeepSpeed's load itself, had the file changed after both checks
+        _engine_class()(None).load(str(f), map_location="cpu")
+    assert str(err.value).startswith(f"{f} holds a pickled object outside what DeepSpeed saves (")
+    assert not marker.exists()
+
+
+def test_a_file_swapped_after_the_scans_is_refused_by_the_load_itself(checkpoint, tmp_path):
+    """The ranks' scans passed, then the file changed (a shared folder): DeepSpeed's load, through the
+    weights-only checkpoint engine load_verified sets, refuses it with one line naming it, and it never runs."""
+    marker, f = tmp_path / "pwned", checkpoint / DS_FILE
+
+    class Swapping(_Engine):
+        def load_checkpoint(self, path, tag):  # what DeepSpeed does: each ds/ file through its checkpoint engine
+            torch.save(_Bait(marker), f)
+            self.checkpoint_engine.load(str(f), map_location="cpu")
+
+    with pytest.raises(CheckpointError) as err:
+        load_verified(SimpleNamespace(engine=Swapping()), checkpoint, rank=0, world=1)
+    assert str(err.value).startswith(f"{f} holds a pickled object outside what DeepSpeed saves (GLOBAL io.open)")
+    assert not marker.exists()
+
+
+def test_the_allowlist_is_what_deepspeed_saves():
+    """Every name of the allowlist is a DeepSpeed class, none of them a callable that could reach code: the
+    loss scalers, the ZeRO stage enum and ZeRO-1/2's fragment address (real files: tests/dist/test_checkpoint.py)."""
+    import enum
+
+    from hybridtrain.checkpoint.safe_load import DEEPSPEED_GLOBALS, allowed_globals
+
+    assert all(name.startswith("deepspeed.") for name in DEEPSPEED_GLOBALS)
+    for obj in allowed_globals():
+        assert isinstance(obj, type), obj
+        assert issubclass(obj, enum.Enum) or obj.__module__.startswith("deepspeed."), obj
+
+
 def test_a_file_corrupted_at_the_same_size_is_named(checkpoint):
     f = checkpoint / DS_FILE
     data = bytearray(f.read_bytes())
@@ -122,6 +192,8 @@ def test_intact_checkpoint_passes_and_loads(checkpoint):
     engine = _Engine()
     load_verified(SimpleNamespace(engine=engine), checkpoint, rank=0, world=1)
     assert engine.loaded == [(str(checkpoint), "ds")]
+    # through the weights-only engine, and DeepSpeed's own put back afterwards (its saves are DeepSpeed's)
+    assert engine.loaded_through == "WeightsOnlyCheckpointEngine" and engine.checkpoint_engine == "DeepSpeed's own"
     # two ranks split the files: rank 1 of 2 has none of the single ds file, rank 0 all of it
     assert verify_share(checkpoint, "ds", 1, 2) is None and verify_share(checkpoint, "ds", 0, 2) is None
 
@@ -172,8 +244,10 @@ def _unsafe_calls(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_nothing_in_the_package_unpickles():
-    """Every file hybridtrain reads is safetensors, JSON or YAML; the one torch.load (a test world's
-    emitted tensors) is weights_only=True, and DeepSpeed's pickles are verified first (above)."""
+    """Every file hybridtrain reads is safetensors, JSON or YAML; its torch.loads are weights_only=True: a test
+    world's emitted tensors, and DeepSpeed's ds/ pickles (hybridtrain/checkpoint/safe_load.py, an allowlist of what
+    DeepSpeed saves, in place of DeepSpeed's own torch.load(weights_only=False)), which are also verified against
+    their digests and scanned for foreign globals first (above)."""
     hits = [f"{p.relative_to(ROOT)}:{n}: {call}" for p in sorted((ROOT / "hybridtrain").rglob("*.py"))
             for n, call in _unsafe_calls(ast.parse(p.read_text()))]
     assert hits == []

@@ -106,3 +106,90 @@ def test_recorded_sizes_reads_sizes_with_or_without_digests():
 
     assert recorded_sizes({"files": {"hf/a": 3, "ds/b": {"size": 5, "sha256": "00"}}}) == {"hf/a": 3, "ds/b": 5}
     assert recorded_sizes({"step": 1}) == {}
+
+
+def _with_digests(checkpoint, *extra_files: str) -> None:
+    """Write the side files a save writes (``extra_files``) and seal meta.json with sizes and sha256 digests."""
+    from hybridtrain.checkpoint.io import DIGESTS, file_digests
+
+    for name in extra_files:
+        (checkpoint.hf / name).write_text('{"model_max_length": 16}')
+    checkpoint.meta_file.write_text(json.dumps({"step": 1, "files": file_sizes(checkpoint.path),
+                                                DIGESTS: file_digests(checkpoint.path)}))
+
+
+def test_a_side_file_linked_out_of_the_checkpoint_is_refused(checkpoint, tmp_path, capsys):
+    """n46: hf/tokenizer_config.json replaced by a symbolic link to a file outside the checkpoint (a key, a
+    token) is refused, even with meta.json rewritten to match the target; no folder is left, nothing copied."""
+    from hybridtrain.checkpoint.io import DIGESTS, sha256
+
+    _with_digests(checkpoint, "tokenizer_config.json")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    link = checkpoint.hf / "tokenizer_config.json"
+    link.unlink()
+    link.symlink_to(secret)
+    for rewritten in (False, True):
+        if rewritten:  # a sender who rewrites meta.json for the link's target
+            meta = json.loads(checkpoint.meta_file.read_text())
+            meta["files"]["hf/tokenizer_config.json"] = secret.stat().st_size
+            meta[DIGESTS]["hf/tokenizer_config.json"] = sha256(secret)
+            checkpoint.meta_file.write_text(json.dumps(meta))
+        out = tmp_path / "out"
+        assert main([str(checkpoint.path), str(out)]) == 2
+        assert f"{link} is a symbolic link (to {secret}), not a file the save wrote" in _one_line_error(capsys)
+        assert not out.exists()
+
+
+def test_a_side_file_edited_at_the_same_size_is_refused(checkpoint, tmp_path, capsys):
+    """An hf/config.json edited after the save at the same size (auto_map for a later trust_remote_code load,
+    here a changed width): its sha256 in meta.json tells, and nothing is written."""
+    _with_digests(checkpoint)
+    config = checkpoint.hf / "config.json"
+    text = config.read_text()
+    edited = text.replace('"n_embd": 16', '"n_embd": 61')
+    assert edited != text and len(edited) == len(text)
+    config.write_text(edited)
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert f"{config} does not match its sha256 digest in meta.json" in _one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_a_file_added_to_hf_is_refused(checkpoint, tmp_path, capsys):
+    _with_digests(checkpoint)
+    added = checkpoint.hf / "modeling_evil.py"
+    added.write_text("import os\n")
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert f"{added} is not listed in meta.json: it was added after the save" in _one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_a_folder_in_hf_is_refused(checkpoint, tmp_path, capsys):
+    _with_digests(checkpoint)
+    (checkpoint.hf / "extra").mkdir()
+    out = tmp_path / "out"
+    assert main([str(checkpoint.path), str(out)]) == 2
+    assert f"{checkpoint.hf / 'extra'} is not a regular file: the save writes none there" in _one_line_error(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)], ids=["umask_022", "umask_077"])
+def test_written_files_have_the_umasks_mode(checkpoint, tmp_path, umask, mode):
+    """safetensors' save_file makes its files 0600; hybridtrain's (an export's model.safetensors, a checkpoint's
+    rng/rank_*.safetensors) get the mode the umask gives a new file, like every other file of the export."""
+    import os
+
+    from hybridtrain.checkpoint.save import save_rng
+    from hybridtrain.checkpoint.stream import new_file_mode
+
+    old = os.umask(umask)
+    try:
+        assert new_file_mode() == mode
+        assert main([str(checkpoint.path), str(tmp_path / "out")]) == 0
+        save_rng(tmp_path / "rank_00000.safetensors")
+    finally:
+        os.umask(old)
+    files = [*sorted((tmp_path / "out").iterdir()), tmp_path / "rank_00000.safetensors"]
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(mode) for f in files}
