@@ -47,7 +47,7 @@ def _full_over_dp(param: nn.Parameter) -> torch.Tensor:
 
     full = safe_get_full_fp32_param(param)
     if full is None and hasattr(param, "ds_id"):  # ZeRO-3 without optimizer state (a frozen LoRA base): gather
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero import GatheredParameters  # deepspeed.zero is an attribute, not a module
 
         with GatheredParameters([param]):
             return param.detach().float().clone()

@@ -43,10 +43,13 @@ def peft_logits(folder: Path, adapter: Path, input_ids: torch.Tensor) -> torch.T
         return model(input_ids=input_ids).logits
 
 
-def check_lora_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters: dict, tmp: Path, steps: int) -> None:
+def check_lora_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters: dict, tmp: Path, steps: int,
+                   memory: bool = True) -> None:
     """The checks of one LoRA run of ``steps`` steps on the pretrained ``folder`` (module docstring) against peft's
     records ``want`` and trained adapters ``peft_adapters`` (:func:`peft_reference`); ``tmp`` takes the exports.
-    The run saves at ``steps - 1`` with its logits (``trainer.save_logits``) and at ``steps``."""
+    The run saves at ``steps - 1`` with its logits (``trainer.save_logits``) and at ``steps``. ``memory=False``
+    leaves out the model-state estimate (ZeRO-3: the plan counts the parameters gathered at the peak, the
+    measurement after the step sees only the partitions)."""
     from safetensors.torch import load_file
 
     from hybridtrain.export import export
@@ -78,7 +81,7 @@ def check_lora_run(run_dir: Path, folder: Path, want: list[dict], peft_adapters:
         assert torch.equal(tensor, base), f"{name} changed: the base is not frozen"
 
     est, measured = estimate_for_run(run_dir), metrics(run_dir)[-1]["model_state_bytes"]
-    assert abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (est, measured)
+    assert not memory or abs(est.model_state - measured["total"]) <= 0.10 * measured["total"], (est, measured)
 
     ckpt = RunDir(run_dir).checkpoints / f"step_{steps - 1}"
     saved = load_file(str(ckpt / LOGITS_FILE))
