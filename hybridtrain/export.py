@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="--check: largest allowed |difference| relative to the largest |logit| (fp32)")
     args = parser.parse_args(argv)
+    from hybridtrain.checkpoint.io import CheckpointError
+
     try:
         out = export(args.checkpoint, args.out_dir, args.max_shard_size, merge=args.merge, overwrite=args.overwrite)
         print(f"[hybridtrain] exported {args.checkpoint} to {out}")
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[hybridtrain] check {'passed' if ok else 'FAILED'}: max |transformers - hybridtrain| logit = "
                   f"{diff:.3g} (largest |logit| {scale:.3g}, tolerance {args.tolerance:g} relative)")
             return 0 if ok else 1
-    except ExportError as err:
+    except (ExportError, CheckpointError) as err:  # CheckpointError: a meta.json that is not what a save writes
         print(f"[hybridtrain] export error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the output cannot be written (permissions, a full disk): one line, not a traceback

@@ -111,8 +111,8 @@ def _setup_gpu(cfg) -> None:
     """Bind this rank to its GPU before the process group starts (NCCL creates its communicator on
     the current device; DeepSpeed takes ``LOCAL_RANK`` as the device index), and let an fp32 run's
     matmuls use TF32 tensor cores when ``trainer.tf32`` (:func:`hybridtrain.gpus.uses_tf32`). The CUDA
-    allocator gets expandable segments unless the environment configures it (:func:`~hybridtrain.gpus.allocator_settings`):
-    read when CUDA starts, which ``set_device`` does."""
+    allocator gets expandable segments unless the environment configures it
+    (:func:`~hybridtrain.gpus.allocator_settings`): read when CUDA starts, which ``set_device`` does."""
     import torch
 
     from hybridtrain.gpus import allocator_settings, uses_tf32
@@ -191,7 +191,8 @@ def _resume(built, plan, checkpoint: Path, reshard: bool, rank: int) -> int:
     else:
         from hybridtrain.checkpoint.reshard import load_keeping_schedule
 
-        # digests of ds/ checked before DeepSpeed unpickles; the lr schedule stays this run's (its optim.*, max_steps)
+        # ds/ verified, then loaded weights-only (checkpoint/safe_load.py); the lr schedule stays this run's
+        # (its optim.*, max_steps)
         load_keeping_schedule(built.engine, plan, step, lambda: load_verified(built, checkpoint, rank, plan.world_size))
     if rank == 0:
         saved = _saved_plan(checkpoint)

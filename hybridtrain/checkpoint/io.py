@@ -170,6 +170,10 @@ class CheckpointError(RuntimeError):
         self.shared = shared
 
 
+META_KEYS = ("step", "samples_seen", "plan")
+"""The entries of ``meta.json`` a resume relies on (a save always writes them; :func:`problem` checks them)."""
+
+
 class MetaError(CheckpointError, ValueError):
     """A ``meta.json`` that cannot be read as the object a save writes (:meth:`CheckpointDir.meta`). Also a
     ``ValueError``, which callers that treat an unreadable pointer as "no checkpoint" already catch."""
@@ -238,6 +242,9 @@ def problem(path: Path) -> Optional[str]:
         meta = read_meta(path)
     except MetaError as err:
         return str(err)
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        return f"{path} is not a complete checkpoint (meta.json has no {', '.join(missing)}: edited since the save)"
     why = _listing_problem(path, meta)
     if why is not None:
         return why

@@ -14,7 +14,7 @@ from hybridtrain.rundir import RunDir
 
 def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optional[Path]:
     """The complete checkpoint ``trainer.resume`` names, checked against this run (every file against
-    the sha256 digests of its ``meta.json``: DeepSpeed unpickles ``ds/``); ``None`` when ``auto`` finds
+    the sha256 digests of its ``meta.json``, ``ds/`` pickles against what DeepSpeed saves); ``None`` when ``auto`` finds
     no checkpoint at all (a fresh start). ``auto`` refuses a directory whose checkpoints all fail.
 
     With ``model.pretrained`` as well (a fine-tune that is resumed, e.g. after a SLURM requeue), the
@@ -36,7 +36,7 @@ def resolve_resume(cfg: Config, plan: Plan, hf_config, run_dir: Path) -> Optiona
             return None
     else:
         path = _checkpoint_folder(cfg.trainer.resume)
-        why = problem(path)  # every file against its digest: before any rank starts, before anything is unpickled
+        why = problem(path)  # digests and ds/ pickles checked before any rank starts, before anything is loaded
         if why is not None:
             newest = latest_checkpoint(path.parent.parent)
             raise PlanError("trainer.resume", f"{why}; " + (f"the newest loadable checkpoint there is {newest}" if newest

@@ -65,6 +65,8 @@ def test_expert_parallel_checkpoints_resume_under_any_ep_and_export(twin, tmp_pa
     _check_resumed(same, full, SAVE_EVERY + 1)
     _check_resumed(to_ep1, full, SAVE_EVERY + 1)
     _check_resumed(back, full, SAVE_EVERY + 2)
+    # ep > 1 writes no ds/ (no resume reads it: gpu-review-3 finding 5); the ep = 1 run's checkpoint has it
+    assert not (saved / "ds").exists() and (to_ep1 / "checkpoints" / f"step_{SAVE_EVERY + 1}" / "ds").is_dir()
 
     last = full / "checkpoints" / f"step_{STEPS}"
     want, got = _moments(last), _moments(back / "checkpoints" / f"step_{STEPS}")

@@ -404,6 +404,29 @@ def test_a_meta_json_that_is_not_json_is_an_incomplete_checkpoint(how, checkpoin
                 "is not valid JSON") in capsys.readouterr().out
 
 
+def test_a_meta_json_without_what_a_save_writes_is_an_incomplete_checkpoint(checkpoint, tmp_path, capsys):
+    """A ``meta.json`` that is JSON but lacks the step (edited): an explicit resume names what is missing and the
+    newest loadable checkpoint, and export says the same in one line, exit 2, no folder (both were a KeyError or
+    JSONDecodeError traceback)."""
+    import json
+
+    from hybridtrain.errors import PlanError
+    from hybridtrain.export import main
+
+    older = shutil.copytree(checkpoint, checkpoint.with_name("step_2"))
+    meta = CheckpointDir(checkpoint).meta_file
+    record = json.loads(meta.read_text())
+    del record["step"]
+    meta.write_text(json.dumps(record))
+    with pytest.raises(PlanError) as err:
+        _resolve(str(checkpoint), checkpoint.parent.parent)
+    assert str(err.value) == (f"trainer.resume: {checkpoint} is not a complete checkpoint (meta.json has no step: "
+                              f"edited since the save); the newest loadable checkpoint there is {older}")
+    meta.write_text("{\"step\": 4, \"pl")  # and cut short
+    assert main([str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "export error: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_a_checkpoint_of_another_model_type_is_refused(checkpoint):
     """Fault probe n49: a gpt2 checkpoint resumed by a Llama recipe is a config error naming model.model_type,
     before any rank starts (it was a state-dict traceback in the ranks)."""

@@ -140,7 +140,7 @@ def test_checkpoint_folder_names_and_the_newest_complete_one(tmp_path):
         ckpt.hf_part(stage).write_bytes(b"")
     (ckpt.hf / "config.json").write_text("{}")
     assert ckpt.hf_parts() == [ckpt.hf_part(0), ckpt.hf_part(1)]  # stage order, nothing else
-    ckpt.meta_file.write_text(json.dumps({"step": 3, "files": file_sizes(ckpt.path), DIGESTS: file_digests(ckpt.path)}))
+    ckpt.meta_file.write_text(json.dumps({"step": 3, "samples_seen": 36, "plan": {}, "files": file_sizes(ckpt.path), DIGESTS: file_digests(ckpt.path)}))
     assert latest_checkpoint(tmp_path) is None  # not published yet
     finalize(ckpt.path, final, keep_last=None)
     assert latest_checkpoint(tmp_path) == final and CheckpointDir(final).meta()["step"] == 3
