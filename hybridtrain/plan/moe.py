@@ -137,20 +137,31 @@ def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: 
     return ep
 
 
+def expert_stage_needs(family: Any, hf_config: Any, dims: Any, zero: int, names: list[str],
+                       lora: bool = False) -> Optional[list[bool]]:
+    """Which pipeline layers (``names``) are MoE blocks, when every stage must hold one (:func:`check_expert_stages`:
+    ``parallel.ep`` > 1, ZeRO-1 or 2, pp > 1, no LoRA); ``None`` when any split runs. The balanced partition takes
+    it as its constraint (:func:`~hybridtrain.plan.partition.partition` ``needs``)."""
+    if dims.ep == 1 or dims.pp == 1 or zero == 0 or lora or family.moe is None:
+        return None
+    from hybridtrain.models.units import block_index, kind_of, Kind
+
+    dense = set(family.moe.dense_blocks(hf_config))
+    return [kind_of(n) is Kind.BLOCK and block_index(n) not in dense for n in names]
+
+
 def check_expert_stages(family: Any, hf_config: Any, dims: Any, zero: int, names: list[str], bounds: list[int],
                         key: str, lora: bool = False) -> None:
     """With ``parallel.ep`` > 1, ZeRO-1 and pp > 1 every pipeline stage must hold an MoE block: DeepSpeed's
     ZeRO-1 all-reduces one gradient norm per parameter group over the pipe x tensor ranks, and a stage
     without experts has fewer groups than one with them (the ranks would wait on each other forever).
     Under LoRA (``lora``) the experts are frozen and no stage has expert groups, so any split runs."""
-    if dims.ep == 1 or dims.pp == 1 or zero == 0 or lora:
+    needs = expert_stage_needs(family, hf_config, dims, zero, names, lora)
+    if needs is None:
         return
-    from hybridtrain.models.units import block_index, kind_of, Kind
-
-    dense = set(family.moe.dense_blocks(hf_config))
     for s in range(dims.pp):
         stage = names[bounds[s]:bounds[s + 1]]
-        if not any(kind_of(n) is Kind.BLOCK and block_index(n) not in dense for n in stage):
+        if not any(needs[bounds[s]:bounds[s + 1]]):
             raise PlanError(key, f"stage {s} ({', '.join(stage)}) holds no MoE block, which DeepSpeed's ZeRO-1 "
                             f"with parallel.ep={dims.ep} cannot run at pp > 1 (its gradient norm would hang); put an "
                             "MoE block on every stage (parallel.stage_layers) or use parallel.zero_stage=0")

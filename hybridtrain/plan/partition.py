@@ -87,6 +87,40 @@ def balanced(costs: Sequence[float], pp: int,
     return bounds
 
 
+def balanced_with_needs(costs: Sequence[float], pp: int, needed: Sequence[bool],
+                        fits: Optional[Callable[[int, int, int], bool]] = None) -> list[int]:
+    """:func:`balanced` where every stage must also hold one of the layers marked in ``needed`` (an MoE block
+    when DeepSpeed's ZeRO-1 at ``parallel.ep`` > 1 needs one on every stage, :func:`~hybridtrain.plan.moe.expert_stage_needs`):
+    the split of least bottleneck among those that satisfy it (and ``fits``), ties to the earliest cut. A
+    dynamic programme over (stages, layers), ``O(pp n^2)``: the greedy of :func:`balanced` cannot see the
+    constraint. :class:`ValueError` when no split satisfies it."""
+    n = len(costs)
+    ok = fits or (lambda _s, _a, _b: True)
+    prefix, marks = [0.0], [0]
+    for c, need in zip(costs, needed):
+        prefix.append(prefix[-1] + c)
+        marks.append(marks[-1] + bool(need))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]  # best[s][i]: least bottleneck of layers [0, i) in s stages
+    cut = [[-1] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for s in range(1, pp + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):  # the last stage is [j, i)
+                if best[s - 1][j] == inf or marks[i] == marks[j] or not ok(s - 1, j, i):
+                    continue
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    if best[pp][n] == inf:
+        raise ValueError(f"no split of {n} layers into {pp} stages puts a required layer on every stage")
+    bounds, i = [n], n
+    for s in range(pp, 0, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
 def manual(stage_layers: Sequence[int], n: int, pp: int) -> list[int]:
     """Stage boundaries from ``parallel.stage_layers`` (pipeline layers per stage); raises
     ``ValueError`` with the reason when they do not describe ``pp`` non-empty stages of ``n`` layers."""
@@ -102,13 +136,17 @@ def manual(stage_layers: Sequence[int], n: int, pp: int) -> list[int]:
 
 def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int,
               layer_params: Sequence[int] | None = None, layer_costs: Sequence[float] | None = None,
-              fits: Optional[Callable[[int, int, int], bool]] = None, block_per_stage: bool = False) -> list[int]:
+              fits: Optional[Callable[[int, int, int], bool]] = None, block_per_stage: bool = False,
+              needs: Sequence[bool] | None = None) -> list[int]:
     """Stage boundaries for ``parallel.partition=method`` over ``num_pre + num_blocks + num_post`` layers.
 
     ``balanced`` needs ``layer_costs`` (time per layer, :func:`hybridtrain.plan.costs.layer_time_costs`)
     and takes the memory constraint ``fits`` (see :func:`balanced`), dropped when nothing satisfies it.
     ``block_per_stage`` (LoRA: only the blocks' adapters train, and a stage with nothing to train cannot
-    run) keeps the final norm and head with the last block instead of letting them form a stage.
+    run) keeps the final norm and head with the last block instead of letting them form a stage. ``needs``
+    (one flag per pipeline layer, or ``None``): ``balanced`` puts a marked layer on every stage, a rule the plan
+    checks after partitioning (:func:`~hybridtrain.plan.moe.check_expert_stages`), so it never refuses its own
+    choice; where no split can satisfy it the unconstrained split is returned and the check names the fix.
     """
     n = num_pre + num_blocks + num_post
     if method in ("blocks", "uniform"):
@@ -135,12 +173,22 @@ def partition(method: str, num_pre: int, num_blocks: int, num_post: int, pp: int
         ends = starts[1:] + [n]
         costs = [float(sum(layer_costs[a:b])) for a, b in zip(starts, ends)]
         unit_fits = None if fits is None else (lambda st, a, b: fits(st, starts[a], ends[b - 1]))
-        try:
-            merged = balanced(costs, pp, unit_fits)
-        except ValueError:
-            if fits is None:
-                raise
-            merged = balanced(costs, pp)  # over memory anyway: the plan warns
+        needed = None if needs is None else [any(needs[a:b]) for a, b in zip(starts, ends)]
+        merged = None
+        if needed is not None and not all(needed) and sum(needed) >= pp:
+            for constraint in ([unit_fits, None] if unit_fits is not None else [None]):
+                try:
+                    merged = balanced_with_needs(costs, pp, needed, constraint)  # over memory: the plan warns
+                    break
+                except ValueError:
+                    continue
+        if merged is None:
+            try:
+                merged = balanced(costs, pp, unit_fits)
+            except ValueError:
+                if fits is None:
+                    raise
+                merged = balanced(costs, pp)  # over memory anyway: the plan warns
         return [starts[i] for i in merged[:-1]] + [n]
     raise ValueError(f"parallel.partition={method!r} is not a method; use one of {list(METHODS)}")
 

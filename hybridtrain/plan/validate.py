@@ -20,7 +20,8 @@ from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
-from hybridtrain.plan.moe import check_expert_parallel, check_expert_stages, check_moe, check_moe_precision
+from hybridtrain.plan.moe import (check_expert_parallel, check_expert_stages, check_moe, check_moe_precision,
+                                  expert_stage_needs)
 from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -256,8 +257,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
         if par.partition == "balanced" and par.pp > 1:
             costs, fits = balanced_inputs(cfg, hf_config, dims, zero, grad_accum, padded, machine,
                                           facts_for_tp(par.tp) if facts_for_tp else None)
+        needs = expert_stage_needs(family, hf_config, dims, zero, names, lora=cfg.finetune.method == "lora")
         bounds = partition(par.partition, n_pre, num_layers, n_post, par.pp, layer_params, costs, fits,
-                           block_per_stage=cfg.finetune.method == "lora")
+                           block_per_stage=cfg.finetune.method == "lora", needs=needs)
     for s in range(par.pp):
         why = stage_problem(names[bounds[s]:bounds[s + 1]])
         key = "parallel.stage_layers" if par.stage_layers is not None else "parallel.partition"

@@ -341,3 +341,20 @@ def test_gpt_oss_plans_in_bf16_as_transformers_keeps_its_norms_in_fp32_under_fp1
     assert fp32_modules(hf, "fp16") == ["post_attention_layernorm", "input_layernorm", "norm"]
     _, deepseek = resolve(compose(*TINY_DEEPSEEK), CPU)
     assert set(fp32_modules(deepseek, "bf16")) == {"e_score_correction_bias", "gate.weight"}
+
+
+@pytest.mark.parametrize("blocks,extra", [(4, ()), (4, ("+model.config.mlp_only_layers=[3]",)), (3, ())],
+                         ids=["four_moe_blocks", "last_block_dense", "three_blocks"])
+def test_the_balanced_partition_puts_an_moe_block_on_every_stage_at_ep_2(blocks, extra):
+    """Fault probe 41.6: at dp = 2 x ep = 2 x pp = 2 with ZeRO-1 the balanced partition put every block on stage 0
+    (the head's cost) and the plan then refused its own choice ("stage 1 (final_norm, head) holds no MoE block").
+    The partitioner takes the rule as its constraint: each stage holds an MoE block, a dense one not counting."""
+    from hybridtrain.models.units import block_index, kind_of, Kind
+
+    plan, hf = resolve(compose(*TINY_MOE, f"model.config.num_hidden_layers={blocks}", *extra, "parallel.dp=2",
+                               "parallel.ep=2", "parallel.pp=2"), CPU)
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    b = plan.stage_bounds
+    for s in range(2):
+        names = plan.layer_names[b[s]:b[s + 1]]
+        assert any(kind_of(n) is Kind.BLOCK and block_index(n) not in dense for n in names), (s, names)

@@ -186,3 +186,53 @@ def test_partition_balanced_uses_the_costs():
     assert partition("balanced", 1, 3, 2, 1, None, None) == [0, 6]  # one stage needs no costs
     with pytest.raises(ValueError, match="one cost per pipeline layer"):
         partition("balanced", 1, 3, 2, 2, None, costs[:-1])
+
+
+def _brute_needs(costs, pp, needed):
+    """The least bottleneck of every contiguous split whose stages each hold a marked layer (None: no such split)."""
+    import itertools
+
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        b = [0, *cuts, n]
+        if all(any(needed[b[s]:b[s + 1]]) for s in range(pp)):
+            value = max(sum(costs[b[s]:b[s + 1]]) for s in range(pp))
+            best = value if best is None else min(best, value)
+    return best
+
+
+def test_balanced_with_needs_is_the_best_split_that_meets_the_rule():
+    """Against brute force on 400 random cases: the constrained split's bottleneck is the least among the splits
+    with a marked layer on every stage, it meets the rule, and ValueError exactly when none exists."""
+    import random
+
+    from hybridtrain.plan.partition import balanced_with_needs
+
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(2, 9)
+        pp = rng.randint(2, min(4, n))
+        costs = [rng.randint(1, 9) for _ in range(n)]
+        needed = [rng.random() < 0.4 for _ in range(n)]
+        want = _brute_needs(costs, pp, needed)
+        if want is None:
+            with pytest.raises(ValueError, match="puts a required layer on every stage"):
+                balanced_with_needs(costs, pp, needed)
+            continue
+        b = balanced_with_needs(costs, pp, needed)
+        assert b[0] == 0 and b[-1] == n and len(b) == pp + 1
+        assert all(any(needed[b[s]:b[s + 1]]) for s in range(pp)), (costs, needed, b)
+        assert max(sum(costs[b[s]:b[s + 1]]) for s in range(pp)) == want
+
+
+def test_partition_balanced_honours_needs_and_ignores_an_impossible_rule():
+    """``partition(..., needs=)``: the head's cost would take a stage of its own; with the blocks marked it joins
+    the last block. With fewer marked units than stages the unconstrained split comes back (the plan's check then
+    names the fix)."""
+    costs = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 9.0]  # embed, 4 blocks, final norm, head
+    free = partition("balanced", 1, 4, 2, 2, layer_costs=costs)
+    assert free == [0, 5, 7]  # stage 1 holds only the final norm and the head
+    needs = [False, True, True, True, True, False, False]
+    assert partition("balanced", 1, 4, 2, 2, layer_costs=costs, needs=needs) == [0, 4, 7]
+    only_one = [False, True, False, False, False, False, False]
+    assert partition("balanced", 1, 4, 2, 2, layer_costs=costs, needs=only_one) == free
