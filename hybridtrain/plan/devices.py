@@ -79,16 +79,28 @@ def memory_budget(plan_cfg, launcher, machine: Machine, ranks_per_node: int) -> 
     ``launcher.gpu_type``'s on a cluster), else for ``launcher=local`` CPU processes the machine's RAM
     divided by ``ranks_per_node``. On GPUs the budget keeps ``plan.memory_headroom`` of it and
     ``plan.memory_reserved_gb`` free for the CUDA context, NCCL buffers and fragmentation."""
+    from hybridtrain.errors import PlanError
+
     gpus = uses_gpus(launcher, machine)
-    if plan_cfg.device_memory_gb is not None:
-        memory = int(plan_cfg.device_memory_gb * GiB)
+    given = plan_cfg.device_memory_gb
+    if given is not None and not given > 0:
+        raise PlanError("plan.device_memory_gb", f"must be > 0 (GiB of one device), got {given}; leave it null "
+                        "to use the GPU's (or the machine's) own")
+    if given is not None:
+        memory = int(given * GiB)
     elif gpus or machine.gpus_per_node:
         memory = machine.device_memory_bytes
     else:
         memory = machine.device_memory_bytes // max(1, ranks_per_node)
     if not gpus or not memory:
         return memory
-    return max(0, int((1 - plan_cfg.memory_headroom) * memory - plan_cfg.memory_reserved_gb * GiB))
+    budget = int((1 - plan_cfg.memory_headroom) * memory - plan_cfg.memory_reserved_gb * GiB)
+    if budget <= 0:  # 0 would read as "unknown memory, no limit"
+        raise PlanError("plan.device_memory_gb", f"{memory / GiB:g} GiB leaves no budget after plan.memory_headroom="
+                        f"{plan_cfg.memory_headroom:g} ({plan_cfg.memory_headroom * memory / GiB:.2f} GiB) and "
+                        f"plan.memory_reserved_gb={plan_cfg.memory_reserved_gb:g} kept free; give one GPU's real "
+                        "memory, or lower plan.memory_reserved_gb")
+    return budget
 
 
 def gpu_peak_flops(spec: GpuSpec, precision: str, tf32: bool) -> float:

@@ -126,6 +126,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(0 <= cfg.plan.memory_headroom < 1, "plan.memory_headroom",
           f"must be in [0, 1) (the share of a GPU's memory kept free), got {cfg.plan.memory_headroom}")
     _need(cfg.plan.memory_reserved_gb >= 0, "plan.memory_reserved_gb", f"must be >= 0, got {cfg.plan.memory_reserved_gb}")
+    _need(cfg.plan.device_memory_gb is None or cfg.plan.device_memory_gb > 0, "plan.device_memory_gb",
+          f"must be > 0 (GiB of one device), got {cfg.plan.device_memory_gb}; leave it null to use the GPU's (or the "
+          "machine's) own")
 
     for key in ("tp", "pp", "micro_batch_size"):
         _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")

@@ -266,3 +266,24 @@ def test_activation_checkpointing_null_with_unknown_memory_keeps_activations_and
     cfg = cfg_of("+recipe=llama_7b", "parallel.activation_checkpointing=true", "plan.device_memory_gb=80")
     resolve(cfg, CPU, announce=said.append)
     assert cfg.parallel.activation_checkpointing is True and not any("activation checkpointing" in s for s in said)
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+@pytest.mark.parametrize("auto", [False, True], ids=["fixed_layout", "parallel_auto"])
+def test_a_device_memory_at_or_below_zero_is_a_range_error(value, auto):
+    """Fault probe n19-n22, n27: ``plan.device_memory_gb`` <= 0 passed a dry run without a word, and with
+    ``parallel=auto`` read as "GPUs of unknown memory"; it is a range error naming the key, either way."""
+    extra = ("parallel=auto", "plan.world_size=8") if auto else ()
+    with pytest.raises(PlanError, match=rf"^plan.device_memory_gb: must be > 0 \(GiB of one device\), got {value}"):
+        resolve(cfg_of("+recipe=llama_7b", f"plan.device_memory_gb={value}", *extra), GPUS8)
+
+
+def test_a_device_memory_within_the_reserve_says_the_reserve_leaves_no_budget():
+    """Fault probe n19: 1 GiB with the 2 GiB reserve left a budget of 0, which ``parallel=auto`` took for unknown
+    memory ("set plan.device_memory_gb", which was set); now both keys are named, with and without auto."""
+    want = (r"^plan.device_memory_gb: 1 GiB leaves no budget after plan.memory_headroom=0.1 \(0.10 GiB\) and "
+            r"plan.memory_reserved_gb=2 kept free; give one GPU's real memory, or lower plan.memory_reserved_gb$")
+    with pytest.raises(PlanError, match=want):
+        resolve(cfg_of("+recipe=llama_7b", "plan.device_memory_gb=1", "parallel=auto", "plan.world_size=8"), GPUS8)
+    with pytest.raises(PlanError, match=want):
+        resolve(cfg_of("+recipe=llama_7b", "plan.device_memory_gb=1"), GPUS8)
