@@ -135,7 +135,7 @@ HF-named tensors. A collective; returns the bytes needed."""
 
     held = built.model_state_bytes
     ds = held["optim"] + (held["params"] if built.data_rank == 0 or plan.zero_stage == 3 else 0)
-    ds = ds if writes_ds(plan) else 0
+    ds = ds if writes_ds(built.ep.size) else 0
     total = collectives.all_reduce(torch.tensor([float(ds + own)], dtype=torch.float64), built.engine.device)
     need = int(float(total.item()) * 1.05) + SLACK_BYTES
     need = max(need, _last_size(final.parent, plan))
@@ -146,12 +146,12 @@ HF-named tensors. A collective; returns the bytes needed."""
     return need
 
 
-def writes_ds(plan) -> bool:
-    """Whether a save of ``plan`` writes DeepSpeed's own state (``ds/``): not at ``parallel.ep`` > 1, where every
+def writes_ds(ep: int) -> bool:
+    """Whether a save at expert-parallel degree ``ep`` writes DeepSpeed's own state (``ds/``): not at ``parallel.ep`` > 1, where every
     resume goes through ``hf/`` and ``optim/`` (``ds/`` would hold data rank 0's experts only) and the step and
     schedule come from ``meta.json``; its pickles, about 12 bytes per parameter, were written for no reader
     (gpu-review-3 finding 5)."""
-    return plan.dims.ep == 1
+    return ep == 1
 
 
 SLACK_BYTES = 4 << 20
@@ -184,7 +184,7 @@ def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path
     device = built.engine.device
     collectives.barrier(device)
     client = {"hybridtrain": {"step": step, "samples_seen": step * plan.global_batch_size}}
-    if writes_ds(plan):
+    if writes_ds(built.ep.size):
         built.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
     stage.write(ckpt)  # collective over the stage's TP and DP groups
     save_rng(ckpt.rng_file(rank))

@@ -56,6 +56,38 @@ def check_writable(path: str | os.PathLike, key: str) -> str | None:
     return None
 
 
+def check_checkpoints(run_dir: str | os.PathLike, key: str) -> str | None:
+    """``None`` when a run in ``run_dir`` can write ``RUN_DIR/checkpoints`` (absent: the save makes it in the run
+    folder, already probed), else the config error message: a regular file, a dangling link, or a folder
+    (a link to other storage, a read-only mount) where a probe file cannot be written. Without this the first
+    save found it after every step had trained (fault probe n63, n64)."""
+    folder = RunDir(Path(run_dir).expanduser().absolute()).checkpoints
+    if not folder.exists() and not folder.is_symlink():
+        return None
+    what = None
+    if not folder.exists():
+        what = f"a link to {os.readlink(folder)}, which does not exist"
+    elif not folder.is_dir():
+        what = "a file, not a folder"
+    else:
+        try:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".hybridtrain-write-probe-"):
+                pass
+        except OSError as err:
+            what = f"not writable: {type(err).__name__}: {err.strerror or err}"
+    if what is None:
+        return None
+    return (f"{key}: the run's checkpoint folder {folder} is {what}, so its saves would fail after the training; "
+            f"move it away or make it writable, choose another {key}, or save nothing (trainer.save_final=false "
+            "trainer.save_every=0)")
+
+
+def saves(config: Any) -> bool:
+    """Whether the composed run writes checkpoints (``trainer.save_every`` > 0 or ``trainer.save_final``)."""
+    return bool((OmegaConf.select(config, "trainer.save_every") or 0) > 0
+                or OmegaConf.select(config, "trainer.save_final", default=True))
+
+
 def lock_node(config: Any) -> int:
     """The node whose lock slot this controller takes: ``launcher.node_rank`` under ``launcher=multinode``
     with ``launcher.no_ssh`` (every node runs the controller), else 0."""
@@ -77,6 +109,7 @@ class CheckOutputDir(Callback):
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         folder = self._check(config.hydra.run.dir, "hydra.run.dir")
         self._locks[folder] = self._take(folder, "hydra.run.dir", lock_node(config))
+        self._check_saves(config, folder, "hydra.run.dir")
 
     def on_run_end(self, config: Any, **kwargs: Any) -> None:
         self._release_all()
@@ -93,6 +126,7 @@ class CheckOutputDir(Callback):
         folder = Path(config.hydra.runtime.output_dir).resolve()
         if folder not in self._locks:
             self._job_locks[folder] = self._take(folder, "hydra.sweep.dir", lock_node(config))
+            self._check_saves(config, folder, "hydra.sweep.dir")
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
         lock = self._job_locks.pop(Path(config.hydra.runtime.output_dir).resolve(), None)
@@ -105,6 +139,12 @@ class CheckOutputDir(Callback):
         if message is not None:
             _refuse(message)
         return Path(path).expanduser().resolve()
+
+    @staticmethod
+    def _check_saves(config: Any, folder: Path, key: str) -> None:
+        message = check_checkpoints(folder, key) if saves(config) else None
+        if message is not None:
+            _refuse(message)
 
     @staticmethod
     def _take(folder: Path, key: str, node: int) -> RunLock:

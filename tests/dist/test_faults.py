@@ -135,6 +135,43 @@ def test_unwritable_output_dir_is_a_config_error_before_anything_runs(where, tmp
     assert "[hybridtrain]" not in proc.stdout  # stopped before the plan summary, data and workers
 
 
+@pytest.mark.parametrize("what", ["a_file", "a_dangling_link", "read_only_mount"])
+def test_an_unwritable_checkpoint_folder_is_a_config_error_before_anything_runs(what, tmp_path):
+    """Fault probe n63, n64: ``RUN_DIR/checkpoints`` a regular file (with ``trainer.resume=auto``, which said
+    "starting fresh"), a link to nothing, or a read-only mount: the run trained every step and lost them at the
+    first save. Now exit 2 naming the folder before the plan, the data or a rank; ``trainer.save_final=false``
+    with no ``save_every`` saves nothing and runs. The mount needs root or user namespaces (``unshare -m``)."""
+    run_dir = tmp_path / "run"
+    ckpts = RunDir(run_dir).checkpoints
+    run_dir.mkdir()
+    common = ["+recipe=gpt_tiny", "trainer.max_steps=2", "trainer.resume=auto"]
+    if what == "read_only_mount":
+        if not _can_mount_tmpfs():
+            pytest.skip("a read-only bind mount needs root or user namespaces (unshare -m)")
+        ckpts.mkdir()
+        script = (f"mount --bind {ckpts} {ckpts} && mount -o remount,bind,ro {ckpts} || exit 97\n"
+                  f"{shlex.join(cli.command(run_dir, common))}\n")
+        proc = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=cli.environment(None),
+                              capture_output=True, text=True, timeout=120)
+        why = "not writable: OSError: Read-only file system"
+    else:
+        if what == "a_file":
+            ckpts.write_text("not a folder")
+            why = "a file, not a folder"
+        else:
+            ckpts.symlink_to(tmp_path / "gone")
+            why = f"a link to {tmp_path / 'gone'}, which does not exist"
+        proc = run_cli(run_dir, *common, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"[hybridtrain] config error: hydra.run.dir: the run's checkpoint folder {ckpts} is {why}, so its saves "
+            "would fail after the training") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "[hybridtrain]" not in proc.stdout
+    if what == "a_file":
+        ok = run_cli(run_dir, "+recipe=gpt_tiny", "trainer.max_steps=2", "trainer.save_final=false",
+                     "launcher.dry_run=true", timeout=120)
+        assert ok.returncode == 0
+
+
 def test_an_empty_run_dir_is_a_config_error_and_writes_nothing(tmp_path):
     """``hydra.run.dir=`` made Hydra put the whole run into the current folder (the repository root):
     run from an empty folder, it is refused there, which stays empty (a dry run would write config.yaml)."""
