@@ -203,6 +203,12 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.data.seq_len >= 1 and (max_pos is None or cfg.data.seq_len <= max_pos), "data.seq_len",
           f"{cfg.data.seq_len} must be in [1, model.config.{family.max_positions}={max_pos}]")
     model_vocab = int(hf_config.vocab_size)
+    if cfg.model.pretrained:  # the weights fix the embedding: the config key cannot (probe n35)
+        _need(vocab_size <= model_vocab, "data.tokenizer",
+              f"the tokenizer has {vocab_size} tokens but the embedding of {cfg.model.pretrained} only {model_vocab} "
+              "rows: the tokenizer and the weights disagree; point data.tokenizer at the tokenizer the model was "
+              "trained with (or leave it unset to use the folder's), or grow the embedding once with transformers "
+              "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and train that folder")
     _need(vocab_size <= model_vocab, "model.config.vocab_size",
           f"the tokenizer has {vocab_size} tokens but the model only {model_vocab}; "
           f"set model.config.vocab_size >= {vocab_size} or leave it unset")

@@ -279,3 +279,24 @@ def _copy_tokenizer(src, dst) -> None:
     for f in src.iterdir():
         if "token" in f.name:
             shutil.copy(f, dst / f.name)
+
+
+def test_a_tokenizer_larger_than_the_pretrained_embedding_names_the_fixes_that_work(hf_llama, tmp_path):
+    """Fault probe n35: a folder whose tokenizer has 200 added tokens more than its embedding has rows got "set
+    model.config.vocab_size >= N or leave it unset" (it was unset, and an override is refused for a pretrained
+    model). The message says the tokenizer and the weights disagree and gives data.tokenizer and the resize."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(hf_llama, tmp_path / "bigtok")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tok.add_tokens([f"<extra_{i}>" for i in range(rows - len(tok) + 200)])
+    tok.save_pretrained(str(folder))
+    with pytest.raises(PlanError) as info:
+        _resolve("model=llama", f"model.pretrained={folder}")
+    assert info.value.key == "data.tokenizer"
+    assert f"the tokenizer has {len(tok)} tokens but the embedding of {folder} only {rows} rows" in str(info.value)
+    assert "model.resize_token_embeddings(len(tokenizer))" in str(info.value)
+    assert "model.config.vocab_size" not in str(info.value)
