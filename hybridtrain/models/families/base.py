@@ -205,6 +205,9 @@ class Family:
     variant_heads_per_rank_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Block variant -> its :attr:`heads_per_rank_attrs` where it differs (a Gated DeltaNet block's ``key_dim``
     and ``value_dim``, which its forward splits the fused q | k | v by)."""
+    unverified_lora: Mapping[str, str] = field(default_factory=dict)
+    """Block-relative module path -> why LoRA adapters on it (or on modules under it) are refused in this version
+    (Qwen3.5's Gated DeltaNet ``linear_attn``: not yet proven against peft)."""
     tp_divides: tuple[str, ...] = ()
     """Further HF config keys tp must divide (:func:`tp_divisible`) and a pretrained model's config may not
     override (:meth:`shape_keys`): Gated DeltaNet's key and value head counts."""

@@ -1,0 +1,72 @@
+"""Qwen3.5 (Gated DeltaNet beside gated full attention) without processes: what this version refuses, each refusal
+naming its key and the fix (context parallelism, LoRA on ``linear_attn``), what LoRA may adapt, and the document
+grouping of packed rows that the Gated DeltaNet blocks run per document (``hybridtrain/models/linear_attention.py``).
+The exactness tests are with the other families' (``tests/unit/test_family_logits.py``, ``test_packing.py``,
+``tests/dist/test_tp_layers.py``, ``test_family_layouts.py``, ``test_packing_layouts.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.config import compose
+from hybridtrain.plan import Machine, PlanError, apply_pretrained_defaults, resolve
+
+CPU = Machine(gpus_per_node=0, fp16_supported=False, cpu_cores=4)
+
+
+def _resolve(folder, *overrides: str):
+    cfg = compose("+recipe=finetune", f"model.pretrained={folder}", *overrides)
+    apply_pretrained_defaults(cfg)
+    return resolve(cfg, CPU)
+
+
+def test_context_parallel_is_refused_naming_the_key(family_folders):
+    with pytest.raises(PlanError) as info:
+        _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2")
+    assert info.value.key == "parallel.cp"
+    assert "qwen3_5_text cannot run with context parallelism in this version: its Gated DeltaNet" in str(info.value)
+    assert "use parallel.cp=1" in str(info.value)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[in_proj_qkv,q_proj]"])
+def test_lora_on_gated_deltanet_is_refused_naming_what_may_be_adapted(family_folders, targets):
+    with pytest.raises(PlanError) as info:
+        _resolve(family_folders["qwen3_5_text"], "finetune.method=lora", f"finetune.lora.target_modules={targets}")
+    assert info.value.key == "finetune.lora.target_modules"
+    message = str(info.value)
+    assert "LoRA on a qwen3_5_text block's linear_attn is not supported in this version" in message, message
+    assert "finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" in message, message
+
+
+def test_lora_on_the_attention_and_mlp_layers_plans(family_folders):
+    plan, _ = _resolve(family_folders["qwen3_5_text"], "finetune.method=lora",
+                       "finetune.lora.target_modules=[q_proj,v_proj,down_proj]", "parallel.tp=2")
+    assert plan.dims.tp == 2
+
+
+def test_tp_must_divide_the_gated_deltanet_heads():
+    # the recipe's 12 query and 6 KV heads, 192-wide MLP: tp=3 divides them, not the 4 Gated DeltaNet key heads
+    cfg = compose("+recipe=llama_tiny", "model=qwen3_5_text", "+model.config.head_dim=8",
+                  "+model.config.linear_num_key_heads=4", "+model.config.linear_num_value_heads=8", "parallel.tp=3")
+    with pytest.raises(PlanError) as info:
+        resolve(cfg, CPU)
+    assert info.value.key == "parallel.tp"
+    assert "parallel.tp=3 must divide model.config.linear_num_key_heads=4" in str(info.value), str(info.value)
+
+
+def test_documents_are_grouped_by_length_at_every_restart():
+    from hybridtrain.models.linear_attention import Documents, run_per_document
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]])  # [B, S]: docs 3,2,3 | 2,6
+    docs = Documents.of(pos)
+    got = {n: sorted(zip(r.tolist(), s.tolist())) for n, r, s in docs.groups}
+    assert got == {2: [(0, 3), (1, 0)], 3: [(0, 0), (0, 5)], 6: [(1, 2)]}
+    assert Documents.of(torch.arange(8).expand(2, 8)) is None  # one document per row
+    hidden = torch.randn(2, 8, 3, requires_grad=True)
+    # a causal running sum restarts at every document: the per-document result of a prefix sum
+    out = run_per_document(lambda x: x.cumsum(1), hidden, docs)
+    want = torch.cat([hidden[0, 0:3].cumsum(0), hidden[0, 3:5].cumsum(0), hidden[0, 5:8].cumsum(0)])
+    torch.testing.assert_close(out[0], want)
+    torch.testing.assert_close(out[1], torch.cat([hidden[1, 0:2].cumsum(0), hidden[1, 2:8].cumsum(0)]))
+    out.sum().backward()
+    assert hidden.grad is not None and hidden.grad[0, 0, 0] == 3  # token 0 feeds the three sums of its document
