@@ -125,7 +125,8 @@ class LinearAttention:
     the mixer per document (:mod:`hybridtrain.models.linear_attention`)."""
 
     variant: str = "linear_attention"
-    """The block variant (transformers' ``layer_types`` entry) of the linear-attention blocks."""
+    """The block variant (transformers' ``layer_types`` entry) of the linear-attention blocks; a variant named
+    ``<variant>_<more>`` is one too (Qwen3-Next's ``linear_attention_dense``: a Gated DeltaNet with a dense MLP)."""
     module: str = "linear_attn"
     """Block-relative path of the linear-attention module (in place of :attr:`Family.attention`)."""
     shape_keys: tuple[str, ...] = ("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
@@ -273,7 +274,9 @@ class Family:
 
     def is_linear_attention(self, variant: Optional[str]) -> bool:
         """Whether blocks of ``variant`` mix tokens with a recurrent linear attention (:attr:`linear_attention`)."""
-        return self.linear_attention is not None and variant == self.linear_attention.variant
+        if self.linear_attention is None or not variant:
+            return False
+        return variant == self.linear_attention.variant or variant.startswith(f"{self.linear_attention.variant}_")
 
     def checkpoint_name(self, hf_name: str) -> str:
         """The tensor name in a ``save_pretrained`` folder of the parameter called ``hf_name`` in the model."""
