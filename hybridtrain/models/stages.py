@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
-from hybridtrain.models.linear_attention import Documents, run_per_document
+from hybridtrain.models.linear_attention import Documents, split_documents
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import CPContext
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
@@ -230,8 +230,10 @@ class DecoderBlock(nn.Module):
         self.variant = builder.family.variant_of(builder.hf_config, index)  # its tensor-parallel plan's
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
-        # a linear-attention block (Gated DeltaNet) has no mask and runs packed rows per document
+        # a linear-attention block (Gated DeltaNet) has no mask, and its mixer runs packed rows per document
         self.linear = builder.family.is_linear_attention(self.variant)
+        if self.linear:
+            split_documents(self.block.get_submodule(builder.family.linear_attention.module))
         attention = None if self.linear else self.block.get_submodule(builder.family.attention)
         window = (attention.sliding_window if hasattr(attention, "sliding_window")
                   else getattr(builder.hf_config, "sliding_window", None))
@@ -274,15 +276,10 @@ class DecoderBlock(nn.Module):
         return self.block(hidden, position_ids=local_pos, position_embeddings=cos_sin, **args)
 
     def _run_linear(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: tuple | None) -> torch.Tensor:
-        """A linear-attention block: no mask (its model gives it none without padding); packed rows run once per
-        document, so each starts from a zero recurrent state and conv window (:mod:`~hybridtrain.models.linear_attention`)."""
-        docs = self.inputs.documents(pos)
-
-        def run(x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
-            return self.block(x, position_embeddings=tuple(table) if table else None)
-
-        table = tuple(cos_sin) if cos_sin is not None else ()
-        return run(hidden, *table) if docs is None else run_per_document(run, hidden, docs, table)
+        """A linear-attention block: no mask (its model gives it none without padding); in packed rows its mixer runs
+        once per document, so each starts from a zero recurrent state and conv window; the block passes ``documents``
+        on to it (:mod:`~hybridtrain.models.linear_attention`)."""
+        return self.block(hidden, position_embeddings=cos_sin, documents=self.inputs.documents(pos))
 
     def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The block and its router's ``(P, C)`` of this forward (recomputed alike under checkpointing)."""

@@ -70,3 +70,43 @@ def test_documents_are_grouped_by_length_at_every_restart():
     torch.testing.assert_close(out[1], torch.cat([hidden[1, 0:2].cumsum(0), hidden[1, 2:8].cumsum(0)]))
     out.sum().backward()
     assert hidden.grad is not None and hidden.grad[0, 0, 0] == 3  # token 0 feeds the three sums of its document
+
+
+@pytest.fixture(scope="module")
+def hybrid_folders(family_folders, tmp_path_factory):
+    """Qwen3.5's tiny twin and the MoE twins of Qwen3.5-MoE and Qwen3-Next (``tests/helpers/moe.py``)."""
+    from helpers.moe import twin_maker
+
+    moe = twin_maker(tmp_path_factory.mktemp("hybrid_moe"))
+    return {"qwen3_5_text": family_folders["qwen3_5_text"], "qwen3_5_moe_text": moe("qwen3_5_moe_text"),
+            "qwen3_next": moe("qwen3_next")}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_packed_rows_give_every_document_its_logits_alone(family, hybrid_folders):
+    """Two rows of three documents each (3 to 40 tokens, some shorter than the conv window): hybridtrain's logits of each document in its packed row
+    equal transformers' logits of the document alone (fp32, 1e-5); transformers' own forward of the packed row, which
+    ignores the boundaries in its Gated DeltaNet layers on CPU, gives the later documents other logits."""
+    from helpers.families import VOCAB, one_process_model_of
+    from transformers import AutoModelForCausalLM
+
+    lengths = [[17, 3, 28], [5, 40, 3]]  # [B] rows of 48 tokens
+    gen = torch.Generator().manual_seed(11)
+    docs = [[torch.randint(1, VOCAB, (n,), generator=gen) for n in row] for row in lengths]
+    ids = torch.stack([torch.cat(row) for row in docs])  # [2, 48]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])  # restarts at every document
+    ours = one_process_model_of(hybrid_folders[family]).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hybrid_folders[family]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        packed = ours.logits((ids, pos))
+        mixed = hf(input_ids=ids, position_ids=pos).logits
+        for b, row in enumerate(docs):
+            start = 0
+            for i, doc in enumerate(row):
+                alone = hf(input_ids=doc[None]).logits[0]  # [n, V]
+                got = packed[b, start:start + len(doc), :VOCAB]
+                scale = alone.abs().max().item()
+                assert (got - alone).abs().max().item() <= 1e-5 * scale, (family, b, i)
+                if i > 0:  # transformers mixes a later document with the ones before it
+                    assert (mixed[b, start:start + len(doc)] - alone).abs().max().item() > 1e-3 * scale, (family, b, i)
+                start += len(doc)
