@@ -110,3 +110,60 @@ def test_packed_rows_give_every_document_its_logits_alone(family, hybrid_folders
                 if i > 0:  # transformers mixes a later document with the ones before it
                     assert (mixed[b, start:start + len(doc)] - alone).abs().max().item() > 1e-3 * scale, (family, b, i)
                 start += len(doc)
+
+
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+"""A one-block vision tower for the tiny vision-language twins."""
+
+
+def _vision_language_folder(folder, kind: str):
+    """``save_pretrained`` of a tiny ``Qwen3_5ForConditionalGeneration`` (``kind="qwen3_5"``) or its MoE twin, its
+    language model the tiny text twin's (perturbed weights), plus the embedded tokenizer."""
+    from helpers.families import TINY, VOCAB
+    from helpers.finetune import save_tokenizer
+    from helpers.moe import MOE_TINY
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = TINY["qwen3_5_text"] if kind == "qwen3_5" else MOE_TINY["qwen3_5_moe_text"]
+    config = AutoConfig.for_model(kind, text_config=dict(text, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
+                                  vision_config=VISION)
+    torch.manual_seed(5)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(folder))
+    save_tokenizer(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_a_vision_language_folder_trains_its_extracted_language_model(kind, tmp_path):
+    """The published folder is refused naming ``model.pretrained`` and the command; the command's folder holds the
+    language model only, and hybridtrain's logits of it equal the vision-language model's on text (fp32, 1e-5)."""
+    from safetensors import safe_open
+
+    from helpers.families import SEQ, VOCAB, one_process_model_of
+    from hybridtrain.extract_text import command, main
+
+    src = tmp_path / "published"
+    model = _vision_language_folder(src, kind)
+    with pytest.raises(PlanError) as info:
+        _resolve(src)
+    assert info.value.key == "model.pretrained"
+    assert f"extract it first with `{command(src)}`" in str(info.value)
+    dst = tmp_path / "published-text"
+    assert command(src).split()[-2:] == [str(src), str(dst)]
+    assert main([str(src), str(dst)]) == 0
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    with safe_open(str(src / "model.safetensors"), "pt") as f:  # as saved (MoE experts one by one, as published)
+        want = {n.replace("model.language_model.", "model.") for n in f.keys() if not n.startswith("model.visual.")}
+    assert names == want and len(want) > 50  # every language-model tensor, no vision tower
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        got = one_process_model_of(dst).eval().logits(ids)
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    plan, _ = _resolve(dst, "parallel.tp=2")  # the extracted folder plans
+    assert plan.dims.tp == 2
