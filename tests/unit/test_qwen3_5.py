@@ -151,6 +151,7 @@ def test_a_vision_language_folder_trains_its_extracted_language_model(kind, tmp_
     with pytest.raises(PlanError) as info:
         _resolve(src)
     assert info.value.key == "model.pretrained"
+    assert "vision-language model; hybridtrain trains its language model" in str(info.value)
     assert f"extract it first with `{command(src)}`" in str(info.value)
     dst = tmp_path / "published-text"
     assert command(src).split()[-2:] == [str(src), str(dst)]
