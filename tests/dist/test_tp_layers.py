@@ -262,8 +262,14 @@ _BLOCK_CONFIGS = {  # 12 query heads (6 KV heads with grouped-query attention): 
                          intermediate_size=192, num_hidden_layers=2, max_position_embeddings=16,
                          layer_types=["linear_attention", "full_attention"], linear_num_key_heads=6,
                          linear_num_value_heads=12, linear_key_head_dim=16, linear_value_head_dim=8),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba laid out by key-head groups; dense MLPs (mlp_only_layers) here
+    "qwen3_next": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
+                       intermediate_size=192, num_hidden_layers=2, max_position_embeddings=16,
+                       layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+                       linear_num_key_heads=6, linear_num_value_heads=12, linear_key_head_dim=16,
+                       linear_value_head_dim=8),
 }
-_BLOCKS = {"qwen3_5_text": (0, 1)}
+_BLOCKS = {"qwen3_5_text": (0, 1), "qwen3_next": (0,)}
 """The blocks checked where they differ (default: block 0)."""
 _EAGER = {"gemma2"}  # attention soft-capping runs only in its eager kernel
 
