@@ -168,3 +168,19 @@ def test_a_vision_language_folder_trains_its_extracted_language_model(kind, tmp_
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
     plan, _ = _resolve(dst, "parallel.tp=2")  # the extracted folder plans
     assert plan.dims.tp == 2
+
+
+def test_gated_deltanet_blocks_cost_their_recurrence_not_attention_over_the_row():
+    """The plan's FLOPs (cost model, balanced partition, MFU): a Gated DeltaNet block's token mixer costs the same
+    per token at any row length (its state ``Hv x dk x dv``), a full-attention block's grows with the row."""
+    from helpers.families import hf_config
+    from hybridtrain.models.families import get_family
+    from hybridtrain.plan.flops import block_forward_flops
+
+    family, config = get_family("qwen3_5_text"), hf_config("qwen3_5_text")
+    linear, full = family.variant_of(config, 0), family.variant_of(config, 3)
+    assert (linear, full) == ("linear_attention", "full_attention")
+    state = 8 * 16 * 8  # Hv x dk x dv of the tiny twin
+    for seq in (32, 4096):
+        assert block_forward_flops(family, config, seq, 100.0, linear) == 100.0 + 6 * state
+        assert block_forward_flops(family, config, seq, 100.0, full) == 100.0 + 2 * seq * 8 * (16 + 16)
