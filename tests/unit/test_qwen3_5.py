@@ -29,17 +29,21 @@ def test_context_parallel_is_refused_naming_the_key(family_folders):
 
 
 @pytest.mark.parametrize("targets", ["all-linear", "[in_proj_qkv,q_proj]"])
-def test_lora_on_gated_deltanet_is_refused_naming_what_may_be_adapted(family_folders, targets):
+def test_lora_on_gated_deltanet_is_refused_naming_what_may_be_adapted(hybrid_folders, targets):
+    """Qwen3.5-MoE: LoRA on ``linear_attn`` not yet proven (Qwen3.5's dense model is: tests/dist/test_lora_peft.py)."""
     with pytest.raises(PlanError) as info:
-        _resolve(family_folders["qwen3_5_text"], "finetune.method=lora", f"finetune.lora.target_modules={targets}")
+        _resolve(hybrid_folders["qwen3_5_moe_text"], "finetune.method=lora", f"finetune.lora.target_modules={targets}")
     assert info.value.key == "finetune.lora.target_modules"
     message = str(info.value)
-    assert "LoRA on a qwen3_5_text block's linear_attn is not supported in this version" in message, message
-    assert "finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" in message, message
+    assert "LoRA on a qwen3_5_moe_text block's linear_attn is not supported in this version" in message, message
+    assert "finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,shared_expert_gate]" \
+        in message, message
 
 
-def test_lora_on_the_attention_and_mlp_layers_plans(family_folders):
-    plan, _ = _resolve(family_folders["qwen3_5_text"], "finetune.method=lora",
+def test_lora_on_qwen3_5_plans_with_every_linear(family_folders, hybrid_folders):
+    plan, _ = _resolve(family_folders["qwen3_5_text"], "finetune.method=lora", "parallel.tp=2")  # all-linear
+    assert plan.dims.tp == 2
+    plan, _ = _resolve(hybrid_folders["qwen3_5_moe_text"], "finetune.method=lora",
                        "finetune.lora.target_modules=[q_proj,v_proj,down_proj]", "parallel.tp=2")
     assert plan.dims.tp == 2
 

@@ -25,8 +25,8 @@ key head over ``Hv / Hk`` consecutive value heads). So:
 transformers' own plan gathers every linear-attention output (``colwise_gather_output``); these rules replace it.
 The blocks take no mask (the recurrence is causal by construction) and keep packed documents apart by running the
 mixer per document (:mod:`hybridtrain.models.linear_attention`). Context parallelism would need the recurrent and
-conv states passed between ranks, which this version does not do (refused), and LoRA on ``linear_attn`` is not yet
-proven against peft (refused; the full-attention and MLP layers take adapters).
+conv states passed between ranks, which this version does not do (refused). LoRA adapts the Gated DeltaNet
+projections as peft's ``all-linear`` does (``in_proj_qkv`` split block by block like its weight).
 """
 from hybridtrain.models.families.base import Family, LinearAttention, TPRule
 
@@ -56,7 +56,9 @@ GATED_DELTANET_PER_RANK = ("linear_attn.key_dim", "linear_attn.value_dim", "line
 CONTEXT_PARALLEL = ("its Gated DeltaNet layers carry a recurrent state and a conv window along the row, which "
                     "would have to pass from each context-parallel rank to the next")
 
-UNVERIFIED_LORA = "adapters on Gated DeltaNet's projections are not yet proven equal to peft's"
+UNVERIFIED_LORA = ("adapters on its Gated DeltaNet projections are not yet proven equal to peft's; Qwen3.5's dense "
+                   "model (qwen3_5_text) is")
+"""Why the MoE hybrids (Qwen3.5-MoE, Qwen3-Next) refuse LoRA on ``linear_attn``."""
 
 FAMILY = Family(
     model_type="qwen3_5_text",
@@ -73,7 +75,6 @@ FAMILY = Family(
     linear_attention=LinearAttention(),
     tp_divides=("linear_num_key_heads", "linear_num_value_heads"),
     context_parallel=CONTEXT_PARALLEL,
-    unverified_lora={"linear_attn": UNVERIFIED_LORA},
     attn_implementations=("sdpa", "eager"),
     dropout_keys=("attention_dropout",),
 )
