@@ -152,8 +152,13 @@ class ModelBuilder:
         prefix = f"{self.family.blocks}.{index}"
         variant = self.family.variant_of(self.hf_config, index)
         plan = self.family.plan_of(variant)
-        split = tuple(f"{path}." for path, rule in plan.items() if rule.tp_style.reads_shards())
-        keep = tp_keep(self.hf_model.get_submodule(prefix), self.family, self.hf_config, self.tp, variant)
+        meta_block = self.hf_model.get_submodule(prefix)
+        # the parameters the styles read themselves, shard by shard: each planned module's own (not its children's,
+        # which have rules of their own: a Gated DeltaNet's per-head A_log beside its replicated gated norm)
+        split = tuple(f"{path}.{leaf}" for path, rule in plan.items() if rule.tp_style.reads_shards()
+                      if (module := planned_module(meta_block, path, self.family)) is not None
+                      for leaf, _ in module.named_parameters(recurse=False))
+        keep = tp_keep(meta_block, self.family, self.hf_config, self.tp, variant)
         block = self.materialize(prefix, skip=split if self.weights is not None else (), keep=keep)
         ep_split = self.ep.size > 1 and index not in self.family.moe.dense_blocks(self.hf_config)
         read = None
@@ -208,7 +213,7 @@ def shard_block(block: nn.Module, family: Family, hf_config, tp: TPContext, read
         return
     for name in family.input_copy_of(variant):
         block.get_submodule(name).register_forward_pre_hook(_CopyInput(tp), with_kwargs=True)
-    for path in family.heads_per_rank_attrs:
+    for path in family.heads_per_rank_attrs_of(variant):
         owner, attr = path.rsplit(".", 1)
         module = block.get_submodule(owner)
         setattr(module, attr, getattr(module, attr) // tp.size)

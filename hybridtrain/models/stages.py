@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
+from hybridtrain.models.linear_attention import Documents, split_documents
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import CPContext
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
@@ -137,7 +138,7 @@ class BlockInputs:
         self.cp_base = cp_base
         self.flash = hf_config._attn_implementation == "flash_attention_2"
         self.packed = packed  # False: rows hold one sequence each, so the restart tests (host syncs) are skipped
-        self._made: dict[bool, tuple] = {}  # sliding -> (key, position ids, (args, cos_sin))
+        self._made: dict = {}  # sliding -> (key, position ids, (args, cos_sin)); "documents" -> (_, ids, Documents)
 
     @classmethod
     def shared(cls, builder: ModelBuilder) -> "BlockInputs":
@@ -153,6 +154,16 @@ class BlockInputs:
         made = self._made.get(sliding)
         if made is None or made[0] != key or made[1] is not pos:  # the reference keeps pos's id from reuse
             made = self._made[sliding] = (key, pos, self._make(hidden, pos, sliding, rotary))
+        return made[2]
+
+    def documents(self, pos: torch.Tensor) -> Documents | None:
+        """The documents of packed rows with position ids ``pos`` (``None``: one per row, or rows built unpacked), made
+        once per micro-batch for a stage's linear-attention blocks (:class:`~hybridtrain.models.linear_attention.Documents`)."""
+        if not self.packed:
+            return None
+        made = self._made.get("documents")
+        if made is None or made[1] is not pos:
+            made = self._made["documents"] = (None, pos, Documents.of(pos))
         return made[2]
 
     def _make(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
@@ -219,10 +230,14 @@ class DecoderBlock(nn.Module):
         self.variant = builder.family.variant_of(builder.hf_config, index)  # its tensor-parallel plan's
         self.hf_config = builder.hf_config
         self.checkpointing = builder.activation_checkpointing
-        attention = self.block.get_submodule(builder.family.attention)
+        # a linear-attention block (Gated DeltaNet) has no mask, and its mixer runs packed rows per document
+        self.linear = builder.family.is_linear_attention(self.variant)
+        if self.linear:
+            split_documents(self.block.get_submodule(builder.family.linear_attention.module))
+        attention = None if self.linear else self.block.get_submodule(builder.family.attention)
         window = (attention.sliding_window if hasattr(attention, "sliding_window")
                   else getattr(builder.hf_config, "sliding_window", None))
-        self.sliding = bool(window)
+        self.sliding = bool(window) and not self.linear
         self.rotary = None
         if builder.family.rotary_embed:
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
@@ -254,9 +269,17 @@ class DecoderBlock(nn.Module):
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary)
+        if self.linear:
+            return self._run_linear(hidden, local_pos, cos_sin)
         if cos_sin is None:
             return self.block(hidden, **args)
         return self.block(hidden, position_ids=local_pos, position_embeddings=cos_sin, **args)
+
+    def _run_linear(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: tuple | None) -> torch.Tensor:
+        """A linear-attention block: no mask (its model gives it none without padding); in packed rows its mixer runs
+        once per document, so each starts from a zero recurrent state and conv window; the block passes ``documents``
+        on to it (:mod:`~hybridtrain.models.linear_attention`)."""
+        return self.block(hidden, position_embeddings=cos_sin, documents=self.inputs.documents(pos))
 
     def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The block and its router's ``(P, C)`` of this forward (recomputed alike under checkpointing)."""

@@ -339,8 +339,39 @@ class Heads(TPStyle):
         return module
 
 
+class Channels(TPStyle):
+    """``channels``: a depthwise (``groups = channels``) causal ``nn.Conv1d`` over the outputs of a column-parallel
+    linear (Gated DeltaNet's ``conv1d`` over q | k | v): every channel is filtered on its own, so a rank keeps the
+    filters of its own channels, each fused sub-block split on its own like the linear's rows (weight
+    ``[C, 1, K]`` split along dim 0), and the conv needs no collective. The replacement is an ``nn.Conv1d`` of
+    ``C / tp`` channels with the same kernel, padding and bias setting."""
+
+    name = "channels"
+
+    def split(self, leaf, conv1d=False, fused=1):
+        return Split(dim=0, fused=fused)
+
+    def shard(self, module, rule, fused, tp, read=None):
+        import torch.nn as nn
+
+        from hybridtrain.parallel.layers import tag_sharded
+
+        channels = int(module.weight.shape[0]) // tp.size
+        new = nn.Conv1d(channels, channels, module.kernel_size[0], groups=channels, padding=module.padding[0],
+                        bias=module.bias is not None, device="meta")
+        for leaf, param in module.named_parameters(recurse=False):
+            part = (read(leaf, 0, fused) if read is not None
+                    else shard_tensor(param.detach(), 0, fused, tp.rank, tp.size))  # [C / tp, 1, K]
+            if tuple(part.shape) != (channels, *param.shape[1:]):
+                raise ValueError(f"checkpoint shard of {leaf} of shape {tuple(part.shape)} does not fit the configured "
+                                 f"model's {channels} channels per rank; the model config does not match the checkpoint")
+            shard = nn.Parameter(part.to(param.dtype).contiguous(), requires_grad=param.requires_grad)
+            setattr(new, leaf, tag_sharded(shard, 0) if tp.size > 1 else shard)
+        return new
+
+
 STYLES: dict[str, TPStyle] = {s.name: s for s in (Column(), Row(), Norm(), GradSum(), GradSumLinear(), Replicated(),
-                                                   Experts(), InterleavedExperts(), Heads())}
+                                                   Experts(), InterleavedExperts(), Heads(), Channels())}
 """Every tensor-parallel style by its name in a ``TPRule``."""
 
 

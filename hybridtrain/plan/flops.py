@@ -19,11 +19,18 @@ TRAIN_FACTOR = 3
 """Forward + backward of a layer = 3 forwards (the backward computes input and weight gradients)."""
 
 
-def block_forward_flops(family: Family, hf_config, seq_len: int, linear: float) -> float:
+def block_forward_flops(family: Family, hf_config, seq_len: int, linear: float, variant: str | None = None) -> float:
     """Forward FLOPs per token of one decoder block: its linears' ``linear`` FLOPs
     (:func:`hybridtrain.models.shapes.linear_flops`) plus the attention scores and the weighted sum over
     the sequence (``2 x seq x heads x (qk_dim + v_dim)``: ``2 x 2 x seq x heads x head_dim`` where the value head is
-    as wide as the query/key head, :func:`~hybridtrain.models.families.base.attention_head_dims`)."""
+    as wide as the query/key head, :func:`~hybridtrain.models.families.base.attention_head_dims`). A linear-attention
+    block of ``variant`` (Gated DeltaNet) has no scores over the sequence: its recurrence reads the ``[dk, dv]``
+    state of each value head, updates it by a rank-one term and reads it again per token (``3 x 2 x Hv x dk x dv``,
+    the recurrent form; the chunked kernel's intra-chunk products are not counted)."""
+    if family.is_linear_attention(variant):
+        state = (int(hf_config.linear_num_value_heads) * int(hf_config.linear_key_head_dim)
+                 * int(hf_config.linear_value_head_dim))
+        return linear + 3 * 2 * state
     qk, v = attention_head_dims(family, hf_config)
     heads = int(getattr(hf_config, family.heads))
     return linear + 2 * seq_len * heads * (qk + v)  # q @ k^T and probs @ v
@@ -39,7 +46,7 @@ def unit_forward_flops(unit: Unit, family: Family, hf_config, seq_len: int, voca
     """Forward FLOPs per token of one pipeline unit (:mod:`hybridtrain.models.units`); ``linear``: the
     linear FLOPs of the unit's block variant (:class:`hybridtrain.models.shapes.BlockShapes`), needed for blocks."""
     if unit.kind is Kind.BLOCK:
-        return block_forward_flops(family, hf_config, seq_len, linear)
+        return block_forward_flops(family, hf_config, seq_len, linear, unit.variant)
     if unit.kind is Kind.HEAD:
         return head_forward_flops(family, hf_config, vocab_size)
     return 0.0  # lookups and norms: element-wise, not counted
@@ -52,5 +59,5 @@ def model_flops_per_token(family: Family, hf_config, seq_len: int, vocab_size: i
     from hybridtrain.models.units import block_variants
 
     linear = block_shapes(family, hf_config).linear_flops
-    blocks = sum(block_forward_flops(family, hf_config, seq_len, linear[v]) for v in block_variants(family, hf_config))
+    blocks = sum(block_forward_flops(family, hf_config, seq_len, linear[v], v) for v in block_variants(family, hf_config))
     return TRAIN_FACTOR * (blocks + head_forward_flops(family, hf_config, vocab_size))

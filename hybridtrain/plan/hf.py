@@ -190,6 +190,12 @@ def checked_family(cfg: Config):
     """The run's family (:func:`~hybridtrain.models.families.family_of`), or a :class:`PlanError`: a
     ``model_type`` without a verified family (unless ``model.family=auto``), or one whose
     transformers plans cannot give an adapter."""
+    from hybridtrain.extract_text import TEXT_MODELS, command
+
+    if cfg.model.model_type in TEXT_MODELS and cfg.model.pretrained:  # a vision-language folder: its text model trains
+        raise PlanError("model.pretrained", f"{cfg.model.pretrained} holds a {cfg.model.model_type!r} vision-language "
+                        f"model; hybridtrain trains its language model ({TEXT_MODELS[cfg.model.model_type]}): extract "
+                        f"it first with `{command(cfg.model.pretrained)}` and train that folder")
     if cfg.model.model_type not in FAMILIES and str(cfg.model.family or "") != "auto":
         raise PlanError("model.model_type", f"{cfg.model.model_type!r} is not supported; use one of {sorted(FAMILIES)}, "
                         "or model.family=auto to derive an adapter from transformers' plans (checked on a tiny twin "

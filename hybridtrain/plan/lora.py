@@ -66,9 +66,22 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
         spec = lora_spec(lo, family, hf_config, hf_model)
     except AdapterError as err:
         raise PlanError(f"{KEY}.target_modules", str(err)) from None
+    _check_unverified(spec, family)
     _check_peft_renames(spec, family, hf_config)
     _check_stages(spec, family, plan)
     return spec
+
+
+def _check_unverified(spec: LoraSpec, family: Family) -> None:
+    """Refuse adapters on the modules the family has not proven LoRA on (``Family.unverified_lora``)."""
+    for target in sorted(spec.targets):
+        rel = target[len(family.blocks) + 1:].split(".", 1)[-1]  # model.layers.3.linear_attn.out_proj -> linear_attn...
+        for path, why in family.unverified_lora.items():
+            if rel == path or rel.startswith(f"{path}."):
+                raise PlanError(f"{KEY}.target_modules", f"{KEY}.target_modules={spec_targets(spec)} adapts {target}: "
+                                f"LoRA on a {family.model_type} block's {path} is not supported in this version ({why}); "
+                                "list the other linear layers instead, e.g. "
+                                f"finetune.lora.target_modules=[{','.join(_other_leaves(family, path))}]")
 
 
 def _check_peft_renames(spec: LoraSpec, family: Family, hf_config) -> None:
@@ -189,3 +202,15 @@ def describe(cfg: Config, hf_config, hf_model) -> Optional[str]:
     source = f", from {cfg.finetune.lora.init_from}" if cfg.finetune.lora.init_from else ""
     return (f"lora      r={spec.r}, {scale}, dropout {spec.dropout:g}, {len(spec.targets)} modules ({', '.join(leaves)})"
             f"{source}: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.3f}%), the base frozen")
+
+
+def spec_targets(spec: LoraSpec) -> str:
+    """The distinct leaf names of ``spec``'s targets, as a user writes them (``[q_proj,v_proj]``)."""
+    return "[" + ",".join(sorted({t.rsplit(".", 1)[-1] for t in spec.targets})) + "]"
+
+
+def _other_leaves(family: Family, path: str) -> list[str]:
+    """The LoRA-capable leaf names of ``family``'s blocks outside ``path``."""
+    rules = family.all_rules()
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, rule in rules.items()
+                              if rule.tp_style.lora and not (name == path or name.startswith(f"{path}."))))

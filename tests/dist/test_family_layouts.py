@@ -23,13 +23,13 @@ from helpers.launch import metrics, run_cli
 STEPS = 3
 CI_LAYOUT = {  # (dp, tp, pp): every family splits heads; pipelines and replicas spread over them
     "mistral": (1, 2, 2), "qwen2": (2, 2, 1), "qwen3": (1, 2, 2), "gemma": (2, 1, 2), "gemma2": (1, 2, 2),
-    "phi3": (1, 2, 2), "olmo2": (1, 2, 2), "gpt_neox": (2, 2, 1),
+    "phi3": (1, 2, 2), "olmo2": (1, 2, 2), "gpt_neox": (2, 2, 1), "qwen3_5_text": (1, 2, 2),
 }
 NEW = sorted(CI_LAYOUT)
 """The families added beside GPT-2 and Llama (those two run the full parity suite, test_parity.py)."""
-CI_FAMILIES = {"gemma2", "phi3", "gpt_neox"}
+CI_FAMILIES = {"gemma2", "phi3", "gpt_neox", "qwen3_5_text"}
 """Run through the CLI in CI: soft-capping with sliding windows and eager attention, fused projections,
-a parallel residual. The other five run in the slow tier; in CI every family still has its
+a parallel residual, Gated DeltaNet blocks beside gated full attention. The other five run in the slow tier; in CI every family still has its
 (1,1,1) logits against transformers (tests/unit/test_family_logits.py), its packed rows
 (tests/unit/test_packing.py) and its block at tp = 2 and 3 (tests/dist/test_tp_layers.py)."""
 SLOW_LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)]
@@ -118,7 +118,13 @@ CP_CI = {"gemma2"}
 embedding scale, the logit soft-cap); every other family in the slow tier."""
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in CP_CI else [pytest.mark.slow]) for f in NEW])
+NO_CP = {"qwen3_5_text"}
+"""Families the plan refuses at cp > 1 (``Family.context_parallel``: Gated DeltaNet's recurrent state would have to
+pass between cp ranks); the refusal is tested in tests/unit/test_qwen3_5.py."""
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in CP_CI else [pytest.mark.slow])
+                                    for f in NEW if f not in NO_CP])
 def test_family_context_parallel_equals_transformers(family, family_folders, oracle, tmp_path):
     """cp = 2 x tp = 2 (issue 31.1): each rank's chunks of every row, the attention over the gathered keys and
     values; transformers' losses and gradient norms, and the export's logits gathered over cp and tp."""

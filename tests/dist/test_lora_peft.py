@@ -11,8 +11,9 @@ with ``peft.get_peft_model`` from the same initial A and B. Per run:
 * the exported adapter folder loads with ``PeftModel.from_pretrained(base, out)`` and gives the logits
   hybridtrain computed (``trainer.save_logits``) within 1e-5 of the largest logit; so does ``--merge``.
 
-CI runs Llama at (2, 2, 2) from fresh adapters and GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
-peft adapter folder (``finetune.lora.init_from``) with activation checkpointing; the ``slow`` tier runs
+CI runs Llama at (2, 2, 2) from fresh adapters, GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
+peft adapter folder (``finetune.lora.init_from``) with activation checkpointing, and Qwen3.5 at (1, 2, 2) (``all-linear``
+on its Gated DeltaNet blocks: the fused q | k | v projection's adapter cut block by block); the ``slow`` tier runs
 every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``).
 A LoRA run also resumes exactly under its own layout and under another one, and a bad target is a
 one-line exit-2 error.
@@ -86,7 +87,7 @@ def reference():
     return lambda overrides: peft_reference(tuple(overrides))
 
 
-CI = [("llama", (2, 2, 2), False), ("gpt2", (1, 2, 2), True)]
+CI = [("llama", (2, 2, 2), False), ("gpt2", (1, 2, 2), True), ("qwen3_5_text", (1, 2, 2), False)]
 
 
 @pytest.mark.parametrize("family,layout,init_from", CI,

@@ -29,7 +29,7 @@ STEPS = 3
 CI_LAYOUT = (1, 2, 2)
 SLOW_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 CI_FAMILY_LAYOUT = {"mixtral": (2, 2, 1), "olmoe": (1, 2, 2), "qwen2_moe": (2, 1, 2), "gpt_oss": (1, 2, 2),
-                    "deepseek_v3": (1, 2, 2)}
+                    "deepseek_v3": (1, 2, 2), "qwen3_5_moe_text": (1, 2, 2), "qwen3_next": (2, 2, 1)}
 """One layout per further MoE family in CI (Qwen3-MoE runs the full set below)."""
 
 
@@ -162,7 +162,9 @@ def test_moe_family_layout_equals_transformers(family, moe_twins, family_oracle,
     """Mixtral (sliding window, its published checkpoint names), OLMoE (full-width q/k norm, sharded),
     Qwen2-MoE (the gated shared expert split over tp) and DeepSeek-V3 (MLA split by heads with its low-rank
     projections' gradients summed over tp, a dense block 0, the group-limited sigmoid router, whose routing bias
-    the export carries), with their export logits."""
+    the export carries), Qwen3.5-MoE (Gated DeltaNet blocks split by heads beside gated full attention, a gated
+    shared expert) and Qwen3-Next (its fused q|k|v|z and b|a projections split by key-head groups, a dense block 1),
+    with their export logits."""
     from hybridtrain.export import check_logits, export
 
     _check(CI_FAMILY_LAYOUT[family], moe_twins(family), family_oracle(family), tmp_path,

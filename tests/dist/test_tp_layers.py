@@ -257,7 +257,20 @@ _BLOCK_CONFIGS = {  # 12 query heads (6 KV heads with grouped-query attention): 
                   num_hidden_layers=1, max_position_embeddings=16),  # q/k norm over the full width
     "gpt_neox": dict(hidden_size=96, num_attention_heads=12, intermediate_size=192, num_hidden_layers=1,
                      max_position_embeddings=16, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0),
+    # Gated DeltaNet (block 0: 6 key heads of 16, 12 value heads of 8) and gated full attention (block 1)
+    "qwen3_5_text": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
+                         intermediate_size=192, num_hidden_layers=2, max_position_embeddings=16,
+                         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=6,
+                         linear_num_value_heads=12, linear_key_head_dim=16, linear_value_head_dim=8),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba laid out by key-head groups; dense MLPs (mlp_only_layers) here
+    "qwen3_next": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
+                       intermediate_size=192, num_hidden_layers=2, max_position_embeddings=16,
+                       layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+                       linear_num_key_heads=6, linear_num_value_heads=12, linear_key_head_dim=16,
+                       linear_value_head_dim=8),
 }
+_BLOCKS = {"qwen3_5_text": (0, 1), "qwen3_next": (0,)}
+"""The blocks checked where they differ (default: block 0)."""
 _EAGER = {"gemma2"}  # attention soft-capping runs only in its eager kernel
 
 
@@ -269,7 +282,7 @@ def _column_index(out: int, fused, tp) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + n)[_rows(n, tp)] for s, n in zip(starts, sizes)])
 
 
-def case_block(tp, model_type: str) -> Checks:
+def case_block(tp, model_type: str, index: int = 0) -> Checks:
     from hybridtrain.models.build import shard_block
     from hybridtrain.models.hf_model import hf_config_of, reference_model
     from hybridtrain.models.families import fused_sizes, get_family
@@ -278,13 +291,15 @@ def case_block(tp, model_type: str) -> Checks:
     cfg = hf_config_of(model_type, _BLOCK_CONFIGS[model_type], vocab_size=10,
                        attn_implementation="eager" if model_type in _EAGER else "sdpa", eos_token_id=0)
     model = reference_model(cfg, family, seed=7)
-    full = model.get_submodule(f"{family.blocks}.0")
+    full = model.get_submodule(f"{family.blocks}.{index}")
     torch.manual_seed(8)
     with torch.no_grad():  # unit norms and zero biases would hide a mis-sliced or dropped term
         for p in full.parameters():
             p.add_(0.1 * torch.randn_like(p))
     sharded = copy.deepcopy(full)
-    shard_block(sharded, family, cfg, tp)
+    variant = family.variant_of(cfg, index)
+    shard_block(sharded, family, cfg, tp, variant=variant)
+    plan = family.plan_of(variant)
 
     hidden = int(getattr(cfg, family.hidden))
     x = torch.randn(B, S, hidden)
@@ -307,10 +322,18 @@ def case_block(tp, model_type: str) -> Checks:
     checks: Checks = {"output": (y.detach(), y_ref.detach()), "input grad": (x_par.grad, x_ref.grad)}
     full_params = dict(full.named_parameters())
     seen = set()
-    for module_name, rule in family.tp_plan.items():
+    for module_name, rule in plan.items():
         if rule.style == "grad_sum":  # replicated: checked with the others below (summed over TP)
             continue
         module = sharded.get_submodule(module_name)
+        if rule.style in ("heads", "channels"):  # own parameters split along dim 0 (fused blocks for channels)
+            for leaf, param in module.named_parameters(recurse=False):
+                grad = full_params[f"{module_name}.{leaf}"].grad
+                idx = _column_index(grad.shape[0], fused_sizes(rule, family, cfg, grad.shape[0]), tp)
+                checks[f"{module_name}.{leaf} grad rows"] = (param.grad, grad[idx])
+                checks[f"{module_name}.{leaf} tags"] = (_tags(param), (True, 0))
+                seen.add(f"{module_name}.{leaf}")
+            continue
         w_grad = full_params[f"{module_name}.weight"].grad
         if rule.style == "norm":  # weight split like the column rows it normalises
             rows = _rows(w_grad.shape[0], tp)
@@ -355,7 +378,8 @@ CASES: Dict[str, Callable] = {
     **{f"tied_head_V{v}": partial(case_tied_head, vocab=v) for v in (10, 11)},
     **{f"untied_head_V{v}": partial(case_untied_head, vocab=v) for v in (10, 11)},
     **{f"loss_V{v}": partial(case_loss, vocab=v) for v in (10, 11)},
-    **{f"block_{m}": partial(case_block, model_type=m) for m in _BLOCK_CONFIGS},
+    **{f"block_{m}" + (f"_{i}" if m in _BLOCKS else ""): partial(case_block, model_type=m, index=i)
+       for m in _BLOCK_CONFIGS for i in _BLOCKS.get(m, (0,))},
 }
 """V=10 is unpadded at tp=2 and padded to 12 at tp=3; V=11 is padded to 12 at both."""
 

@@ -38,8 +38,14 @@ TINY: dict[str, dict] = {
     "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
                      max_position_embeddings=128, rotary_pct=0.25, use_parallel_residual=True, hidden_dropout=0.0,
                      attention_dropout=0.0),
+    "qwen3_5_text": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                         intermediate_size=128, max_position_embeddings=128, linear_num_key_heads=4,
+                         linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
+                         linear_conv_kernel_dim=4, tie_word_embeddings=False),
 }
-"""``model.config`` of each family's tiny twin (HF names)."""
+"""``model.config`` of each family's tiny twin (HF names). Qwen3.5's: blocks 0-2 Gated DeltaNet with two value heads
+per key head and value heads narrower than key heads (a mixed-up q | k | v split shows), block 3 gated full
+attention with partial rotary (transformers' defaults: ``layer_types`` 3:1, ``partial_rotary_factor`` 0.25)."""
 
 NOISE = {"gemma2": 0.1}
 """Standard deviation of the noise added to every weight (default 0.05): enough that Gemma 2's logit caps bind."""

@@ -33,6 +33,16 @@ MOE_TINY: dict[str, dict] = {
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                     output_router_logits=True, router_aux_loss_coef=0.02),
+    "qwen3_5_moe_text": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                             head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+                             num_experts_per_tok=2, max_position_embeddings=128, linear_num_key_heads=4,
+                             linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
+                             output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False),
+    "qwen3_next": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                       intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, linear_num_key_heads=4,
+                       linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8, mlp_only_layers=[1],
+                       output_router_logits=True, router_aux_loss_coef=0.02),
 }
 """``model.config`` of each MoE family's twin (HF names): 8 experts, top-2, widths divisible by 4; Qwen3-MoE
 renormalises the top-k weights (``norm_topk_prob``), OLMoE and Qwen2-MoE do not (their default), Mixtral always

@@ -49,6 +49,7 @@ TRAPS = {  # transformers' own model with the family's trap switched off must gi
     "gemma2": {"final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window": 4096},
     "phi3": {"sliding_window": None},
     "gpt_neox": {"use_parallel_residual": False},
+    "qwen3_5_text": {"layer_types": ["full_attention"] * 4},  # blocks 0-2 are Gated DeltaNet
 }
 
 

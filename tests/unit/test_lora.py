@@ -49,8 +49,10 @@ def _specs(family: str) -> list:
     fam = get_family(family)
     column = next(r for r, rule in fam.tp_plan.items() if rule.style == "column")
     row = next(r for r, rule in fam.tp_plan.items() if rule.style == "row")
+    config = hf_config(family)  # the regular expression names block 1, or the first block of tp_plan's variant
+    block = next(i for i in range(1, int(getattr(config, fam.n_layers))) if column in fam.block_plan(config, i))
     return ["all-linear", [column.rsplit(".", 1)[1], row.rsplit(".", 1)[1]], [row],
-            rf".*\.1\.{column.replace('.', chr(92) + '.')}"]
+            rf".*\.{block}\.{column.replace('.', chr(92) + '.')}"]
 
 
 # -- config -------------------------------------------------------------------------------------------
@@ -78,14 +80,14 @@ def test_targets_and_trainable_count_equal_peft(family):
     for spec in _specs(family):
         model = _model(family)
         names = [n for n, _ in model.named_modules()]
-        ours = resolve_targets(fam, layers, names, spec)
+        ours = resolve_targets(fam, layers, names, spec, block_variants(fam, model.config))  # each block's plan
         theirs, count = _peft_targets(model, spec)
         assert set(ours) == theirs, (family, spec)
         lora = LoraSpec(r=4, alpha=8, dropout=0, rslora=False, targets=ours)
         assert trainable_params(lora, in_out(fam, model.config, model)) == count, (family, spec)
     cfg = compose(f"model={family}", "finetune.method=lora")  # the builder's path: the same resolution
-    assert len(lora_spec(cfg.finetune.lora, fam, model.config, model).targets) == layers * sum(
-        r.style in ("column", "row") for r in fam.tp_plan.values())
+    assert len(lora_spec(cfg.finetune.lora, fam, model.config, model).targets) == sum(
+        r.style in ("column", "row") for i in range(layers) for r in fam.block_plan(model.config, i).values())
 
 
 @pytest.mark.parametrize("target,fragment", [

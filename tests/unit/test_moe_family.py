@@ -26,8 +26,19 @@ GRADS = {
                     "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_experts.down_proj.weight",
                     "model.layers.0.mlp.gate_proj.weight", "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
                     "model.layers.2.self_attn.kv_a_layernorm.weight", "model.layers.2.self_attn.kv_b_proj.weight"],
+    "qwen3_5_moe_text": ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
+                         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_expert.down_proj.weight",
+                         "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.3.self_attn.q_proj.weight",
+                         "model.layers.2.linear_attn.in_proj_qkv.weight", "model.layers.2.linear_attn.conv1d.weight",
+                         "model.layers.1.linear_attn.A_log", "model.layers.0.linear_attn.norm.weight"],
+    "qwen3_next": ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight",
+                   "model.layers.2.mlp.experts.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj.weight",
+                   "model.layers.1.mlp.down_proj.weight", "model.layers.3.self_attn.q_proj.weight",
+                   "model.layers.2.linear_attn.in_proj_qkvz.weight", "model.layers.1.linear_attn.in_proj_ba.weight",
+                   "model.layers.2.linear_attn.conv1d.weight", "model.layers.0.linear_attn.dt_bias"],
 }
-"""The gradients checked of a family whose blocks are not named like Qwen3-MoE's (DeepSeek-V3: block 0 dense)."""
+"""The gradients checked of a family whose blocks are not named like Qwen3-MoE's (DeepSeek-V3: block 0 dense;
+Qwen3.5-MoE and Qwen3-Next: blocks 0-2 Gated DeltaNet, block 3 full attention; Qwen3-Next's block 1 dense)."""
 
 
 @pytest.fixture(scope="module")

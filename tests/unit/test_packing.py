@@ -225,7 +225,7 @@ def _token_losses(model, x, pos, y) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text"])  # Qwen3.5: the recurrent state and conv window
 def test_two_identical_records_each_get_their_own_loss_and_stream_packing_does_not(family, family_folders):
     (ids, labels), = records([14], seed=9)
     model = _model(family_folders[family])

@@ -43,13 +43,13 @@ def test_tiles_are_cut_by_the_shape_alone():
     assert cuts(11008)[-1] == 11008 and len(cuts(11008)) == 17 and cuts(200) == [0, 66, 133, 200]
 
 
-def _reference_shards(family, config, tp: TPContext):
-    """Block 0 of the reference model (every tile filled), copied and sharded as a rank shards a block."""
+def _reference_shards(family, config, tp: TPContext, index: int = 0):
+    """Block ``index`` of the reference model (every tile filled), copied and sharded as a rank shards a block."""
     import copy
 
     model = reference_model(config, family, SEED)
-    block = copy.deepcopy(model.get_submodule(f"{family.blocks}.0"))
-    shard_block(block, family, config, tp)
+    block = copy.deepcopy(model.get_submodule(f"{family.blocks}.{index}"))
+    shard_block(block, family, config, tp, variant=family.variant_of(config, index))
     embed = model.get_submodule(family.embed).weight.detach()
     return model, block, embed
 
@@ -61,14 +61,16 @@ def test_every_rank_starts_from_the_reference_weights(model_type):
     family = get_family(model_type)
     config = hf_config(model_type)
     config._attn_implementation = "eager"
-    for size in (2, 4):
+    variants = [family.variant_of(config, i) for i in range(int(getattr(config, family.n_layers)))]
+    firsts = sorted({variants.index(v) for v in variants})  # the first block of each variant (Qwen3.5: 0 and 3)
+    for size, index in ((size, index) for size in (2, 4) for index in firsts):
         padded = padded_vocab(int(config.vocab_size), size, 16)
         for rank in range(size):
             tp = TPContext(rank=rank, size=size)
-            model, want, embed = _reference_shards(family, config, tp)
+            model, want, embed = _reference_shards(family, config, tp, index)
             builder = ModelBuilder(family=family, hf_config=config, hf_model=meta_model(config), seed=SEED, tp=tp,
                                    padded_vocab=padded)
-            got = builder.block(0)
+            got = builder.block(index)
             params = dict(got.named_parameters())
             assert params.keys() == dict(want.named_parameters()).keys()
             for name, p in want.named_parameters():

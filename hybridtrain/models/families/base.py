@@ -19,7 +19,8 @@ from hybridtrain.parallel.tensor import TPStyle, style_of
 
 Fused = Union[int, tuple[str, ...]]
 """Sub-blocks fused along a column-parallel linear's output: ``n`` equal blocks, or the block sizes by
-name (``"q"`` = heads x head_dim, ``"kv"`` = KV heads x head_dim, ``"mlp"``, ``"hidden"``)."""
+name (``"q"`` = heads x head_dim, ``"kv"`` = KV heads x head_dim, ``"mlp"``, ``"hidden"``; Gated DeltaNet's
+``"linear_k"`` = key heads x key head dim, ``"linear_v"`` = value heads x value head dim)."""
 
 HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "grad_sum"}
 """transformers' ``base_model_tp_plan`` styles that are Megatron-exact as they stand. The gathering
@@ -117,6 +118,22 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """Where a hybrid model's linear-attention blocks are and what they need (Gated DeltaNet: Qwen3.5,
+    Qwen3-Next). Such a block has no softmax attention and no mask: its token mixer is a recurrence over the row
+    (a depthwise causal conv1d, then the gated delta rule), so a packed row's documents are kept apart by running
+    the mixer per document (:mod:`hybridtrain.models.linear_attention`)."""
+
+    variant: str = "linear_attention"
+    """The block variant (transformers' ``layer_types`` entry) of the linear-attention blocks; a variant named
+    ``<variant>_<more>`` is one too (Qwen3-Next's ``linear_attention_dense``: a Gated DeltaNet with a dense MLP)."""
+    module: str = "linear_attn"
+    """Block-relative path of the linear-attention module (in place of :attr:`Family.attention`)."""
+    shape_keys: tuple[str, ...] = ("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+    """HF config keys that size its weights (beside the head counts of :attr:`Family.tp_divides`)."""
+
+
+@dataclass(frozen=True)
 class Family:
     """The adapter of one HF ``model_type``: module paths, the block's TP plan, model-level operations."""
 
@@ -183,6 +200,18 @@ class Family:
     A block without one (a dense block) skips it."""
     moe: Optional[MoE] = None
     """Mixture-of-experts families: where the router and the experts are (:class:`MoE`); ``None``: dense."""
+    linear_attention: Optional[LinearAttention] = None
+    """Hybrid linear-attention families (Qwen3.5, Qwen3-Next): which block variant holds a recurrent token mixer
+    instead of softmax attention (:class:`LinearAttention`); ``None``: every block attends."""
+    variant_heads_per_rank_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Block variant -> its :attr:`heads_per_rank_attrs` where it differs (a Gated DeltaNet block's ``key_dim``
+    and ``value_dim``, which its forward splits the fused q | k | v by)."""
+    unverified_lora: Mapping[str, str] = field(default_factory=dict)
+    """Block-relative module path -> why LoRA adapters on it (or on modules under it) are refused in this version
+    (Qwen3.5's Gated DeltaNet ``linear_attn``: not yet proven against peft)."""
+    tp_divides: tuple[str, ...] = ()
+    """Further HF config keys tp must divide (:func:`tp_divisible`) and a pretrained model's config may not
+    override (:meth:`shape_keys`): Gated DeltaNet's key and value head counts."""
     n_layers: str = "num_hidden_layers"
     hidden: str = "hidden_size"
     heads: str = "num_attention_heads"
@@ -236,6 +265,19 @@ class Family:
             out.update(self.plan_of(variant))
         return out
 
+    def heads_per_rank_attrs_of(self, variant: Optional[str] = None) -> tuple[str, ...]:
+        """The per-rank head attributes of blocks of ``variant`` (:attr:`heads_per_rank_attrs` unless
+        :attr:`variant_heads_per_rank_attrs` names the variant)."""
+        if variant and variant in self.variant_heads_per_rank_attrs:
+            return tuple(self.variant_heads_per_rank_attrs[variant])
+        return self.heads_per_rank_attrs
+
+    def is_linear_attention(self, variant: Optional[str]) -> bool:
+        """Whether blocks of ``variant`` mix tokens with a recurrent linear attention (:attr:`linear_attention`)."""
+        if self.linear_attention is None or not variant:
+            return False
+        return variant == self.linear_attention.variant or variant.startswith(f"{self.linear_attention.variant}_")
+
     def checkpoint_name(self, hf_name: str) -> str:
         """The tensor name in a ``save_pretrained`` folder of the parameter called ``hf_name`` in the model."""
         return self.checkpoint_names.get(hf_name, hf_name)
@@ -246,6 +288,9 @@ class Family:
                 "head_dim", "vocab_size", "tie_word_embeddings")
         if self.moe is not None:
             keys += (self.moe.num_experts, self.moe.width)
+        keys += self.tp_divides
+        if self.linear_attention is not None:
+            keys += self.linear_attention.shape_keys
         return tuple(k for k in keys if k)
 
 
@@ -309,6 +354,9 @@ def fused_sizes(rule: TPRule, family: Family, hf_config: Any, length: Optional[i
     hd = head_dim_of(family, hf_config)
     named = {"q": int(getattr(hf_config, family.heads)) * hd, "kv": kv_heads_of(family, hf_config) * hd,
              "mlp": mlp_width_of(family, hf_config), "hidden": int(getattr(hf_config, family.hidden))}
+    if getattr(hf_config, "linear_num_key_heads", None):  # Gated DeltaNet's q | k | v (its own head counts)
+        named["linear_k"] = int(hf_config.linear_num_key_heads) * int(hf_config.linear_key_head_dim)
+        named["linear_v"] = int(hf_config.linear_num_value_heads) * int(hf_config.linear_value_head_dim)
     sizes = tuple(named[n] for n in rule.fused)
     if length is not None and sum(sizes) != length:
         raise ValueError(f"fused blocks {rule.fused} = {sizes} do not add up to the module's {length} outputs")
@@ -326,6 +374,8 @@ def tp_divisible(family: Family, hf_config: Any) -> dict[str, int]:
         out.setdefault(family.mlp_width, mlp_width_of(family, hf_config))
     if family.kv_heads and getattr(hf_config, family.kv_heads, None):
         out[family.kv_heads] = int(getattr(hf_config, family.kv_heads))
+    for key in family.tp_divides:
+        out[key] = int(getattr(hf_config, key))
     return out
 
 
