@@ -77,7 +77,14 @@ def check_pretrained_weights(cfg: Config, hf_config) -> None:
     for name, param in model.named_parameters():  # a tied head shares the embedding's parameter: not listed
         key = stored.get(name, family.checkpoint_name(name))
         if key not in headers and _per_expert(name, family, headers):
-            continue  # fused experts stored per expert: the loader merges them (transformers' conversion), checking shapes
+            # fused experts stored per expert: the loader merges them (transformers' conversion), checking shapes;
+            # every expert must be there (one missing made the merge stop short in a rank: probe n32)
+            gap = _missing_expert(name, int(param.shape[0]), family, headers)
+            if gap is not None:
+                raise PlanError("model.pretrained", f"{folder} has no {gap}: its MoE layers are stored expert by "
+                                f"expert and this one is missing (the others of {gap.split('.experts.')[0]} are "
+                                "there); the folder is incomplete: re-save the model with save_pretrained")
+            continue
         if key not in headers:
             missing.append(name)
         elif headers[key][0] != tuple(param.shape):
@@ -108,6 +115,22 @@ def _per_expert(name: str, family, headers) -> bool:
     prefix = name.rsplit(".experts.", 1)[0] + ".experts.0."
     prefixes = {prefix, *(prefix.replace(ours, theirs) for ours, theirs in checkpoint_renames(family.model_type))}
     return any(h.startswith(p) for h in headers for p in prefixes)
+
+
+def _missing_expert(name: str, experts: int, family, headers) -> str | None:
+    """The first per-expert tensor of the fused parameter ``name`` (``experts`` of them, its leading dimension) that
+    the headers lack, or ``None``: every expert ``0 .. experts - 1`` must hold the tensors expert 0 holds, under the
+    prefix (ours or the family's legacy one) the checkpoint uses."""
+    from hybridtrain.models.weights import checkpoint_renames
+
+    base = name.rsplit(".experts.", 1)[0] + ".experts."
+    for stem in (base, *(base.replace(ours, theirs) for ours, theirs in checkpoint_renames(family.model_type))):
+        first = f"{stem}0."
+        leaves = sorted(h[len(first):] for h in headers if h.startswith(first))
+        if leaves:
+            return next((f"{stem}{e}.{leaf}" for e in range(experts) for leaf in leaves
+                         if f"{stem}{e}.{leaf}" not in headers), None)
+    return None
 
 
 def _refuse_quantized(folder, hf_config, names=()) -> None:

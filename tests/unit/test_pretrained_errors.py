@@ -300,3 +300,24 @@ def test_a_tokenizer_larger_than_the_pretrained_embedding_names_the_fixes_that_w
     assert f"the tokenizer has {len(tok)} tokens but the embedding of {folder} only {rows} rows" in str(info.value)
     assert "model.resize_token_embeddings(len(tokenizer))" in str(info.value)
     assert "model.config.vocab_size" not in str(info.value)
+
+
+def test_an_moe_folder_missing_one_experts_tensors_names_the_first_one(tmp_path):
+    """Fault probe n32: a Qwen3-MoE folder (experts stored one by one, as save_pretrained writes them) without
+    layer 1's expert 3 passed the controller's check (it looked for expert 0 only) and failed in a rank with a
+    misleading shape error; now a config error naming the missing tensor, before anything runs."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers.moe import make_moe_checkpoint
+
+    folder = make_moe_checkpoint(tmp_path / "moe", "qwen3_moe")
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    gone = sorted(k for k in tensors if k.startswith("model.layers.1.mlp.experts.3."))
+    assert len(gone) == 3
+    save_file({k: v for k, v in tensors.items() if k not in gone}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(PlanError) as info:
+        _resolve("+recipe=finetune", f"model.pretrained={folder}", "data.seq_len=32", "trainer.global_batch_size=8")
+    assert info.value.key == "model.pretrained"
+    assert str(info.value).startswith(f"model.pretrained: {folder} has no {gone[0]}: its MoE layers are stored expert "
+                                      "by expert and this one is missing")
