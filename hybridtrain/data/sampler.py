@@ -367,6 +367,58 @@ class DocumentSamples(Samples):
         return self.row_labels[np.asarray(indices, dtype=np.int64)]
 
 
+class PairSamples(RowSamples):
+    """Preference pairs, one per row (``data.format=preference``, :mod:`hybridtrain.data.preference`): the
+    chosen sequence's ``chosen_len`` tokens, then the rejected sequence's, then padding. A sample index is a pair.
+
+    A micro-batch's target is ``(labels, weights, segments, reference, index)``: ``weights`` ``[2]`` turn the
+    micro-batch's summed pair losses and summed chosen-token NLL into their shares of the global batch's means
+    (:meth:`batch_weight` for pairs and for chosen tokens), ``segments [B, S]`` say which sequence a token is in
+    (0 chosen, 1 rejected, -1 padding), ``reference [B, 2]`` the pairs' reference log-probabilities (chosen,
+    rejected; zeros until :attr:`reference` is set) and ``index [B]`` the pairs' indices.
+    """
+
+    def __init__(self, folder: str | Path, seed: int):
+        super().__init__(folder, None, seed)
+        self.chosen_len = np.asarray(ArrowColumn(folder, "chosen_len"), dtype=np.int64)
+        self.pair_len = np.asarray(ArrowColumn(folder, "pair_len"), dtype=np.int64)
+        self.chosen_labels = np.asarray(ArrowColumn(folder, "chosen_labels"), dtype=np.int64)
+        self.reference: np.ndarray | None = None
+        """``[num_samples, 2]`` float64 log-probabilities of each pair under the reference model, once computed
+        (:mod:`hybridtrain.train.preference`)."""
+
+    def positions(self, indices: np.ndarray) -> np.ndarray:
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for k, i in enumerate(indices):
+            c, n = int(self.chosen_len[i]), int(self.pair_len[i])
+            out[k] = row_positions(np.array([c, n - c]), self.seq_len)
+        return out
+
+    def segments(self, indices: np.ndarray) -> np.ndarray:
+        """``[len(indices), seq_len]`` int64: 0 on the chosen sequence, 1 on the rejected one, -1 on padding."""
+        t = np.arange(self.seq_len)[None, :]
+        c, n = self.chosen_len[indices][:, None], self.pair_len[indices][:, None]
+        return np.where(t < c, 0, np.where(t < n, 1, -1)).astype(np.int64)
+
+    def batch_weights(self, indices: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        """``[per pair, per chosen token]``: what :meth:`Samples.batch_weight` is for tokens, for the global
+        batch's pairs and for its chosen completions' loss tokens (TRL's ``sft`` loss type)."""
+        scale = layout.grad_accum * layout.averaged_over
+        return np.array([scale / max(1, len(indices)), scale / max(1, int(self.chosen_labels[indices].sum()))])
+
+    def _tensors(self, idx: np.ndarray, layout: BatchLayout, dp_rank: int, weighted: bool) -> Iterator[tuple]:
+        import torch
+
+        weights = torch.tensor(self.batch_weights(idx, layout), dtype=torch.float32)
+        for row in layout.rank_rows(idx, dp_rank):
+            inputs, labels = self.rows(row)
+            reference = self.reference[row] if self.reference is not None else np.zeros((len(row), 2))
+            model_inputs = (torch.from_numpy(inputs), torch.from_numpy(self.positions(row)))
+            yield model_inputs, (torch.from_numpy(labels), weights, torch.from_numpy(self.segments(row)),
+                                 torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float64)),
+                                 torch.from_numpy(np.asarray(row, dtype=np.int64)))
+
+
 def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples | None:
     """The ``split`` (``train`` or ``val``) of the prepared data described by ``data_json`` (the run's
     ``data.json``, or its content as a dict), memory-mapped; ``None`` when the run has no such split."""
@@ -377,6 +429,8 @@ def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples
     folder = Path(meta["dir"])
     if meta["kind"] == "packed":
         samples: Samples = PackedSamples(folder / files["dataset"], meta["seq_len"], seed)
+    elif meta["kind"] == "pairs":
+        samples = PairSamples(folder / files["dataset"], seed)
     elif meta["kind"] == "documents":
         samples = DocumentSamples.from_folder(folder / files["dataset"], meta["seq_len"], seed, meta.get("pad_id") or 0)
     else:
