@@ -2,13 +2,16 @@
 metrics after each step.
 
 The reference log-probabilities of every training pair are computed once, before training, by the run's own
-engine under its own plan: a no-grad pass over the pairs in index order with the initial weights (with
-``finetune.method=lora`` the base model: every adapter's scale set to 0, :func:`~hybridtrain.parallel.lora.
-adapters_off`), through the same loss function in its recording mode, so they are exact under tp, cp and pp
-as the training log-probabilities are. They are cached beside the tokenized data
+engine under its own plan: a no-grad pass over the pairs in index order with the initial weights, through the
+same loss function in its recording mode, so they are exact under tp, cp and pp as the training
+log-probabilities are. With ``finetune.method=lora`` and fresh adapters the reference is the base model,
+adapters off (:func:`~hybridtrain.parallel.lora.adapters_off`; fresh adapters add 0 anyway); with
+``finetune.lora.init_from`` it is the initial policy, base plus the adapter it starts from, as TRL's
+``DPOTrainer`` makes a frozen ``ref`` copy of a pretrained adapter. They are cached beside the tokenized data
 (``DATA_DIR/reference-KEY.npy``), keyed by the data and the model (its folder's files, or its config and
-seed) and the precision, so a second run of the same model on the same data (any layout, full or LoRA:
-the reference is the base model either way) and a resumed run read them back. TRL's
+seed, and a LoRA run's starting adapter) and the precision, so a second run of the same model on the same
+data (any layout; full or fresh LoRA: the reference is the base model either way) and a resumed run read
+them back. TRL's
 ``precompute_ref_log_probs=True`` does the same with its reference model.
 """
 from __future__ import annotations
@@ -37,6 +40,9 @@ def reference_key(cfg: Any, plan: Any, data_dir: str) -> str:
                  if p.suffix in (".json", ".safetensors")]
     else:  # a seeded initialisation: the same under every plan
         model["seed"] = cfg.trainer.seed
+    if cfg.finetune.method == "lora" and cfg.finetune.lora.init_from:  # the reference holds the starting adapter
+        adapter = Path(cfg.finetune.lora.init_from).expanduser().resolve()
+        files += [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(adapter.iterdir()) if p.is_file()]
     blob = json.dumps({"model": model, "files": files, "precision": plan.precision, "data": Path(data_dir).name},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -67,10 +73,13 @@ def _forward_all(built: Any, samples: Any, plan: Any) -> None:
         engine.train()
 
 
-def compute_reference(built: Any, samples: Any, plan: Any) -> np.ndarray:
+def compute_reference(built: Any, samples: Any, plan: Any, base_only: bool) -> np.ndarray:
     """The pairs' reference log-probabilities ``[num_samples, 2]``, the same on every rank: each rank that ran
     the loss (the last stage; every tp and cp rank there holds the whole sums) recorded its pairs, and one
-    all-reduce over the world of the sums and their counts gives each pair's value."""
+    all-reduce over the world of the sums and their counts gives each pair's value. ``base_only``: with the
+    LoRA adapters off."""
+    from contextlib import nullcontext
+
     import torch
 
     from hybridtrain.parallel import collectives
@@ -79,7 +88,7 @@ def compute_reference(built: Any, samples: Any, plan: Any) -> np.ndarray:
     loss = built.objective
     loss.recording = []
     try:
-        with adapters_off(built.engine.module):
+        with adapters_off(built.engine.module) if base_only else nullcontext():
             _forward_all(built, samples, plan)
         recorded = loss.recording
     finally:
@@ -109,7 +118,8 @@ def attach_reference(cfg: Any, plan: Any, built: Any, samples: Any, data_dir: st
     if not initial_weights:
         raise RuntimeError(f"the reference log-probabilities of this run ({path}) are gone and the weights loaded "
                            "are a checkpoint's, not the initial ones; restore the file or start the run afresh")
-    samples.reference = compute_reference(built, samples, plan)
+    fresh_lora = cfg.finetune.method == "lora" and not cfg.finetune.lora.init_from
+    samples.reference = compute_reference(built, samples, plan, base_only=fresh_lora)
     if is_rank0:
         part = path.with_suffix(f".{os.getpid()}.tmp.npy")
         np.save(part, samples.reference)

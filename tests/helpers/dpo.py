@@ -65,3 +65,22 @@ def trl_run(folder: Path, records: list[dict], out: Path, *, steps: int, batch: 
                       processing_class=AutoTokenizer.from_pretrained(str(folder)))
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+
+
+def make_adapter(folder: Path, out: Path, seed: int = 11) -> Path:
+    """A peft LoRA adapter (r 4, alpha 8, every linear layer of the blocks) for the model in ``folder``, its
+    ``B`` matrices random (peft starts them at 0): the policy then differs from the base model, the
+    reference, from the first step on."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(out))
+    return out
