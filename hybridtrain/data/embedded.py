@@ -24,7 +24,7 @@ def documents(text: str | None = None) -> list[str]:
     return ["\n".join(lines[i:i + 2]) for i in range(0, len(lines), 2)]
 
 
-PAIRS = 2048
+PAIRS = 256
 """Preference pairs :func:`preference_pairs` derives from the corpus."""
 
 
