@@ -81,3 +81,17 @@ def test_sequence_logps_are_per_document_sums_of_the_label_log_probs():
     weights = torch.tensor([1.0 / 2, 1.0 / 3])  # one step of these two pairs, one micro-batch
     out = loss(logits, (labels, weights, segments, reference, torch.arange(2)))
     assert out.item() == pytest.approx(math.log(2))
+
+
+def test_a_resumed_run_whose_reference_is_gone_stops(tmp_path):
+    """After a checkpoint's weights were loaded the initial model is gone: no reference is computed from them."""
+    from types import SimpleNamespace
+
+    from hybridtrain.train.preference import attach_reference
+
+    cfg = compose("+recipe=dpo")
+    samples = SimpleNamespace(reference=None, num_samples=4)
+    with pytest.raises(RuntimeError, match="are gone and the weights loaded are a checkpoint's"):
+        attach_reference(cfg, SimpleNamespace(precision="fp32"), None, samples, str(tmp_path), initial_weights=False,
+                         is_rank0=True)
+    assert samples.reference is None
