@@ -119,3 +119,16 @@ def test_every_layout_sees_the_same_pairs_in_the_same_order(tmp_path):
         assert weight == pytest.approx(1.0)
         assert step_pairs(2, 2, step)[0] == whole == samples.global_indices(step, 8).tolist()
         assert step_pairs(4, 1, step)[1] == pytest.approx(1.0)
+
+
+def test_pairs_from_a_saved_dataset_with_messages(tok, tmp_path):
+    """``data=disk``: a ``save_to_disk`` folder whose message lists Arrow stores as lists of structs."""
+    from datasets import Dataset
+
+    Dataset.from_list(CHAT).save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(source="disk", path=str(tmp_path / "saved"), format="preference",
+                     cache_dir=str(tmp_path / "cache"), seq_len=96)
+    samples = open_samples(json.loads(prep.prepare(cfg, 0, log=lambda _: None).to_json()), "train", 0)
+    ids, _ = samples.rows(np.array([1]))
+    p, c, r = pair_ids(tok, CHAT[1]["prompt"], CHAT[1]["chosen"], CHAT[1]["rejected"])
+    assert list(ids[0][:len(p) + len(c) - 1]) == (p + c)[:-1]
