@@ -75,6 +75,7 @@ def _documents(prompt_ids: list[int], completion_ids: list[int]) -> tuple[list[i
 
 
 def _mixed(prompt: Any, chosen: Any, rejected: Any) -> bool:
+    """Whether the three fields are not all text or all messages (an empty prompt list counts as messages)."""
     kinds = {conversational(prompt) or (isinstance(prompt, list) and not prompt), conversational(chosen),
              conversational(rejected)}
     return len(kinds) > 1
@@ -93,6 +94,8 @@ def pair_problem(tokenizer, prompt: Any, chosen: Any, rejected: Any, seq_len: in
     p, c, r = pair_ids(tokenizer, prompt, chosen, rejected)
     if not c or not r:
         return "data.chosen_field", "a completion tokenizes to no token", 0
+    if _documents(p, c) is None or _documents(p, r) is None:  # an empty prompt: nothing predicts the first token
+        return "data.chosen_field", "a completion leaves no token to learn from (an empty prompt, one token)", 0
     tokens = pair_tokens(p, c, r)
     if tokens > seq_len:
         return "data.seq_len", f"the pair is longer than data.seq_len={seq_len} tokens", tokens

@@ -116,3 +116,12 @@ def test_lora_under_tp2_pp2_equals_one_process(hf_checkpoints, pairs, tmp_path):
     one = run(tmp_path / "one", "llama", hf_checkpoints["llama"], pairs[1], extra=extra, **kw)
     check_steps(run(tmp_path / "four", "llama", hf_checkpoints["llama"], pairs[1], (1, 2, 2, 1), extra, **kw), one,
                 grad_rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_equal_one_process(stage, single, hf_checkpoints, pairs, tmp_path):
+    """ZeRO partitions the optimizer (1), the gradients (2) and the parameters (3) over dp = 2; ZeRO-3 also runs
+    the reference pass with its parameters gathered layer by layer."""
+    ours = run(tmp_path, "gpt2", hf_checkpoints["gpt2"], pairs[1], (2, 1, 1, 1), (f"parallel.zero_stage={stage}",))
+    check_steps(ours, single, grad_rel=1e-3)
