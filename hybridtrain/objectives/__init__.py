@@ -11,8 +11,3 @@ micro-batch cut would change: not offered)."""
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
          "logps/rejected")
 """The per-step metrics, TRL's names: means over the step's pairs."""
-
-
-def needs_reference(loss_types: list[str]) -> bool:
-    """Whether any of ``loss_types`` uses the reference model's log-probabilities (all but ``sft``)."""
-    return any(t != "sft" for t in loss_types)

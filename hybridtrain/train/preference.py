@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hybridtrain.objectives import STATS, needs_reference
+from hybridtrain.objectives import STATS
 
 
 def reference_key(cfg: Any, plan: Any, data_dir: str) -> str:
@@ -106,9 +106,8 @@ def attach_reference(cfg: Any, plan: Any, built: Any, samples: Any, data_dir: st
                      is_rank0: bool, log: Callable[[str], None] = print) -> None:
     """Give ``samples`` (:class:`~hybridtrain.data.sampler.PairSamples`) its reference log-probabilities: read
     from the cache, else computed (only with the initial weights: not after a checkpoint's weights were
-    loaded) and written there by rank 0. Every rank calls it (the pass is collective)."""
-    if not needs_reference(list(cfg.finetune.dpo.loss_type)):
-        return
+    loaded) and written there by rank 0. Every rank calls it (the pass is collective). Also for ``sft`` alone,
+    which needs no reference, as TRL computes one: the rewards of the metrics are relative to it."""
     path = reference_file(data_dir, reference_key(cfg, plan, data_dir))
     if path.is_file():
         samples.reference = np.load(path)
