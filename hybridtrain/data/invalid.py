@@ -60,7 +60,8 @@ def _column_problems(ds, field: str, chat: bool, completion: bool | None = None)
 
     arrow_type = ds.data.table.schema.field(field).type if ds._indices is None else None
     out: dict[int, str] = {}
-    if completion is None and not chat and arrow_type is not None and (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)):
+    string = arrow_type is not None and (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
+    if completion is None and not chat and string:
         column = ds.data.table.column(field)
         if column.null_count:
             import numpy as np

@@ -162,7 +162,8 @@ def merge_skipped(first: dict, second: dict) -> dict:
 def pair_rows(batch: dict[str, list], indices: list[int], *, tokenizer, fields: tuple[str, str, str],
               seq_len: int, pad_id: int) -> dict[str, list]:
     """Batched ``datasets.map`` function: one row per pair (see the module), with ``num_labels`` (loss
-    tokens of both sequences), ``chosen_len``, ``chosen_labels`` (the chosen sequence's loss tokens), ``pair_len`` (both documents' tokens), ``record`` and
+    tokens of both sequences), ``chosen_len``, ``chosen_labels`` (the chosen sequence's loss tokens),
+    ``pair_len`` (both documents' tokens), ``record`` and
     ``cut`` (always 0: :func:`screen` refused the pairs that do not fit)."""
     out: dict[str, list] = {"input_ids": [], "labels": [], "num_labels": [], "chosen_len": [], "chosen_labels": [],
                             "pair_len": [], "record": [], "cut": []}
@@ -189,5 +190,6 @@ def features(seq_len: int, dtype: str):
     from datasets import Features, List, Value
 
     return Features({"input_ids": List(Value(dtype), length=seq_len), "labels": List(Value("int32"), length=seq_len),
-                     "num_labels": Value("int32"), "chosen_len": Value("int32"), "chosen_labels": Value("int32"), "pair_len": Value("int32"),
+                     "num_labels": Value("int32"), "chosen_len": Value("int32"), "chosen_labels": Value("int32"),
+                     "pair_len": Value("int32"),
                      "record": Value("int64"), "cut": Value("int32")})

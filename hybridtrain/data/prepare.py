@@ -173,7 +173,8 @@ def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
         return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
                                    "split": mode is Packing.documents}
     if cfg.format == "preference":
-        return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len, "pad_id": _pad_id(tokenizer)}
+        return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
+                                      "pad_id": _pad_id(tokenizer)}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -229,7 +230,8 @@ def _write(ds, kind: str, seq_len: int, out: Path, split: str, records: int) -> 
         return {**entry, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len), "num_documents": len(ds)}
     if kind == "pairs":  # a row per pair; fill: the share of row tokens that are the pairs' own
         lengths = ds.data.table.column("pair_len")
-        entry["num_samples"], entry["fill"] = len(ds), round(float(pc.sum(lengths).as_py() or 0) / max(1, len(ds) * seq_len), 4)
+        tokens = float(pc.sum(lengths).as_py() or 0)
+        entry["num_samples"], entry["fill"] = len(ds), round(tokens / max(1, len(ds) * seq_len), 4)
     elif kind == "documents":
         entry["num_records"] = len(ds)  # samples to pack; num_samples (rows) depends on the seed
     else:

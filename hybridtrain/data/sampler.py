@@ -319,7 +319,8 @@ class PairSamples(RowSamples):
 
     def reference_batches(self, layout: BatchLayout, dp_rank: int) -> Iterator[list[tuple]]:
         """Every pair once, in index order, as this rank's micro-batches of consecutive global batches; the last
-        batch filled up with pairs from the start (recorded twice, counted once: :mod:`hybridtrain.train.preference`)."""
+        batch filled up with pairs from the start (recorded twice, counted once:
+        :mod:`hybridtrain.train.preference`)."""
         gbs = layout.global_batch_size
         for start in range(0, self.num_samples, gbs):
             yield list(self._tensors(np.arange(start, start + gbs) % self.num_samples, layout, dp_rank, True))

@@ -90,7 +90,8 @@ class PreferenceLoss:
         """The context-parallel context (the MoE aux term reads it)."""
         return self.token_loss.cp
 
-    def sequence_logps(self, outputs, labels: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sequence_logps(self, outputs, labels: torch.Tensor,
+                       segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logps, lengths)``, each ``[B, 2]`` fp32: the summed completion log-probabilities of each row's
         chosen and rejected sequence and their loss-token counts, over the whole rows (all cp ranks')."""
         cp = self.cp

@@ -24,7 +24,8 @@ def check_objective(cfg: Config) -> None:
         return
     _need(preference, "finetune.objective", f"dpo trains on preference pairs, but data.format={data.format}; set "
                                             "data.format=preference (records with prompt, chosen and rejected)")
-    _need(str(getattr(data.packing, "value", data.packing)) in ("None", "null", "documents", "True", "true"), "data.packing",
+    packing = str(getattr(data.packing, "value", data.packing))
+    _need(packing in ("None", "null", "documents", "True", "true"), "data.packing",
           f"{data.packing}: a preference pair is one row of its two sequences (documents), so data.packing must "
           "be null or documents")
     _need(not has_validation(data), "data.val_fraction" if data.val_fraction > 0 else

@@ -124,7 +124,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         if step == start_step:
             built.stop_watching()  # the model state's peaks are measured; they do not change
         observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
-        observed = {**observed, **step_metrics(built, log_now)}  # finetune.objective=dpo: TRL's rewards/ and logps/ metrics
+        observed = {**observed, **step_metrics(built, log_now)}  # finetune.objective=dpo: TRL's rewards/, logps/
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
         loss_tokens = samples.step_loss_tokens(step, plan.global_batch_size)  # padding and prompts excluded

@@ -64,7 +64,8 @@ def _forward_all(built: Any, samples: Any, plan: Any) -> None:
     try:
         for micro in samples.reference_batches(layout, built.dp_rank):
             if plan.dims.pp > 1:
-                engine.eval_batch(iter(micro), reduce_output=None, bcast_loss=False, num_micro_batches=layout.grad_accum)
+                engine.eval_batch(iter(micro), reduce_output=None, bcast_loss=False,
+                                  num_micro_batches=layout.grad_accum)
                 continue
             with torch.no_grad():
                 for inputs, target in micro:

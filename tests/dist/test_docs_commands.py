@@ -218,7 +218,8 @@ def _records(n: int) -> list[str]:
 def make_page_folder(page_dir: Path) -> None:
     """The files the pages' commands name, in the folder that stands for the repository root: data files
     (``my_texts.jsonl``, ``corpus/*.jsonl`` with a ``content`` field, ``chats.jsonl``/``chat.jsonl``,
-    ``sft.jsonl``/``qa.parquet`` prompt-completion records, ``pairs.jsonl`` preference pairs, ``my_saved_dataset`` saved with ``datasets``), tiny
+    ``sft.jsonl``/``qa.parquet`` prompt-completion records, ``pairs.jsonl`` preference pairs,
+    ``my_saved_dataset`` saved with ``datasets``), tiny
     ``save_pretrained`` model folders for ``path/to/hf_model``, ``path/to/llama``, ``path/to/gpt2``,
     ``path/to/qwen2.5-0.5b`` (a tiny Qwen2), ``path/to/qwen3-moe`` (a tiny Qwen3-MoE) and ``DIR``, a DeepSpeed hostfile ``hosts.txt``, and
     ``generate.py``, the transformers snippet of docs/checkpoints.md."""

@@ -16,8 +16,8 @@ DPO = ("data.format=preference", "finetune.objective=dpo")
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [
-    pytest.param(("finetune.objective=dpo",), "finetune.objective", "dpo trains on preference pairs, but data.format=text",
-                 id="dpo_without_pairs"),
+    pytest.param(("finetune.objective=dpo",), "finetune.objective",
+                 "dpo trains on preference pairs, but data.format=text", id="dpo_without_pairs"),
     pytest.param(("data.format=preference",), "data.format", "preference pairs train only with finetune.objective=dpo",
                  id="pairs_without_dpo"),
     pytest.param(DPO + ("data.packing=none",), "data.packing", "a preference pair is one row of its two sequences",
