@@ -125,3 +125,17 @@ def test_zero_stages_equal_one_process(stage, single, hf_checkpoints, pairs, tmp
     the reference pass with its parameters gathered layer by layer."""
     ours = run(tmp_path, "gpt2", hf_checkpoints["gpt2"], pairs[1], (2, 1, 1, 1), (f"parallel.zero_stage={stage}",))
     check_steps(ours, single, grad_rel=1e-3)
+
+
+@pytest.mark.slow
+def test_the_reference_is_cached_beside_the_data(single, hf_checkpoints, pairs, tmp_path):
+    """A second run of the same model on the same data reads the reference of the first (under another layout
+    too) and trains the same steps."""
+    first = run(tmp_path, "gpt2", hf_checkpoints["gpt2"], pairs[1])
+    cached = sorted((tmp_path / "cache").glob("data-*/reference-*.npy"))
+    assert len(cached) == 1
+    proc = run_cli(tmp_path / "again", "model=gpt2", *overrides(hf_checkpoints["gpt2"], pairs[1], **_kw()),
+                   f"data.cache_dir={tmp_path / 'cache'}", "parallel.dp=2")
+    assert f"reference log-probabilities read from {cached[0]}" in proc.stdout
+    check_steps(metrics(tmp_path / "again"), first, grad_rel=1e-3)
+    check_steps(first, single, grad_rel=1e-4)
