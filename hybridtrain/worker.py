@@ -5,6 +5,7 @@ joins the process group, builds its stage and tensor shard, trains, and exits.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -77,6 +78,11 @@ def run(run_dir: Path) -> int:
     built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None,
                   adapter_dir=str(adapters) if adapters else None)
     samples = open_samples(files.data_file, "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
+    if cfg.finetune.objective == "dpo":  # before a checkpoint's weights load: the reference is the initial model
+        from hybridtrain.train.preference import attach_reference
+
+        attach_reference(cfg, plan, built, samples, json.loads(files.data_file.read_text())["dir"],
+                         initial_weights=not reshard, is_rank0=rank == 0)
     start_step = _resume(built, plan, resume, reshard, rank) if resume else 0
     if rank == 0 and plan.nodes > 1:
         from hybridtrain.launch.placement import describe

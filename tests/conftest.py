@@ -34,7 +34,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
-                 "test_packing_layouts.py", "test_lora_peft.py", "test_faults.py", "test_data_e2e.py")
+                 "test_packing_layouts.py", "test_lora_peft.py", "test_faults.py", "test_data_e2e.py",
+                 "test_dpo.py")
 """The dist modules that take longest (``--durations``), started first. CI runs the suite on two
 workers (``-n 2 --dist loadfile``: a module stays on one worker, so its module fixtures, the SLURM
 cluster among them, are made once); a long module started last would leave one worker idle at the end,

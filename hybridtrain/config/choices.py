@@ -69,6 +69,8 @@ class DataFormat(Choice):
     text = "text"
     chat = "chat"
     prompt_completion = "prompt_completion"
+    preference = "preference"
+    """``prompt``, ``chosen``, ``rejected`` (TRL's standard preference form), for ``finetune.objective=dpo``."""
 
 
 class Packing(Choice):
@@ -138,6 +140,15 @@ class FinetuneMethod(Choice):
 
     full = "full"
     lora = "lora"
+
+
+class Objective(Choice):
+    """``finetune.objective``: what the loss is (``docs/preference.md``)."""
+
+    sft = "sft"
+    """The token cross-entropy of every data format."""
+    dpo = "dpo"
+    """Direct preference optimisation over ``data.format=preference`` pairs, TRL's ``DPOTrainer`` losses."""
 
 
 GpuType = Choice("GpuType", [(name, name) for name in GPU_TYPES], module=__name__, qualname="GpuType")

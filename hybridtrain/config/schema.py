@@ -15,7 +15,7 @@ from hybridtrain.config.choices import (
     DataFormat,
     GpuType,
     DataSource,
-    FinetuneMethod,
+    FinetuneMethod, Objective,
     LauncherName,
     LoggerName,
     Partition,
@@ -138,6 +138,10 @@ class DataConfig:
     """Field holding the prompt (``format=prompt_completion``); its tokens carry no loss."""
     completion_field: str = "completion"
     """Field holding the completion (``format=prompt_completion``); followed by EOS, carries the loss."""
+    chosen_field: str = "chosen"
+    """Field holding the preferred completion (``format=preference``; ``data.prompt_field`` is its prompt)."""
+    rejected_field: str = "rejected"
+    """Field holding the dispreferred completion (``format=preference``)."""
     chat_template: Optional[str] = None
     """A Jinja chat template (a file path or the template itself) replacing the tokenizer's; it must
     mark assistant text with ``{% generation %}`` ... ``{% endgeneration %}``. ``null``: the tokenizer's
@@ -467,6 +471,26 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    """The preference loss of ``finetune.objective=dpo``, with TRL's ``DPOConfig`` names and meanings
+    (``docs/preference.md``)."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL term (TRL's ``beta``): rewards are ``beta x (log pi - log pi_ref)``;
+    for ``ipo`` the regularisation ``tau``."""
+    loss_type: List[str] = field(default_factory=lambda: ["sigmoid"])
+    """TRL's loss names, one or several summed with ``loss_weights``: ``sigmoid`` (DPO), ``ipo``, ``hinge``,
+    ``robust``, ``sigmoid_norm`` (DPO on per-token mean log-ratios), ``apo_zero``, ``apo_down``, ``nca_pair``,
+    ``bco_pair``, ``sppo_hard``, ``exo_pair``, ``discopop``, ``sft`` (the chosen completions' token NLL)."""
+    loss_weights: Optional[List[float]] = None
+    """One weight per ``loss_type`` entry; ``null``: 1 each."""
+    label_smoothing: float = 0.0
+    """The assumed share of flipped labels (``robust``, ``exo_pair``; TRL's ``label_smoothing``), in [0, 0.5)."""
+    discopop_tau: float = 0.05
+    """``discopop``'s temperature (TRL's ``discopop_tau``)."""
+
+
+@dataclass
 class FinetuneConfig:
     """Which parameters train: all of them, or LoRA adapters on a frozen base (``docs/finetuning.md``)."""
 
@@ -474,6 +498,10 @@ class FinetuneConfig:
     """``full``: every parameter trains; ``lora``: the base model is frozen (no gradients, no optimizer
     state) and only the adapters of ``finetune.lora`` train."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: Objective = Objective.sft
+    """``sft``: the token cross-entropy; ``dpo``: a preference loss of ``finetune.dpo`` over
+    ``data.format=preference`` pairs (``docs/preference.md``)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 @dataclass

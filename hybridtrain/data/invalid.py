@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from hybridtrain.config.schema import DataConfig
 from hybridtrain.errors import PlanError
-from hybridtrain.data.formats import message_problem
+from hybridtrain.data.formats import ROLES, message_problem
 
 SHOWN = 5
 """Record numbers named in a message (the rest are counted)."""
@@ -26,21 +26,42 @@ def fields_of(cfg: DataConfig) -> list[tuple[str, str]]:
     """``(field, key)`` of every field ``data.format`` reads, e.g. ``[("text", "data.text_field")]``."""
     return {"text": [(cfg.text_field, "data.text_field")], "chat": [(cfg.messages_field, "data.messages_field")],
             "prompt_completion": [(cfg.prompt_field, "data.prompt_field"),
-                                  (cfg.completion_field, "data.completion_field")]}[str(cfg.format)]
+                                  (cfg.completion_field, "data.completion_field")],
+            "preference": [(cfg.prompt_field, "data.prompt_field"), (cfg.chosen_field, "data.chosen_field"),
+                           (cfg.rejected_field, "data.rejected_field")]}[str(cfg.format)]
 
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else f"a {type(value).__name__}"
 
 
-def _column_problems(ds, field: str, chat: bool) -> dict[int, str]:
+def preference_problem(value: Any, completion: bool) -> str | None:
+    """What keeps one field of a ``preference`` record from training (``None``: nothing): text, or a list of
+    ``{role, content}`` messages (TRL's conversational form); a completion (``chosen``, ``rejected``) must
+    not be empty. The prompt may be empty text (TRL's convention)."""
+    if isinstance(value, str):
+        return "is empty" if completion and not value else None
+    if value is None:
+        return "missing or null"
+    if not isinstance(value, list):
+        return f"{_type_name(value)}, not text or a list of messages"
+    if not value:
+        return "is an empty list of messages" if completion else None
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return f"has message {str(m)[:120]!r}, which lacks a known role or string content"
+    return None
+
+
+def _column_problems(ds, field: str, chat: bool, completion: bool | None = None) -> dict[int, str]:
     """``record -> problem`` of field ``field`` over ``ds``: Arrow's null mask for a string column,
     else (mixed types, which HF stores as JSON, numbers, lists; every chat record) value by value."""
     import pyarrow as pa
 
     arrow_type = ds.data.table.schema.field(field).type if ds._indices is None else None
     out: dict[int, str] = {}
-    if not chat and arrow_type is not None and (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)):
+    string = arrow_type is not None and (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
+    if completion is None and not chat and string:
         column = ds.data.table.column(field)
         if column.null_count:
             import numpy as np
@@ -51,7 +72,9 @@ def _column_problems(ds, field: str, chat: bool) -> dict[int, str]:
     start = 0
     for batch in ds.select_columns([field]).iter(batch_size=BATCH):
         for offset, value in enumerate(batch[field]):
-            if chat:
+            if completion is not None:  # data.format=preference
+                problem = preference_problem(value, completion)
+            elif chat:
                 problem = message_problem(value)
             else:
                 problem = None if isinstance(value, str) else ("missing or null" if value is None else
@@ -84,8 +107,10 @@ def where(records: Sequence[int], origins: Sequence[tuple[str, int]]) -> str:
 def problems(ds, cfg: DataConfig) -> dict[int, str]:
     """``record -> "field 'text' missing or null"`` for every record of ``ds`` that ``data.format`` cannot train on."""
     found: dict[int, str] = {}
-    for name, _ in fields_of(cfg):
-        for record, problem in _column_problems(ds, name, str(cfg.format) == "chat").items():
+    preference = str(cfg.format) == "preference"
+    for name, key in fields_of(cfg):
+        completion = key != "data.prompt_field" if preference else None
+        for record, problem in _column_problems(ds, name, str(cfg.format) == "chat", completion).items():
             found.setdefault(record, f"field {name!r} {problem}")
     return found
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 from hybridtrain.config.choices import Packing
 from hybridtrain.config.schema import DataConfig
-from hybridtrain.data import formats, invalid, sources
+from hybridtrain.data import formats, invalid, preference, sources
 from hybridtrain.data.tokenizer import load_tokenizer, tokenizer_source
 from hybridtrain.errors import PlanError
 
@@ -95,7 +95,10 @@ def packing_of(cfg: DataConfig) -> Packing:
 
 
 def kind_of(cfg: DataConfig) -> str:
-    """How the samples are stored: ``packed`` (``stream``), ``documents`` or ``rows`` (``none``)."""
+    """How the samples are stored: ``packed`` (``stream``), ``documents`` or ``rows`` (``none``); ``pairs``
+    for ``data.format=preference`` (one pair per row, :mod:`hybridtrain.data.preference`)."""
+    if cfg.format == "preference":
+        return "pairs"
     return {Packing.stream: "packed", Packing.documents: "documents", Packing.none: "rows"}[packing_of(cfg)]
 
 
@@ -107,7 +110,8 @@ def options(cfg: DataConfig, seed: int) -> dict:
     """
     opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
-                 "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]}}[cfg.format])
+                 "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]},
+                 "preference": {"fields": list(preference.fields(cfg))}}[cfg.format])
     if kind_of(cfg) != "packed":  # records are truncated (or split) to seq_len when written
         opts["seq_len"] = cfg.seq_len
     if cfg.val_fraction > 0:
@@ -168,6 +172,9 @@ def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
             return formats.text_stream, {"field": cfg.text_field, "eos_id": eos}
         return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
                                    "split": mode is Packing.documents}
+    if cfg.format == "preference":
+        return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
+                                      "pad_id": _pad_id(tokenizer)}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -189,6 +196,8 @@ def features(kind: str, seq_len: int, dtype: str):
 
     if kind == "packed":
         return Features({"ids": List(Value(dtype))})
+    if kind == "pairs":
+        return preference.features(seq_len, dtype)
     length = seq_len if kind == "rows" else -1
     return Features({"input_ids": List(Value(dtype), length=length), "labels": List(Value("int32"), length=length),
                      "num_labels": Value("int32"), "record": Value("int64"), "cut": Value("int32")})
@@ -219,7 +228,11 @@ def _write(ds, kind: str, seq_len: int, out: Path, split: str, records: int) -> 
     if kind == "packed":
         total = sum(int(pc.sum(pc.list_value_length(chunk)).as_py() or 0) for chunk in ds.data.table.column("ids").chunks)
         return {**entry, "num_tokens": total, "num_samples": max(0, (total - 1) // seq_len), "num_documents": len(ds)}
-    if kind == "documents":
+    if kind == "pairs":  # a row per pair; fill: the share of row tokens that are the pairs' own
+        lengths = ds.data.table.column("pair_len")
+        tokens = float(pc.sum(lengths).as_py() or 0)
+        entry["num_samples"], entry["fill"] = len(ds), round(tokens / max(1, len(ds) * seq_len), 4)
+    elif kind == "documents":
         entry["num_records"] = len(ds)  # samples to pack; num_samples (rows) depends on the seed
     else:
         entry["num_samples"] = len(ds)
@@ -311,6 +324,12 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
         val = raw.val
         if val is not None:
             val, skipped["val"] = invalid.screen(val, raw.origins["val"], cfg, "val")
+        if cfg.format == "preference":  # pairs that do not fit data.seq_len, completions of no token
+            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train")
+            skipped["train"] = preference.merge_skipped(skipped["train"], more)
+            if val is not None:
+                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val")
+                skipped["val"] = preference.merge_skipped(skipped["val"], more)
         skipped = {source: s for source, s in skipped.items() if s}
         if cfg.val_fraction > 0:
             try:

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hybridtrain.data.arrow import ArrowColumn, numpy_view, read_saved_table  # noqa: F401  (their old home)
 from hybridtrain.data.packing import pack, row_positions
 from hybridtrain.parallel.dims import BatchLayout
 
@@ -170,96 +171,6 @@ class Samples:
             yield list(self._tensors(np.arange(b * gbs, (b + 1) * gbs), layout, dp_rank, weighted))
 
 
-def read_saved_table(folder: Path):
-    """The Arrow table of a dataset folder written by ``Dataset.save_to_disk``, memory-mapped.
-
-    Read as ``datasets.load_from_disk`` reads it (``state.json`` lists the Arrow stream files, each
-    memory-mapped, concatenated; ``save_to_disk`` leaves no index mapping), with pyarrow alone:
-    importing ``datasets`` would cost every rank about a second of start-up.
-    """
-    import pyarrow as pa
-
-    state = json.loads((folder / "state.json").read_text())
-    return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(folder / f["filename"]))).read_all()
-                             for f in state["_data_files"]])
-
-
-def numpy_view(array) -> np.ndarray:
-    """A read-only numpy view of a numeric pyarrow array without nulls, without copying.
-
-    Why by hand: pyarrow's ``Array.to_numpy`` goes through its pandas conversion layer, which imports
-    pandas in every rank (a forked rank also copies the pages that import touches), CPU time a job
-    of many ranks on few cores pays many times over (``docs/benchmarks.md``). The values buffer of a
-    numeric array is its numpy array (``buffers()[1]``, from ``offset``)."""
-    import pyarrow as pa
-
-    kind = array.type
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        raise TypeError(f"expected a numeric Arrow array, got {kind}")
-    if array.null_count:
-        raise ValueError(f"the Arrow array has {array.null_count} missing value(s); hybridtrain's prepared "
-                         "datasets have none (prepare it again)")
-    dtype = np.dtype(kind.to_pandas_dtype())  # a numpy dtype for numeric types; pandas is not imported
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
-
-
-class ArrowColumn:
-    """One list column of a dataset saved with ``Dataset.save_to_disk``, read in place.
-
-    The ``.arrow`` files are memory-mapped; each record batch's list values are
-    viewed as a numpy array without copying (a variable-length column as one flat token stream,
-    ``fixed_size_list`` as ``[rows, length]``). Reading a slice or a few rows touches only those pages,
-    so no rank holds the tokenized dataset in memory. (``Dataset.__getitem__`` would convert rows
-    through Python lists; these zero-copy views are what makes per-step reads cheap.)
-    """
-
-    def __init__(self, folder: str | Path, column: str):
-        self.folder = Path(folder)
-        table = read_saved_table(self.folder)
-        views, lengths = [], []
-        for chunk in table.column(column).chunks:
-            if not hasattr(chunk, "flatten"):  # a scalar column (``num_labels``)
-                views.append(numpy_view(chunk))
-                continue
-            flat = numpy_view(chunk.flatten())
-            length = getattr(chunk.type, "list_size", None)
-            views.append(flat.reshape(-1, length) if length else flat)
-            if not length:
-                lengths.append(np.diff(numpy_view(chunk.offsets)))
-        self.views = [v for v in views if len(v)]
-        self.starts = np.cumsum([0] + [len(v) for v in self.views])
-        self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else None
-        """A variable-length list column's list lengths (its records in :meth:`__getitem__`'s flat stream)."""
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        """The whole column as one array (a copy: for tests and small data only)."""
-        whole = np.concatenate(self.views) if self.views else np.empty(0, np.int64)
-        return whole.astype(dtype) if dtype is not None else whole
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self),) + (self.views[0].shape[1:] if self.views else ())
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):  # a contiguous range (packed blocks), possibly across record batches
-            start, stop, _ = key.indices(len(self))
-            first = int(np.searchsorted(self.starts, start, side="right")) - 1
-            parts = []
-            while start < stop:
-                view, base = self.views[first], int(self.starts[first])
-                take = view[start - base:min(stop - base, len(view))]
-                parts.append(take)
-                start += len(take)
-                first += 1
-            return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int64)
-        idx = np.asarray(key, dtype=np.int64)  # rows
-        which = np.searchsorted(self.starts, idx, side="right") - 1
-        return np.stack([self.views[w][i - self.starts[w]] for w, i in zip(which, idx)])
-
-
 class PackedSamples(Samples):
     """Fixed-length samples cut from one (memory-mapped) token stream."""
 
@@ -367,6 +278,66 @@ class DocumentSamples(Samples):
         return self.row_labels[np.asarray(indices, dtype=np.int64)]
 
 
+class PairSamples(RowSamples):
+    """Preference pairs, one per row (``data.format=preference``, :mod:`hybridtrain.data.preference`): the
+    chosen sequence's ``chosen_len`` tokens, then the rejected sequence's, then padding. A sample index is a pair.
+
+    A micro-batch's target is ``(labels, weights, segments, reference, index)``: ``weights`` ``[2]`` turn the
+    micro-batch's summed pair losses and summed chosen-token NLL into their shares of the global batch's means
+    (:meth:`batch_weight` for pairs and for chosen tokens), ``segments [B, S]`` say which sequence a token is in
+    (0 chosen, 1 rejected, -1 padding), ``reference [B, 2]`` the pairs' reference log-probabilities (chosen,
+    rejected; zeros until :attr:`reference` is set) and ``index [B]`` the pairs' indices.
+    """
+
+    def __init__(self, folder: str | Path, seed: int):
+        super().__init__(folder, None, seed)
+        self.chosen_len = np.asarray(ArrowColumn(folder, "chosen_len"), dtype=np.int64)
+        self.pair_len = np.asarray(ArrowColumn(folder, "pair_len"), dtype=np.int64)
+        self.chosen_labels = np.asarray(ArrowColumn(folder, "chosen_labels"), dtype=np.int64)
+        self.reference: np.ndarray | None = None
+        """``[num_samples, 2]`` float64 log-probabilities of each pair under the reference model, once computed
+        (:mod:`hybridtrain.train.preference`)."""
+
+    def positions(self, indices: np.ndarray) -> np.ndarray:
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for k, i in enumerate(indices):
+            c, n = int(self.chosen_len[i]), int(self.pair_len[i])
+            out[k] = row_positions(np.array([c, n - c]), self.seq_len)
+        return out
+
+    def segments(self, indices: np.ndarray) -> np.ndarray:
+        """``[len(indices), seq_len]`` int64: 0 on the chosen sequence, 1 on the rejected one, -1 on padding."""
+        t = np.arange(self.seq_len)[None, :]
+        c, n = self.chosen_len[indices][:, None], self.pair_len[indices][:, None]
+        return np.where(t < c, 0, np.where(t < n, 1, -1)).astype(np.int64)
+
+    def batch_weights(self, indices: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        """``[per pair, per chosen token]``: what :meth:`Samples.batch_weight` is for tokens, for the global
+        batch's pairs and for its chosen completions' loss tokens (TRL's ``sft`` loss type)."""
+        scale = layout.grad_accum * layout.averaged_over
+        return np.array([scale / max(1, len(indices)), scale / max(1, int(self.chosen_labels[indices].sum()))])
+
+    def reference_batches(self, layout: BatchLayout, dp_rank: int) -> Iterator[list[tuple]]:
+        """Every pair once, in index order, as this rank's micro-batches of consecutive global batches; the last
+        batch filled up with pairs from the start (recorded twice, counted once:
+        :mod:`hybridtrain.train.preference`)."""
+        gbs = layout.global_batch_size
+        for start in range(0, self.num_samples, gbs):
+            yield list(self._tensors(np.arange(start, start + gbs) % self.num_samples, layout, dp_rank, True))
+
+    def _tensors(self, idx: np.ndarray, layout: BatchLayout, dp_rank: int, weighted: bool) -> Iterator[tuple]:
+        import torch
+
+        weights = torch.tensor(self.batch_weights(idx, layout), dtype=torch.float32)
+        for row in layout.rank_rows(idx, dp_rank):
+            inputs, labels = self.rows(row)
+            reference = self.reference[row] if self.reference is not None else np.zeros((len(row), 2))
+            model_inputs = (torch.from_numpy(inputs), torch.from_numpy(self.positions(row)))
+            yield model_inputs, (torch.from_numpy(labels), weights, torch.from_numpy(self.segments(row)),
+                                 torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float64)),
+                                 torch.from_numpy(np.asarray(row, dtype=np.int64)))
+
+
 def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples | None:
     """The ``split`` (``train`` or ``val``) of the prepared data described by ``data_json`` (the run's
     ``data.json``, or its content as a dict), memory-mapped; ``None`` when the run has no such split."""
@@ -377,6 +348,8 @@ def open_samples(data_json: str | Path | dict, split: str, seed: int) -> Samples
     folder = Path(meta["dir"])
     if meta["kind"] == "packed":
         samples: Samples = PackedSamples(folder / files["dataset"], meta["seq_len"], seed)
+    elif meta["kind"] == "pairs":
+        samples = PairSamples(folder / files["dataset"], seed)
     elif meta["kind"] == "documents":
         samples = DocumentSamples.from_folder(folder / files["dataset"], meta["seq_len"], seed, meta.get("pad_id") or 0)
     else:

@@ -222,12 +222,21 @@ def load_embedded():
     return Dataset.from_dict({"text": documents()}), embedded_identity()
 
 
+def load_embedded_pairs():
+    """Preference pairs derived from the embedded corpus (:func:`hybridtrain.data.embedded.preference_pairs`)."""
+    from datasets import Dataset
+
+    from hybridtrain.data.embedded import preference_pairs
+
+    return Dataset.from_list(preference_pairs()), embedded_identity()
+
+
 def load_raw(cfg: DataConfig, cache: Path) -> Raw:
     """The training (and given validation) records of ``data``; ``cache`` holds HF's intermediate Arrow files."""
     offline()
     origins: dict = {}
     if cfg.source == "embedded":
-        train, ident = load_embedded()
+        train, ident = load_embedded_pairs() if cfg.format == "preference" else load_embedded()
         val, val_ident = None, None
     elif cfg.source == "files":
         train, ident, origins["train"] = load_files(cfg.path, "data.path", cfg, cache)

@@ -156,6 +156,9 @@ class Built:
     head: Any = None
     """With the head deferred to the loss (``trainer.loss_chunk_tokens``): the callable making logits from the
     last layer's output (:func:`head_caller`); else ``None`` (the last layer gives logits)."""
+    objective: Any = None
+    """With ``finetune.objective=dpo``: the :class:`~hybridtrain.objectives.dpo.PreferenceLoss` (its reference
+    mode and per-step metrics, :mod:`hybridtrain.train.preference`); else ``None``."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -237,6 +240,16 @@ class Built:
         self._unwatch.clear()
 
 
+def objective_loss(cfg: Config, token_loss: Any) -> Any:
+    """The loss of ``finetune.objective`` over ``token_loss`` (a :class:`~hybridtrain.parallel.layers.
+    VocabParallelLoss`): ``None`` for ``sft`` (the token loss itself), the preference loss for ``dpo``."""
+    if cfg.finetune.objective != "dpo":
+        return None
+    from hybridtrain.objectives.dpo import PreferenceLoss
+
+    return PreferenceLoss(token_loss, cfg.finetune.dpo)
+
+
 def head_caller(model: Any, pp: int) -> Callable[[tuple], Any]:
     """The head of ``model`` as a callable making logits (``compute=True``) from ``(hidden, position_ids)``:
     a pipeline's last layer function (the LM head, or DeepSpeed's partial of the tied head on the embedding
@@ -275,7 +288,8 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
     cp = CPContext(rank=dims.coords(rank).cp, size=dims.cp)
     builder = ModelBuilder.for_run(cfg, hf_config, tp, plan.padded_vocab_size, weights_dir, adapter_dir, ep, cp)
     token_loss = VocabParallelLoss(plan.padded_vocab_size, tp, cp, chunk_tokens=cfg.trainer.loss_chunk_tokens)
-    loss_fn = loss_of(token_loss, builder.family, hf_config)  # + MoE aux term
+    objective = objective_loss(cfg, token_loss)
+    loss_fn = loss_of(objective or token_loss, builder.family, hf_config)  # + MoE aux term
     scheduler = lambda opt: LambdaLR(opt, lr_lambda(cfg.optim, cfg.trainer.max_steps))  # noqa: E731
     with torch.no_grad():  # tied-weight broadcast at construction must not record autograd
         if plan.dims.pp > 1:
@@ -306,7 +320,7 @@ def build(cfg: Config, plan: Plan, hf_config, weights_dir: str | None = None, ad
             engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's own flag
         else:
             engine.enable_backward_allreduce = False
-    built = Built(engine=engine, groups=groups, lora=builder.lora, head=token_loss.head)
+    built = Built(engine=engine, groups=groups, lora=builder.lora, head=token_loss.head, objective=objective)
     from hybridtrain.engine.clip import guard_empty_norm, install_fp32_clipping
 
     if _own_clipping(plan):

@@ -277,3 +277,34 @@ class VocabParallelLoss:
 
     def _piece(self, hidden: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._summed(self.head((hidden, positions)), labels)
+
+    def token_losses(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """The per-token loss ``[B, T]`` (``-log p(label)``, 0 where the label is ``-100``) of this rank's tokens:
+        what :meth:`__call__` sums, for objectives that reduce it per sequence (:mod:`hybridtrain.objectives`).
+        ``outputs``: the logits ``[B, T, V_pad/tp]``, or with the head deferred the head's input; ``labels``
+        this rank's (with cp already its tokens)."""
+        if not isinstance(outputs, (tuple, list)):
+            return self._per_token(outputs, labels)
+        from torch.utils.checkpoint import checkpoint
+
+        hidden = outputs[0]
+        tokens = hidden.reshape(1, -1, hidden.shape[-1])  # [1, B x T, H], cut into pieces as _in_pieces does
+        flat = labels.reshape(1, -1)
+        where = torch.zeros_like(flat)
+        pieces = [checkpoint(self._piece_tokens, tokens[:, s:s + self.chunk_tokens], where[:, s:s + self.chunk_tokens],
+                             flat[:, s:s + self.chunk_tokens], use_reentrant=False)
+                  for s in range(0, tokens.shape[1], self.chunk_tokens)]
+        return torch.cat(pieces, dim=1).reshape(labels.shape)
+
+    def _piece_tokens(self, hidden: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._per_token(self.head((hidden, positions)), labels)
+
+    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``-log softmax(logits)[label]`` ``[B, T]`` in fp32, over the vocabulary split across the TP group."""
+        if self.tp.size == 1:
+            flat = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
+            return flat.reshape(labels.shape)
+        from deepspeed.sequence.cross_entropy import _VocabParallelCrossEntropy  # see _summed
+
+        start, stop = self.tp.shard(self.padded_vocab)
+        return _VocabParallelCrossEntropy.apply(logits, labels, self.tp.group, start, stop, -100)

@@ -30,6 +30,8 @@ not step-for-step equal to peft's.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -146,3 +148,18 @@ def freeze_base(module: nn.Module) -> None:
     keep = {id(p) for p in lora_parameters(module)}
     for p in module.parameters():
         p.requires_grad_(id(p) in keep)
+
+
+@contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """Within it, every LoRA adapter of ``module`` adds nothing (its scale is 0: ``y = W x + 0``, exactly the
+    base model's output): peft's ``disable_adapter()``, the reference model of a LoRA preference run."""
+    adapted = [m for m in module.modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")]
+    scales = [m.scaling for m in adapted]
+    for m in adapted:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(adapted, scales):
+            m.scaling = scale

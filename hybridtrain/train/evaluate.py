@@ -36,9 +36,9 @@ def _loss_sequential(built: Built, micro: list[tuple], layout: BatchLayout) -> f
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     with torch.no_grad():
-        for inputs, (labels, weight) in micro:
+        for inputs, target in micro:
             inputs = tuple(t.to(engine.device) for t in inputs)  # (input_ids, position_ids)
-            total += engine(inputs, (labels.to(engine.device), weight.to(engine.device))).float()
+            total += engine(inputs, tuple(t.to(engine.device) for t in target)).float()
     total /= layout.grad_accum
     if layout.averaged_over > 1:
         total = collectives.all_reduce(total, engine.device, group=built.groups.data_group) / layout.averaged_over

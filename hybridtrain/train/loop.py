@@ -18,6 +18,7 @@ from hybridtrain.train.datawait import DataTimer
 from hybridtrain.train.evaluate import Evaluator
 from hybridtrain.train.prefetch import DeviceBatches
 from hybridtrain.train.preempt import StopRequest
+from hybridtrain.train.preference import step_metrics
 from hybridtrain.train.watchdog import Watchdog
 
 
@@ -77,10 +78,10 @@ def _step_sequential(built: Built, samples: Samples, step: int, layout: BatchLay
     engine = built.engine
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     batches = DeviceBatches(samples.micro_batches(step, layout, built.dp_rank, weighted=True), engine.device)
-    for inputs, (labels, weight) in timer.wrap(batches):
+    for inputs, target in timer.wrap(batches):  # target: (labels, weight), or a preference pair's tuple
         with clock.span("forward"):  # spans feed stage times and the timeline (hybridtrain/observe)
             inputs = tuple(t.to(engine.device) for t in inputs)  # (input_ids, position_ids)
-            loss = engine(inputs, (labels.to(engine.device), weight.to(engine.device)))
+            loss = engine(inputs, tuple(t.to(engine.device) for t in target))
         with clock.span("backward"):
             engine.backward(loss)
         with clock.span("optimizer"):  # a real step only at the accumulation boundary
@@ -134,6 +135,7 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
         if step == start_step:
             built.stop_watching()  # the model state's peaks are measured; they do not change
         observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
+        observed = {**observed, **step_metrics(built, log_now)}  # finetune.objective=dpo: TRL's rewards/, logps/
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
         loss_tokens = samples.step_loss_tokens(step, plan.global_batch_size)  # padding and prompts excluded

@@ -218,7 +218,8 @@ def _records(n: int) -> list[str]:
 def make_page_folder(page_dir: Path) -> None:
     """The files the pages' commands name, in the folder that stands for the repository root: data files
     (``my_texts.jsonl``, ``corpus/*.jsonl`` with a ``content`` field, ``chats.jsonl``/``chat.jsonl``,
-    ``sft.jsonl``/``qa.parquet`` prompt-completion records, ``my_saved_dataset`` saved with ``datasets``), tiny
+    ``sft.jsonl``/``qa.parquet`` prompt-completion records, ``pairs.jsonl`` preference pairs,
+    ``my_saved_dataset`` saved with ``datasets``), tiny
     ``save_pretrained`` model folders for ``path/to/hf_model``, ``path/to/llama``, ``path/to/gpt2``,
     ``path/to/qwen2.5-0.5b`` (a tiny Qwen2), ``path/to/qwen3-moe`` (a tiny Qwen3-MoE) and ``DIR``, a DeepSpeed hostfile ``hosts.txt``, and
     ``generate.py``, the transformers snippet of docs/checkpoints.md."""
@@ -243,6 +244,9 @@ def make_page_folder(page_dir: Path) -> None:
     import datasets
 
     datasets.Dataset.from_list(pairs).to_parquet(str(page_dir / "qa.parquet"))
+    from hybridtrain.data.embedded import preference_pairs
+
+    (page_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(64)))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
         str(page_dir / "my_saved_dataset"))
     for rel, family in (("path/to/hf_model", "llama"), ("path/to/llama", "llama"), ("path/to/gpt2", "gpt2"),

@@ -1,0 +1,195 @@
+"""``data.format=preference``: records ``prompt``, ``chosen``, ``rejected`` -> one row per pair.
+
+The records are TRL's standard preference form: plain text, or lists of ``{role, content}`` messages
+rendered with the tokenizer's chat template (the prompt with the generation prompt). Each pair is tokenized
+exactly as TRL 1.16's ``DPOTrainer`` does (``_prepare_dataset``): text completions get the EOS token
+appended unless they end with it; the prompt and ``prompt + completion`` are tokenized separately
+(text with the tokenizer's own special tokens, as ``tokenizer(text)``) and the completion starts where
+the two diverge (``common_prefix_length``), so tokens that merge across the boundary land in the completion.
+
+A pair becomes one row of ``seq_len`` tokens: the chosen sequence (prompt + chosen) as one document, the
+rejected sequence (prompt + rejected) as a second, then padding; position ids restart at each
+(:func:`~hybridtrain.data.packing.row_positions`), so a token attends only to its own sequence, and
+the prompt tokens carry no loss. One pair per row means a micro-batch always holds whole pairs and
+every layout sees the same pairs in the same order (a sample index is a pair). ``chosen_len`` (the
+chosen document's tokens in the row) tells the loss which document a token belongs to.
+
+A pair that does not fit (``(len(prompt + chosen) - 1) + (len(prompt + rejected) - 1) > seq_len``: each
+document is its tokens but the last, whose next token does not exist) or whose completion tokenizes to
+nothing is refused by :func:`screen`, naming the file and record, or counted with ``data.skip_invalid``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridtrain.config.schema import DataConfig
+from hybridtrain.data.formats import IGNORE, to_record
+from hybridtrain.data.invalid import where
+from hybridtrain.errors import PlanError
+
+
+def conversational(value: Any) -> bool:
+    """Whether a field holds messages (TRL's ``is_conversational``: a list of dicts with a role)."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
+    """Leading tokens ``ids`` and ``other`` share (TRL's ``common_prefix_length``)."""
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _messages(value: list) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def pair_ids(tokenizer, prompt: Any, chosen: Any, rejected: Any) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, chosen_ids, rejected_ids)`` of one record, as TRL's ``DPOTrainer`` tokenizes it."""
+    if conversational(prompt) or conversational(chosen):
+        def render(messages: list, **kwargs) -> list[int]:
+            out = tokenizer.apply_chat_template(_messages(messages), tokenize=True, return_dict=True, **kwargs)
+            return list(out["input_ids"])
+
+        prompt_ids = render(prompt, add_generation_prompt=True)
+        with_chosen, with_rejected = render(prompt + chosen), render(prompt + rejected)
+    else:
+        eos = tokenizer.eos_token
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        prompt_ids = list(tokenizer(text=prompt)["input_ids"])
+        with_chosen = list(tokenizer(text=prompt + chosen)["input_ids"])
+        with_rejected = list(tokenizer(text=prompt + rejected)["input_ids"])
+    n = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+    return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
+
+
+def _documents(prompt_ids: list[int], completion_ids: list[int]) -> tuple[list[int], list[int]] | None:
+    """One sequence's ``(inputs, labels)``: its tokens but the last; labels the next token where it is
+    a completion token (:func:`~hybridtrain.data.formats.to_record` with room for the whole sequence)."""
+    ids = prompt_ids + completion_ids
+    return to_record(ids, [0] * len(prompt_ids) + [1] * len(completion_ids), max(1, len(ids) - 1))
+
+
+def _mixed(prompt: Any, chosen: Any, rejected: Any) -> bool:
+    """Whether the three fields are not all text or all messages (an empty prompt list counts as messages)."""
+    kinds = {conversational(prompt) or (isinstance(prompt, list) and not prompt), conversational(chosen),
+             conversational(rejected)}
+    return len(kinds) > 1
+
+
+def pair_tokens(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int]) -> int:
+    """Tokens a pair takes in its row: each sequence but its last token."""
+    return len(prompt_ids) + len(chosen_ids) - 1 + len(prompt_ids) + len(rejected_ids) - 1
+
+
+def pair_problem(tokenizer, prompt: Any, chosen: Any, rejected: Any, seq_len: int) -> tuple[str, str, int] | None:
+    """``(key, problem, tokens)`` that keeps a record (whose fields passed :mod:`hybridtrain.data.invalid`)
+    from training, or ``None``."""
+    if _mixed(prompt, chosen, rejected):
+        return "data.prompt_field", "prompt, chosen and rejected mix text and message lists", 0
+    p, c, r = pair_ids(tokenizer, prompt, chosen, rejected)
+    if not c or not r:
+        return "data.chosen_field", "a completion tokenizes to no token", 0
+    if _documents(p, c) is None or _documents(p, r) is None:  # an empty prompt: nothing predicts the first token
+        return "data.chosen_field", "a completion leaves no token to learn from (an empty prompt, one token)", 0
+    tokens = pair_tokens(p, c, r)
+    if tokens > seq_len:
+        return "data.seq_len", f"the pair is longer than data.seq_len={seq_len} tokens", tokens
+    return None
+
+
+def _problems(batch: dict[str, list], indices: list[int], *, tokenizer, fields: tuple[str, str, str],
+              seq_len: int) -> dict[str, list]:
+    out: dict[str, list] = {"key": [], "problem": [], "tokens": []}
+    for k in range(len(indices)):
+        found = pair_problem(tokenizer, *(batch[f][k] for f in fields), seq_len) or ("", "", 0)
+        for name, value in zip(out, found):
+            out[name].append(value)
+    return out
+
+
+def fields(cfg: DataConfig) -> tuple[str, str, str]:
+    """The prompt, chosen and rejected field names."""
+    return cfg.prompt_field, cfg.chosen_field, cfg.rejected_field
+
+
+def screen(ds, origins: Sequence[tuple[str, int]], cfg: DataConfig, tokenizer, source: str):
+    """``ds`` less the pairs that cannot train (:func:`pair_problem`) and what was skipped (``{}``: none),
+    as :func:`hybridtrain.data.invalid.screen` does for the field checks: without ``data.skip_invalid`` a
+    :class:`PlanError` naming the key, the files and the record numbers. Tokenizes every pair (the rows are
+    tokenized again after the validation split: the records' numbers in their files are known only here)."""
+    found = ds.map(_problems, batched=True, with_indices=True, remove_columns=ds.column_names,
+                   fn_kwargs={"tokenizer": tokenizer, "fields": fields(cfg), "seq_len": cfg.seq_len},
+                   num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"checking {source} pairs")
+    keys, problems, tokens = found["key"], found["problem"], found["tokens"]
+    records = [i for i, p in enumerate(problems) if p]
+    if not records:
+        return ds, {}
+    reasons: dict[str, int] = {}
+    for r in records:
+        reasons[problems[r]] = reasons.get(problems[r], 0) + 1
+    why = "; ".join(f"{n}: {reason}" for reason, n in reasons.items())
+    where_ = where(records, origins)
+    if not cfg.skip_invalid:
+        first = records[0]
+        longest = max(tokens[r] for r in records)
+        fix = (f"raise data.seq_len (the longest such pair takes {longest} tokens) or shorten the records"
+               if keys[first] == "data.seq_len" else "fix or remove them")
+        raise PlanError(keys[first], f"{len(records)} of {len(ds)} {source} preference records cannot be trained "
+                                     f"on ({why}): {where_}; {fix}, or set data.skip_invalid=true to skip them "
+                                     "(counted on the console and in data.json)")
+    if len(records) == len(ds):
+        raise PlanError("data.skip_invalid", f"every one of the {len(ds)} {source} preference records is invalid "
+                                             f"({why}): {where_}; check data.seq_len and the field names")
+    bad = set(records)
+    kept = ds.select([i for i in range(len(ds)) if i not in bad])
+    return kept, {"records": len(records), "of": len(ds), "why": why, "where": where_}
+
+
+def merge_skipped(first: dict, second: dict) -> dict:
+    """One source's ``skipped`` entry of two screens run one after the other (the second's ``of`` counts
+    what the first kept)."""
+    if not first or not second:
+        return first or second
+    return {"records": first["records"] + second["records"], "of": first["of"],
+            "why": f"{first['why']}; {second['why']}", "where": f"{first['where']}; {second['where']}"}
+
+
+def pair_rows(batch: dict[str, list], indices: list[int], *, tokenizer, fields: tuple[str, str, str],
+              seq_len: int, pad_id: int) -> dict[str, list]:
+    """Batched ``datasets.map`` function: one row per pair (see the module), with ``num_labels`` (loss
+    tokens of both sequences), ``chosen_len``, ``chosen_labels`` (the chosen sequence's loss tokens),
+    ``pair_len`` (both documents' tokens), ``record`` and
+    ``cut`` (always 0: :func:`screen` refused the pairs that do not fit)."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "num_labels": [], "chosen_len": [], "chosen_labels": [],
+                            "pair_len": [], "record": [], "cut": []}
+    for k, index in enumerate(indices):
+        p, c, r = pair_ids(tokenizer, *(batch[f][k] for f in fields))
+        chosen, rejected = _documents(p, c), _documents(p, r)
+        assert chosen is not None and rejected is not None, "screen() lets no empty completion through"
+        inputs, labels = chosen[0] + rejected[0], chosen[1] + rejected[1]
+        assert len(inputs) <= seq_len, "screen() lets no pair longer than seq_len through"
+        pad = seq_len - len(inputs)
+        out["input_ids"].append(inputs + [pad_id] * pad)
+        out["labels"].append(labels + [IGNORE] * pad)
+        out["num_labels"].append(sum(t != IGNORE for t in labels))
+        out["chosen_len"].append(len(chosen[0]))
+        out["chosen_labels"].append(sum(t != IGNORE for t in chosen[1]))
+        out["pair_len"].append(len(inputs))
+        out["record"].append(index)
+        out["cut"].append(0)
+    return out
+
+
+def features(seq_len: int, dtype: str):
+    """The Arrow schema of the pair rows."""
+    from datasets import Features, List, Value
+
+    return Features({"input_ids": List(Value(dtype), length=seq_len), "labels": List(Value("int32"), length=seq_len),
+                     "num_labels": Value("int32"), "chosen_len": Value("int32"), "chosen_labels": Value("int32"),
+                     "pair_len": Value("int32"),
+                     "record": Value("int64"), "cut": Value("int32")})

@@ -1,0 +1,13 @@
+"""Training objectives other than the token cross-entropy: the preference losses of ``finetune.objective=dpo``
+(:mod:`hybridtrain.objectives.dpo`)."""
+from __future__ import annotations
+
+PAIR_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+               "apo_down", "discopop", "sigmoid_norm")
+"""TRL's per-pair loss types (each needs the reference log-probabilities)."""
+LOSS_TYPES = PAIR_LOSSES + ("sft",)
+"""Every ``finetune.dpo.loss_type`` name (TRL's ``aot`` and ``aot_unpaired`` sort over the batch, which a
+micro-batch cut would change: not offered)."""
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+         "logps/rejected")
+"""The per-step metrics, TRL's names: means over the step's pairs."""
