@@ -125,6 +125,12 @@ def run(cfg: DictConfig) -> int:
         print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"
               f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
               + (f", validation {n_val} samples" if n_val else ""), flush=True)
+        if typed.trainer.resume:  # the checkpoint's meta.json records its data by content
+            from hybridtrain.checkpoint.resume import data_note
+
+            note = data_note(Path(typed.trainer.resume), prepared)
+            if note:
+                print(f"[hybridtrain] {note}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     files = RunDir(run_dir)  # written atomically: with launcher.no_ssh every node's controller writes them
     files.write_config(typed)
