@@ -48,6 +48,7 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.dispatch import check, start
+    from hybridtrain.launch.interrupt import delivered
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.models.families import family_of
@@ -112,7 +113,8 @@ def run(cfg: DictConfig) -> int:
     # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
     if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
-            prepared = prepare(typed.data, typed.trainer.seed)
+            with delivered():  # a Ctrl-C in a weakref callback still interrupts
+                prepared = prepare(typed.data, typed.trainer.seed)
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
             typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
         except PlanError as err:
