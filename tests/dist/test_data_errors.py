@@ -132,3 +132,18 @@ def test_ctrl_c_while_tokenizing_is_one_line_exit_130_and_leaves_nothing(tmp_pat
     assert not list(cache.iterdir())
     time.sleep(1)
     assert [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_an_unwritable_cache_folder_is_one_line_before_the_plan_also_in_a_dry_run(tmp_path):
+    """n67 (``data.cache_dir=/proc/qa-cache``) and n66 (``HOME=/proc/nohome`` with the default cache root):
+    exit 2, one line naming the key or variable, before the plan (so before tokenizing and any rank)."""
+    dry = ["+recipe=gpt_tiny", "launcher.dry_run=true"]  # the embedded data: nothing else to refuse
+    runs = {"n67": Background(tmp_path / "n67", [*dry, "data.cache_dir=/proc/qa-cache"], tmp_path / "o67"),
+            "n66": Background(tmp_path / "n66", dry, tmp_path / "o66",
+                              env={"HOME": "/proc/nohome", "XDG_CACHE_HOME": "", "HYBRIDTRAIN_CACHE": ""})}
+    for name, key in (("n67", "data.cache_dir"), ("n66", "HOME")):
+        proc = runs[name].result(timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.splitlines() == [f"[hybridtrain] config error: {key}: cannot write the cache folder "
+                                            + proc.stderr.split("cannot write the cache folder ", 1)[1].rstrip()]
+        assert "model     gpt2" not in proc.stdout  # refused before the plan
