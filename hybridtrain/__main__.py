@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> int:
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
         print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
         return 2
-    from hybridtrain.launch.cachedir import check_caches
+    from hybridtrain.launch.cachedir import check_caches, matplotlib_dir
 
     # a SLURM script written but not submitted prepares its data on the job's node, into its cache folder
     deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
@@ -69,6 +69,8 @@ def run(cfg: DictConfig) -> int:
     if problem is not None:
         print(f"[hybridtrain] config error: {problem}", file=sys.stderr)
         return 2
+    if (mpl := matplotlib_dir()) is not None:  # an unwritable HOME: the report's matplotlib would warn
+        os.environ["MPLCONFIGDIR"] = str(mpl)
     from hybridtrain.launch.local import early_preloader
 
     preloader = early_preloader(typed.launcher, os.environ)  # before the planner first calls torch

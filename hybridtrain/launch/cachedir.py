@@ -43,3 +43,18 @@ def check_caches(cache_dir: Optional[str], environ: Optional[Mapping[str, str]] 
         if message is not None:
             return f"{name}: cannot write the cache folder {folder.absolute()} ({label + '; ' if label else ''}{_why(message)}); {fix}"
     return None
+
+
+def matplotlib_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[Path]:
+    """Where matplotlib (the report's plots) should keep its config and font cache when its own folder,
+    ``$XDG_CONFIG_HOME`` or ``~/.config`` + ``/matplotlib``, cannot be written (the unwritable ``HOME`` of
+    :func:`check_caches`, with ``HYBRIDTRAIN_CACHE`` set): ``ROOT/matplotlib``, so that the run says nothing
+    about it (matplotlib warns over two lines); ``None`` when ``MPLCONFIGDIR`` is set or its folder works."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MPLCONFIGDIR"):
+        return None
+    home = environ.get("HOME") or os.path.expanduser("~")
+    own = Path(environ.get("XDG_CONFIG_HOME") or Path(home) / ".config") / "matplotlib"
+    if check_writable(own, "MPLCONFIGDIR") is None:
+        return None
+    return CacheDir.from_env(environ).root / "matplotlib"

@@ -412,3 +412,13 @@ def test_a_resume_notes_data_changed_since_the_checkpoint(tmp_path):
                     "continues from its data position, which now refers to other samples")
     ckpt.meta_file.write_text(json.dumps({"step": 3}))  # saved before meta.json held the data: as before
     assert data_note(ckpt.path, prep.prepare(cfg, 0, log=lambda _: None)) is None
+
+
+def test_matplotlib_keeps_its_config_under_the_cache_root_when_home_is_unwritable(tmp_path):
+    """n66 with HYBRIDTRAIN_CACHE set: the report's matplotlib would warn about HOME over two lines."""
+    from hybridtrain.launch.cachedir import matplotlib_dir
+
+    env = {"HOME": "/proc/nohome", "HYBRIDTRAIN_CACHE": str(tmp_path / "root")}
+    assert matplotlib_dir(env) == tmp_path / "root" / "matplotlib"
+    assert matplotlib_dir({**env, "MPLCONFIGDIR": str(tmp_path)}) is None
+    assert matplotlib_dir({**env, "HOME": str(tmp_path)}) is None
