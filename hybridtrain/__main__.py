@@ -48,6 +48,7 @@ def run(cfg: DictConfig) -> int:
     from hybridtrain.config.explain import message
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.dispatch import check, start
+    from hybridtrain.launch.interrupt import delivered
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
     from hybridtrain.models.families import family_of
@@ -60,6 +61,16 @@ def run(cfg: DictConfig) -> int:
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
         print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
         return 2
+    from hybridtrain.launch.cachedir import check_caches, matplotlib_dir
+
+    # a SLURM script written but not submitted prepares its data on the job's node, into its cache folder
+    deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
+    problem = check_caches(None if deferred else typed.data.cache_dir)  # the planner writes the root's shapes
+    if problem is not None:
+        print(f"[hybridtrain] config error: {problem}", file=sys.stderr)
+        return 2
+    if (mpl := matplotlib_dir()) is not None:  # an unwritable HOME: the report's matplotlib would warn
+        os.environ["MPLCONFIGDIR"] = str(mpl)
     from hybridtrain.launch.local import early_preloader
 
     preloader = early_preloader(typed.launcher, os.environ)  # before the planner first calls torch
@@ -102,18 +113,28 @@ def run(cfg: DictConfig) -> int:
         print(f"[hybridtrain] {describe(typed, hf_config, meta_model(hf_config))}", flush=True)
     prepared = None
     # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
-    deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
     if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
-            prepared = prepare(typed.data, typed.trainer.seed)
+            with delivered():  # a Ctrl-C in a weakref callback still interrupts
+                prepared = prepare(typed.data, typed.trainer.seed)
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
             typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
         except PlanError as err:
             print(f"[hybridtrain] config error: {err}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # prepare removed its temporary folder: nothing is cached, no rank started
+            print("\n[hybridtrain] interrupted while preparing the data (Ctrl-C): nothing cached, no worker started",
+                  file=sys.stderr, flush=True)
+            return 130
         print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"
               f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
               + (f", validation {n_val} samples" if n_val else ""), flush=True)
+        if typed.trainer.resume:  # the checkpoint's meta.json records its data by content
+            from hybridtrain.checkpoint.resume import data_note
+
+            note = data_note(Path(typed.trainer.resume), prepared)
+            if note:
+                print(f"[hybridtrain] {note}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     files = RunDir(run_dir)  # written atomically: with launcher.no_ssh every node's controller writes them
     files.write_config(typed)

@@ -153,3 +153,21 @@ def _override(key: str, value) -> str:
     if key == "stage_bounds":  # saved as boundaries, configured as layers per stage
         return "parallel.stage_layers=[" + ",".join(str(b - a) for a, b in zip(value, value[1:])) + "]"
     return f"parallel.{key}={value}"
+
+
+def data_note(checkpoint: Path, prepared) -> Optional[str]:
+    """The one-line note when this run's data (``prepared``, :class:`hybridtrain.data.prepare.Prepared`)
+    is not what ``checkpoint`` was trained on, by the content digests its ``meta.json`` records under
+    ``data``; ``None`` when it is the same, or for a checkpoint saved before they were recorded."""
+    from hybridtrain.data.prepare import data_changes
+
+    saved = CheckpointDir(checkpoint).meta().get("data")
+    if not isinstance(saved, dict) or not saved.get("inputs"):
+        return None
+    changes = data_changes(saved["inputs"], prepared.inputs)
+    if not changes and saved.get("fingerprint") in ("", prepared.fingerprint):
+        return None
+    what = "; ".join(changes[:4]) + (f"; {len(changes) - 4} more" if len(changes) > 4 else "") if changes else \
+        "same files, other data options"
+    return (f"note: the training data changed since {checkpoint} ({what}); training continues from its data "
+            f"position, which now refers to other samples")

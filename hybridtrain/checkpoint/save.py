@@ -7,7 +7,7 @@ import random
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from hybridtrain.checkpoint.hf_state import full_moment, gathered, hf_shape
 from hybridtrain.checkpoint.reshard import MOMENTS, relink_zero_state
@@ -202,8 +202,20 @@ def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path
                 "plan": plan.layout(),
                 "files": file_sizes(tmp),  # lets a resume detect a truncated or missing file
                 DIGESTS: file_digests(tmp)}  # and one changed at the same size: verified before any load
+        if (data := data_record(run)) is not None:  # the data by content: a resume says when it changed
+            meta["data"] = data
         ckpt.meta_file.write_text(json.dumps(meta, indent=1))  # last: marks the checkpoint complete
         finalize(tmp, final, cfg.trainer.keep_last)
+
+
+def data_record(run: RunDir) -> Optional[dict]:
+    """``meta.json``'s ``data``: the run's data fingerprint and its inputs by content (``data.json``'s
+    ``fingerprint`` and ``inputs``), which :func:`hybridtrain.checkpoint.resume.data_note` compares at
+    resume; ``None`` without a ``data.json``."""
+    if not run.data_file.is_file():
+        return None
+    data = json.loads(run.data_file.read_text())
+    return {"fingerprint": data.get("fingerprint", ""), "inputs": data.get("inputs", {})}
 
 
 def rng_state() -> tuple[dict, dict]:

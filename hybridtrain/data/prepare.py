@@ -56,6 +56,10 @@ class Prepared:
     pad_id: int = 0
     """Token id that pads rows (``documents`` pads when the rows are read)."""
     fingerprint: str = ""
+    inputs: dict = field(default_factory=dict)
+    """What the records were read from, by content (:func:`inputs_of`): per split ``{file path: sha256}``
+    for files and disk datasets, ``{"embedded": sha256}`` or ``{"hf": ...}`` otherwise; checkpoints record
+    it (``meta.json`` ``data``) so a resume can say the data changed (:func:`data_changes`)."""
     cached: bool = False
     """Whether this run found the data already prepared (not saved)."""
 
@@ -127,8 +131,18 @@ def fingerprint(identity: dict, tokenizer_hash: str, opts: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB pieces (docs/data.md#caching has its cost)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def identify(cfg: DataConfig) -> dict:
-    """What the records depend on, computed without loading them (file sizes and mtimes, hashes)."""
+    """What the records depend on, computed without loading them: for files each file's path, size,
+    mtime and sha256 (the content: a same-size edit with its mtime put back is still noticed), else hashes."""
     sources.offline()
     if cfg.source == "embedded":
         return {"train": sources.embedded_identity()}
@@ -142,9 +156,38 @@ def identify(cfg: DataConfig) -> dict:
         if pattern:
             files = sources.expand(pattern, key)
             listed = [p for f in files for p in (sorted(f.rglob("*")) if f.is_dir() else [f]) if p.is_file()]
-            ident[split] = {"files": sources._stat(listed), "split": cfg.split, "val_split": cfg.val_split,
-                            "sample_by": cfg.sample_by}
+            ident[split] = {"files": [[*stat, sha256_file(f)] for stat, f in zip(sources._stat(listed), listed)],
+                            "split": cfg.split, "val_split": cfg.val_split, "sample_by": cfg.sample_by}
     return ident
+
+
+def inputs_of(identity: dict) -> dict:
+    """Per split, what the records were read from by content: ``{file path: sha256}`` for files (from
+    :func:`identify`), else the source's own identity digest under its kind (``embedded``, ``hf``)."""
+    out = {}
+    for split, ident in identity.items():
+        if "files" in ident:
+            out[split] = {entry[0]: entry[-1] for entry in ident["files"]}
+        else:
+            blob = json.dumps(ident, sort_keys=True, default=str).encode()
+            out[split] = {"embedded" if "embedded" in ident else "hf": hashlib.sha256(blob).hexdigest()}
+    return out
+
+
+def data_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between two :func:`inputs_of` records, e.g. ``['train: corpus.jsonl changed',
+    'val: b.jsonl added']`` (file names only); ``[]`` when they are the same."""
+    changes = []
+    for split in sorted(set(saved) | set(now)):
+        old, new = saved.get(split, {}), now.get(split, {})
+        if split not in now or split not in saved:
+            changes.append(f"{split} split {'removed' if split not in now else 'added'}")
+            continue
+        for path in sorted(set(old) | set(new)):
+            if old.get(path) != new.get(path):
+                how = "removed" if path not in new else "added" if path not in old else "changed"
+                changes.append(f"{split}: {Path(path).name} {how}")
+    return changes
 
 
 def _check_field(ds, name: str, key: str) -> None:
@@ -290,11 +333,13 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
         tokenizer.chat_template = template
     kind = kind_of(cfg)
     opts = options(cfg, seed)
-    fp = fingerprint(identify(cfg), _hash_tokenizer(cfg, tokenizer), opts)
+    identity = identify(cfg)
+    fp = fingerprint(identity, _hash_tokenizer(cfg, tokenizer), opts)
     root = cache_root(cfg)
     final = root / f"data-{fp}"
     if (final / "data.json").is_file():
         found = Prepared(**json.loads((final / "data.json").read_text()), cached=True)
+        found.inputs = inputs_of(identity)  # an entry written before data.json held them
         if kind == "packed":  # packed blocks are cut when read: the same stream serves every seq_len
             found.seq_len = cfg.seq_len
             for entry in found.splits.values():
@@ -358,7 +403,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             if kind == "packed" and splits[split]["num_tokens"] == 0:
                 raise PlanError("data.text_field", f"every {split} document is empty; check data.text_field")
         prepared = Prepared(dir=str(out), kind=kind, seq_len=cfg.seq_len, splits=splits, fingerprint=fp,
-                            pad_id=_pad_id(tokenizer), skipped=skipped)
+                            pad_id=_pad_id(tokenizer), skipped=skipped, inputs=inputs_of(identity))
         if kind == "documents":
             _pack_rows(prepared, seed)
         prepared.dir = str(final)

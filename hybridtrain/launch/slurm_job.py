@@ -47,7 +47,14 @@ def prepare_data(run_dir: Path) -> bool:
     from hybridtrain.data.prepare import prepare
     from hybridtrain.plan.data import check_data_counts
 
+    from hybridtrain.errors import PlanError
+    from hybridtrain.launch.cachedir import check_caches
+
     cfg, plan = files.config(), files.plan()
+    problem = check_caches(cfg.data.cache_dir)  # this node's cache folders: the controller did not probe them
+    if problem is not None:
+        key, _, message = problem.partition(": ")
+        raise PlanError(key, message)
     prepared = prepare(cfg.data, cfg.trainer.seed)
     cfg.trainer.max_steps = check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val"))
     files.write_config(cfg)

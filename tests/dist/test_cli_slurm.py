@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 
 from hybridtrain.rundir import RunDir
 from helpers.launch import run_cli
@@ -38,8 +40,16 @@ def test_cli_submit_false_writes_and_prints_the_script(tmp_path):
     assert script in proc.stdout and "#SBATCH --time=00:10:00" in script and "not submitted" in proc.stdout
     assert files.config_file.is_file() and not files.data_file.exists()
     # the job's first step prepares the data the controller skipped, once
+    from hybridtrain.errors import PlanError
     from hybridtrain.launch.slurm_job import prepare_data
 
+    cfg = files.config()
+    good, cfg.data.cache_dir = cfg.data.cache_dir, "/proc/qa-cache"  # the job's node probes its cache folder
+    files.write_config(cfg)
+    with pytest.raises(PlanError, match="data.cache_dir: cannot write the cache folder /proc/qa-cache"):
+        prepare_data(tmp_path)
+    cfg.data.cache_dir = good
+    files.write_config(cfg)
     assert prepare_data(tmp_path) and files.data_file.is_file()
     assert not prepare_data(tmp_path)
 

@@ -3,6 +3,8 @@
 preparation in the controller, so they are cheap; they start together and are read as they end."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from helpers.data import chapters, chat_records, text_corpus, write_jsonl
@@ -91,3 +93,57 @@ def test_bad_input_exits_2_naming_the_key(runs, case):
         assert fragment in proc.stderr, (fragment, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr and "launching" not in proc.stdout
     assert not RunDir(run_dir).config_file.exists()  # nothing written, no worker started
+
+
+def test_ctrl_c_while_tokenizing_is_one_line_exit_130_and_leaves_nothing(tmp_path):
+    """n54: SIGINT to the process group (a terminal's Ctrl-C) in the middle of ``tokenizing train``: exit 130,
+    one line and no traceback, no cache entry (not even a temporary one), no process left."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from hybridtrain.cli import start
+
+    write_jsonl(tmp_path / "big.jsonl", [{"text": c} for c in chapters(1189)] * 2)  # ~10 s of tokenizing here
+    cache, err = tmp_path / "cache", tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = start(tmp_path / "run", [*BASE, f"data.path={tmp_path}/big.jsonl", f"data.cache_dir={cache}"],
+                     stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,  # its own process group
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored, as in a shell's `&`
+    try:
+        deadline = time.monotonic() + 120
+        while "tokenizing train" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, err.read_text()[-2000:]
+        time.sleep(0.5)
+        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert text.rstrip().splitlines()[-1] == ("[hybridtrain] interrupted while preparing the data (Ctrl-C): "
+                                              "nothing cached, no worker started")
+    assert not list(cache.iterdir())
+    time.sleep(1)
+    assert [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_an_unwritable_cache_folder_is_one_line_before_the_plan_also_in_a_dry_run(tmp_path):
+    """n67 (``data.cache_dir=/proc/qa-cache``) and n66 (``HOME=/proc/nohome`` with the default cache root):
+    exit 2, one line naming the key or variable, before the plan (so before tokenizing and any rank)."""
+    dry = ["+recipe=gpt_tiny", "launcher.dry_run=true"]  # the embedded data: nothing else to refuse
+    runs = {"n67": Background(tmp_path / "n67", [*dry, "data.cache_dir=/proc/qa-cache"], tmp_path / "o67"),
+            "n66": Background(tmp_path / "n66", dry, tmp_path / "o66",
+                              env={"HOME": "/proc/nohome", "XDG_CACHE_HOME": "", "HYBRIDTRAIN_CACHE": ""})}
+    for name, key in (("n67", "data.cache_dir"), ("n66", "HOME")):
+        proc = runs[name].result(timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.splitlines() == [f"[hybridtrain] config error: {key}: cannot write the cache folder "
+                                            + proc.stderr.split("cannot write the cache folder ", 1)[1].rstrip()]
+        assert "model     gpt2" not in proc.stdout  # refused before the plan

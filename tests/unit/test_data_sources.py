@@ -341,3 +341,84 @@ def test_a_later_json_file_with_values_that_are_not_text_is_refused_not_quoted(t
                                                                       [{"text": d} for d in docs[:5]])),
                                   cache_dir=str(tmp_path / "c2"), seq_len=16), 0, log=lambda _: None)
     assert np.array_equal(_stream(p), _stream(one))  # the text arrives as written, unquoted
+
+
+def test_a_same_size_edit_with_its_mtime_put_back_is_tokenized_again(tmp_path):
+    """n56: the cache key holds each file's sha256, not only its path, size and mtime (rsync -a, cp -p)."""
+    corpus = tmp_path / "same.jsonl"
+    write_jsonl(corpus, [{"text": "the lord of the rings"}] * 20)
+    cfg = _cfg(tmp_path, path=str(corpus))
+    first = prep.prepare(cfg, 0, log=lambda _: None)
+    stat = corpus.stat()
+    corpus.write_text(corpus.read_text().replace("lord", "LORD"))
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # touch -r: the same size and mtime
+    assert corpus.stat().st_size == stat.st_size and corpus.stat().st_mtime_ns == stat.st_mtime_ns
+    second = prep.prepare(cfg, 0, log=lambda _: None)
+    assert not second.cached and second.dir != first.dir
+    assert not np.array_equal(_stream(second), _stream(first))
+    assert second.inputs == {"train": {str(corpus.resolve()): prep.sha256_file(corpus)}}
+
+
+# --- the cache folders can be written ----------------------------------------------------------------
+
+def test_an_unwritable_data_cache_dir_is_one_config_error_naming_the_key(tmp_path):
+    """n67: data.cache_dir=/proc/qa-cache; the probe is the run directory's (launch.outdir.check_writable)."""
+    from hybridtrain.launch.cachedir import check_caches
+
+    message = check_caches("/proc/qa-cache", {"HYBRIDTRAIN_CACHE": str(tmp_path / "root")})
+    assert message.startswith("data.cache_dir: cannot write the cache folder /proc/qa-cache (")
+    assert "set data.cache_dir=<a writable folder>" in message and "\n" not in message
+    (tmp_path / "file").write_text("")
+    assert "is a file, not a folder" in check_caches(str(tmp_path / "file"), {"HYBRIDTRAIN_CACHE": str(tmp_path)})
+    assert check_caches(str(tmp_path / "new"), {"HYBRIDTRAIN_CACHE": str(tmp_path / "root")}) is None
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())  # the probe file is gone
+
+
+def test_an_unwritable_home_or_hybridtrain_cache_names_the_variable(tmp_path):
+    """n66: HOME=/proc/nohome with the default cache root (the planner's shapes go there even with data.cache_dir)."""
+    from hybridtrain.launch.cachedir import check_caches
+
+    message = check_caches(str(tmp_path / "data"), {"HOME": "/proc/nohome"})
+    assert message.startswith("HOME: cannot write the cache folder /proc/nohome/.cache/hybridtrain (HOME=/proc/nohome")
+    assert "set HYBRIDTRAIN_CACHE=<a writable folder>" in message
+    message = check_caches(None, {"HOME": str(tmp_path), "HYBRIDTRAIN_CACHE": "/proc/hc"})
+    assert message.startswith("HYBRIDTRAIN_CACHE: cannot write the cache folder /proc/hc (HYBRIDTRAIN_CACHE=/proc/hc;")
+    assert check_caches(None, {"HOME": str(tmp_path)}) is None
+
+
+# --- the data of a checkpoint ------------------------------------------------------------------------
+
+def test_a_resume_notes_data_changed_since_the_checkpoint(tmp_path):
+    """n55: meta.json records the data by content (checkpoint.save.data_record); a resume on changed data
+    gets one note naming the file (checkpoint.resume.data_note); a checkpoint without the record, none."""
+    from hybridtrain.checkpoint.io import CheckpointDir
+    from hybridtrain.checkpoint.resume import data_note
+    from hybridtrain.checkpoint.save import data_record
+    from hybridtrain.rundir import RunDir
+
+    corpus = text_corpus(tmp_path / "chg.jsonl", n=20)
+    cfg = _cfg(tmp_path, path=str(corpus), text_field="content")
+    run = RunDir(tmp_path / "run")
+    run.data_file.parent.mkdir(parents=True)
+    run.write_data(prep.prepare(cfg, 0, log=lambda _: None))
+    ckpt = CheckpointDir(tmp_path / "run" / "checkpoints" / "step_3")
+    ckpt.path.mkdir(parents=True)
+    ckpt.meta_file.write_text(json.dumps({"step": 3, "data": data_record(run)}))
+    assert data_note(ckpt.path, prep.prepare(cfg, 0, log=lambda _: None)) is None  # the same data: silent
+
+    text_corpus(corpus, n=20, start=5)  # other records
+    note = data_note(ckpt.path, prep.prepare(cfg, 0, log=lambda _: None))
+    assert note == (f"note: the training data changed since {ckpt.path} (train: chg.jsonl changed); training "
+                    "continues from its data position, which now refers to other samples")
+    ckpt.meta_file.write_text(json.dumps({"step": 3}))  # saved before meta.json held the data: as before
+    assert data_note(ckpt.path, prep.prepare(cfg, 0, log=lambda _: None)) is None
+
+
+def test_matplotlib_keeps_its_config_under_the_cache_root_when_home_is_unwritable(tmp_path):
+    """n66 with HYBRIDTRAIN_CACHE set: the report's matplotlib would warn about HOME over two lines."""
+    from hybridtrain.launch.cachedir import matplotlib_dir
+
+    env = {"HOME": "/proc/nohome", "HYBRIDTRAIN_CACHE": str(tmp_path / "root")}
+    assert matplotlib_dir(env) == tmp_path / "root" / "matplotlib"
+    assert matplotlib_dir({**env, "MPLCONFIGDIR": str(tmp_path)}) is None
+    assert matplotlib_dir({**env, "HOME": str(tmp_path)}) is None
