@@ -154,9 +154,10 @@ def tmp_dir(final: Path) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """A finished checkpoint folder (its ``meta.json`` is written last)."""
+    """A finished checkpoint folder (its ``meta.json`` is written last; ``hf/`` is in every save, ``ds/`` in those at
+    ``parallel.ep`` = 1)."""
     ckpt = CheckpointDir(path)
-    return ckpt.meta_file.is_file() and ckpt.ds.is_dir()
+    return ckpt.meta_file.is_file() and (ckpt.ds.is_dir() or ckpt.hf.is_dir())
 
 
 class CheckpointError(RuntimeError):

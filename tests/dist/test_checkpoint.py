@@ -365,7 +365,7 @@ def _save_probe(rank: int, world: int, emit) -> None:
 
         def ds_save(path, tag, client_state, save_latest):
             (Path(path) / tag).mkdir(exist_ok=True)
-            (Path(path) / tag / f"rank{rank}.txt").write_text("DeepSpeed's part")
+            torch.save({"module": torch.zeros(1)}, Path(path) / tag / f"rank{rank}.pt")  # what DeepSpeed's scan accepts
 
         engine = SimpleNamespace(device=torch.device("cpu"), module=Stage(named), save_checkpoint=ds_save,
                                  optimizer=SimpleNamespace(state=state))
