@@ -82,7 +82,7 @@ COMPOSE_CASES = {  # id -> (overrides of gpt_tiny, the whole message after "[hyb
     "data_source_unknown": (["data.source=openwebtext"],
                             "data.source: 'openwebtext' is not one of [embedded, files, disk, hf]"),
     "data_format_unknown": (["data.format=markdown"],
-                            "data.format: 'markdown' is not one of [text, chat, prompt_completion]"),
+                            "data.format: 'markdown' is not one of [text, chat, prompt_completion, preference]"),
     "data_sample_by_unknown": (["data.sample_by=sentence"],
                                "data.sample_by: 'sentence' is not one of [document, paragraph, line]"),
     "launcher_name_unknown": (["launcher.name=kubernetes"],

@@ -14,7 +14,7 @@ from hybridtrain.parallel.tensor import STYLES, hf_dim, style_of
 
 def test_a_rule_names_its_style_object():
     assert TPRule("row").tp_style is STYLES["row"] is style_of("row")
-    assert sorted(STYLES) == ["column", "experts", "experts_interleaved", "grad_sum", "grad_sum_linear", "heads", "norm",
+    assert sorted(STYLES) == ["channels", "column", "experts", "experts_interleaved", "grad_sum", "grad_sum_linear", "heads", "norm",
                               "replicated", "row"]
     with pytest.raises(ValueError, match="unknown tensor-parallel style 'rowwise'; use one of"):
         style_of("rowwise")
@@ -37,7 +37,7 @@ def test_keep_follows_the_checkpoint_split(conv1d):
 
 
 def test_sharded_leaves():
-    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False, False, False, False, True]
+    assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False, False, False, False, True, True]
     assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False, False, False, False, True]
     assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, False, False, True, True, True]
     assert STYLES["replicated"].lora and STYLES["replicated"].lora_numel(4, 8, 1, tp=2) == (32, 4)  # A, B whole
