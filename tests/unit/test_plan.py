@@ -266,7 +266,8 @@ def test_tp_must_divide_every_familys_heads():
         cfg.model.attn_implementation = None
         cfg.parallel.tp = 5
         valid = "[1, 2, 3, 4, 6, 12]" if name == "gpt_neox" else "[1, 2, 3, 6]"  # no KV heads to divide there
-        if FAMILIES[name].moe is not None:  # the experts' widths (their defaults here) limit tp further
+        linear = name in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Gated DeltaNet heads (defaults) too
+        if FAMILIES[name].moe is not None or linear:  # the experts' widths (their defaults here) limit tp further
             plan_error(cfg, "parallel.tp", "parallel.tp=5 must divide model.config.", "use tp in [1")
             continue
         plan_error(cfg, "parallel.tp", "parallel.tp=5 must divide model.config.", f"use tp in {valid}")

@@ -38,8 +38,9 @@ def test_keep_follows_the_checkpoint_split(conv1d):
 
 def test_sharded_leaves():
     assert [s.sharded("weight") for s in STYLES.values()] == [True, True, True, False, False, False, False, False, True, True]
-    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False, False, False, False, True]
-    assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, False, False, True, True, True]
+    assert [s.sharded("bias") for s in STYLES.values()] == [True, False, True, False, False, False, False, False, True,
+                                                            True]
+    assert [s.reads_shards() for s in STYLES.values()] == [True, True, True, False, False, False, True, True, True, True]
     assert STYLES["replicated"].lora and STYLES["replicated"].lora_numel(4, 8, 1, tp=2) == (32, 4)  # A, B whole
     assert STYLES["grad_sum_linear"].lora and STYLES["grad_sum_linear"].lora_numel(4, 8, 2, tp=2) == (32, 8)
     assert not STYLES["grad_sum"].lora  # a norm: no adapter
