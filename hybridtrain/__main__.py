@@ -40,101 +40,121 @@ def summary(plan, hf_config, params: int) -> str:
     return "\n".join("[hybridtrain] " + ln for ln in lines)
 
 
+class Refusal(Exception):
+    """A config refused before planning names its own key (a validation or cache-folder message)."""
+
+
 def run(cfg: DictConfig) -> int:
-    """Validate and launch one composed config; return the exit code."""
+    """Validate and launch one composed config; return the exit code.
+
+    Every refusal before a worker starts (config, plan, resume, launcher, data) is a :class:`PlanError` or a
+    :class:`Refusal` raised by one of the phases below, printed here as one ``config error`` line, exit code 2."""
+    from hybridtrain.errors import PlanError
+
+    try:
+        checked = _checked(cfg)
+    except (PlanError, Refusal) as err:
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        prepared = _prepared_data(*checked)
+    except PlanError as err:
+        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # prepare removed its temporary folder: nothing is cached, no rank started
+        print("\n[hybridtrain] interrupted while preparing the data (Ctrl-C): nothing cached, no worker started",
+              file=sys.stderr, flush=True)
+        return 130
+    return _launch(*checked, prepared)
+
+
+def _checked(cfg: DictConfig):
+    """The typed config, its validated plan, the HF config, the machine, the early preloader and the run
+    directory, after every check that needs no data: raises :class:`PlanError` naming what to fix."""
     from hydra.core.hydra_config import HydraConfig
 
     from hybridtrain.config import to_config
     from hybridtrain.config.explain import message
-    from hybridtrain.data.prepare import prepare
-    from hybridtrain.launch.dispatch import check, start
-    from hybridtrain.launch.interrupt import delivered
+    from hybridtrain.launch.cachedir import check_caches, matplotlib_dir
+    from hybridtrain.launch.dispatch import check
+    from hybridtrain.launch.local import early_preloader
     from hybridtrain.observe.checks import check_observe
     from hybridtrain.plan import PlanError, apply_pretrained_defaults, machine_facts, resolve
-    from hybridtrain.models.families import family_of
-    from hybridtrain.plan.costs import model_facts
-    from hybridtrain.plan.data import check_data_counts
-    from hybridtrain.rundir import RunDir
 
     try:
         typed = to_config(cfg)
     except Exception as err:  # noqa: BLE001 - OmegaConf validation errors (e.g. an appended unknown key)
-        print(f"[hybridtrain] config error: {message(err)}", file=sys.stderr)
-        return 2
-    from hybridtrain.launch.cachedir import check_caches, matplotlib_dir
-
-    # a SLURM script written but not submitted prepares its data on the job's node, into its cache folder
-    deferred = typed.launcher.name == "slurm" and not typed.launcher.submit
-    problem = check_caches(None if deferred else typed.data.cache_dir)  # the planner writes the root's shapes
+        raise Refusal(message(err)) from None
+    problem = check_caches(None if _deferred(typed) else typed.data.cache_dir)  # the planner writes the shapes
     if problem is not None:
-        print(f"[hybridtrain] config error: {problem}", file=sys.stderr)
-        return 2
+        raise Refusal(problem)
     if (mpl := matplotlib_dir()) is not None:  # an unwritable HOME: the report's matplotlib would warn
         os.environ["MPLCONFIGDIR"] = str(mpl)
-    from hybridtrain.launch.local import early_preloader
-
     preloader = early_preloader(typed.launcher, os.environ)  # before the planner first calls torch
     apply_pretrained_defaults(typed)
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)
     machine = machine_facts()
-    try:
-        plan, hf_config = resolve(typed, machine, announce=print)  # parallel=auto says what it chose
-        check_observe(typed)  # profile steps, peak, logger package: before any worker starts
-    except PlanError as err:
-        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
-        return 2
+    plan, hf_config = resolve(typed, machine, announce=print)  # parallel=auto says what it chose
+    check_observe(typed)  # profile steps, peak, logger package: before any worker starts
     if typed.trainer.resume:
         from hybridtrain.checkpoint.resume import resolve_resume
 
-        try:
-            found = resolve_resume(typed, plan, hf_config, run_dir)
-        except PlanError as err:
-            print(f"[hybridtrain] config error: {err}", file=sys.stderr)
-            return 2
+        found = resolve_resume(typed, plan, hf_config, run_dir)
         print(f"[hybridtrain] resume: {found or 'no checkpoint in ' + str(run_dir) + ', starting fresh'}")
         typed.trainer.resume = str(found) if found else None
     if typed.launcher.name == "local" and typed.launcher.nodes > 1 and not typed.launcher.dry_run:
-        print(f"[hybridtrain] config error: launcher.nodes={typed.launcher.nodes}: the local launcher runs on one "
-              "machine; use launcher.nodes=1, launcher=slurm or launcher=multinode, or launcher.dry_run=true to "
-              "validate a multi-node plan here", file=sys.stderr)
-        return 2
-    try:
-        check(typed.launcher, plan, machine)
-    except PlanError as err:
-        print(f"[hybridtrain] config error: {err}", file=sys.stderr)
-        return 2
-    params = model_facts(family_of(typed.model), hf_config, plan.seq_len).total_params()  # one meta block, not the model
+        raise Refusal(f"launcher.nodes={typed.launcher.nodes}: the local launcher runs on one machine; use "
+                        "launcher.nodes=1, launcher=slurm or launcher=multinode, or launcher.dry_run=true to "
+                        "validate a multi-node plan here")
+    check(typed.launcher, plan, machine)
+    return typed, plan, hf_config, machine, preloader, run_dir
+
+
+def _deferred(typed) -> bool:
+    """A SLURM script written but not submitted: it prepares its data on the job's node, when it starts."""
+    return typed.launcher.name == "slurm" and not typed.launcher.submit
+
+
+def _prepared_data(typed, plan, hf_config, machine, preloader, run_dir):
+    """Print the run's summary, then tokenize once, here (none for a dry run or a deferred SLURM script):
+    every input problem is a :class:`PlanError` before any worker starts."""
+    from hybridtrain.data.prepare import prepare
+    from hybridtrain.launch.interrupt import delivered
+    from hybridtrain.models.families import family_of
+    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.data import check_data_counts
+
+    params = model_facts(family_of(typed.model), hf_config, plan.seq_len).total_params()  # one meta block
     print(summary(plan, hf_config, params), flush=True)
     if typed.finetune.method == "lora":
         from hybridtrain.models.hf_model import meta_model
         from hybridtrain.plan.lora import describe
 
         print(f"[hybridtrain] {describe(typed, hf_config, meta_model(hf_config))}", flush=True)
-    prepared = None
-    # a dry run checks the plan only; a SLURM script written but not submitted prepares its data when it starts
-    if not typed.launcher.dry_run and not deferred:
-        try:  # tokenize once, here; every input problem is a config error before any worker starts
-            with delivered():  # a Ctrl-C in a weakref callback still interrupts
-                prepared = prepare(typed.data, typed.trainer.seed)
-            n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
-            typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
-        except PlanError as err:
-            print(f"[hybridtrain] config error: {err}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # prepare removed its temporary folder: nothing is cached, no rank started
-            print("\n[hybridtrain] interrupted while preparing the data (Ctrl-C): nothing cached, no worker started",
-                  file=sys.stderr, flush=True)
-            return 130
-        print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"
-              f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
-              + (f", validation {n_val} samples" if n_val else ""), flush=True)
-        if typed.trainer.resume:  # the checkpoint's meta.json records its data by content
-            from hybridtrain.checkpoint.resume import data_note
+    if typed.launcher.dry_run or _deferred(typed):
+        return None
+    with delivered():  # a Ctrl-C in a weakref callback still interrupts
+        prepared = prepare(typed.data, typed.trainer.seed)
+    n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
+    typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
+    print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"
+          f" ({typed.trainer.max_steps} steps = {typed.trainer.max_steps * plan.global_batch_size / n_train:.2f} epochs)"
+          + (f", validation {n_val} samples" if n_val else ""), flush=True)
+    if typed.trainer.resume:  # the checkpoint's meta.json records its data by content
+        from hybridtrain.checkpoint.resume import data_note
 
-            note = data_note(Path(typed.trainer.resume), prepared)
-            if note:
-                print(f"[hybridtrain] {note}", flush=True)
+        note = data_note(Path(typed.trainer.resume), prepared)
+        if note:
+            print(f"[hybridtrain] {note}", flush=True)
+    return prepared
+
+
+def _launch(typed, plan, hf_config, machine, preloader, run_dir, prepared) -> int:
+    """Write the run directory's config, plan and data, then start the workers (or stop, for a dry run)."""
+    from hybridtrain.launch.dispatch import start
+    from hybridtrain.rundir import RunDir
+
     run_dir.mkdir(parents=True, exist_ok=True)
     files = RunDir(run_dir)  # written atomically: with launcher.no_ssh every node's controller writes them
     files.write_config(typed)

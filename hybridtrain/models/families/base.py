@@ -67,6 +67,19 @@ DENSE_MLP_RULES: dict[str, Optional[TPRule]] = {
 """The rules of an MoE model's dense block (``Family.variant_rules["dense"]``): its MLP is a plain SwiGLU
 (``gate_proj`` and ``up_proj`` column-wise, ``down_proj`` row-wise, "f" on ``mlp``) and it has no experts."""
 
+SHARED_EXPERT_RULES: dict[str, Optional[TPRule]] = {
+    "mlp.shared_expert.gate_proj": TPRule("column"),
+    "mlp.shared_expert.up_proj": TPRule("column"),
+    "mlp.shared_expert.down_proj": TPRule("row"),
+    "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
+}
+"""The rules of a gated shared expert (Qwen2-MoE's, Qwen3.5-MoE's, Qwen3-Next's): a SwiGLU MLP split
+Megatron-style with its own "f" (``mlp.shared_expert`` in ``input_copy``), and its ``sigmoid`` gate
+(``Linear(H, 1)``) replicated beside the router (transformers' plans have no entries for either)."""
+
+NO_SHARED_EXPERT: dict[str, Optional[TPRule]] = {name: None for name in SHARED_EXPERT_RULES}
+"""The rules of a block without the shared expert (a dense variant's)."""
+
 
 @dataclass(frozen=True)
 class MoE:

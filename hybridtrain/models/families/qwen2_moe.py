@@ -11,7 +11,8 @@ input; its gate (``Linear(H, 1)``) stays replicated outside the tensor-parallel 
 ``decoder_sparse_step`` > 1: the ``dense`` variant) have neither experts nor a shared expert: their MLP is
 split like a dense model's.
 """
-from hybridtrain.models.families.base import DENSE_MLP_RULES, EXPERTS_RULES, Family, MoE, TPRule
+from hybridtrain.models.families.base import (DENSE_MLP_RULES, EXPERTS_RULES, NO_SHARED_EXPERT, SHARED_EXPERT_RULES,
+                                              Family, MoE)
 from hybridtrain.models.families.qwen3_moe import dense_layers, variants
 
 FAMILY = Family(
@@ -27,14 +28,10 @@ FAMILY = Family(
         "mlp.gate_proj": None,
         "mlp.up_proj": None,
         "mlp.down_proj": None,
-        "mlp.shared_expert.gate_proj": TPRule("column"),
-        "mlp.shared_expert.up_proj": TPRule("column"),
-        "mlp.shared_expert.down_proj": TPRule("row"),
-        "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
+        **SHARED_EXPERT_RULES,
     },
     input_copy=("self_attn", "mlp.shared_expert"),
-    variant_rules={"dense": {**DENSE_MLP_RULES, "mlp.shared_expert.gate_proj": None, "mlp.shared_expert.up_proj": None,
-                             "mlp.shared_expert.down_proj": None, "mlp.shared_expert_gate": None}},
+    variant_rules={"dense": {**DENSE_MLP_RULES, **NO_SHARED_EXPERT}},
     variant_input_copy={"dense": ("self_attn", "mlp")},
     moe=MoE(dense_layers=dense_layers, shared_width="shared_expert_intermediate_size"),
     block_variants=variants,

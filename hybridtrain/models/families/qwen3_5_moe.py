@@ -7,7 +7,7 @@ The token mixers split as Qwen3.5's; the routed experts over their width (tp) an
 and the shared expert's gate replicated outside the tensor-parallel region, the shared expert Megatron-style with
 its own "f". Every block routes (no dense variant); the variants are the layer types.
 """
-from hybridtrain.models.families.base import EXPERTS_RULES, Family, LinearAttention, MoE, TPRule
+from hybridtrain.models.families.base import EXPERTS_RULES, SHARED_EXPERT_RULES, Family, LinearAttention, MoE
 from hybridtrain.models.families.qwen3_5 import (CONTEXT_PARALLEL, GATED_DELTANET_PER_RANK, GATED_DELTANET_RULES,
                                                  LINEAR_ATTENTION_RULES, UNVERIFIED_LORA)
 
@@ -22,10 +22,7 @@ FAMILY = Family(
     tp_rules={
         **{name: None for name in GATED_DELTANET_RULES},
         **EXPERTS_RULES,
-        "mlp.shared_expert.gate_proj": TPRule("column"),
-        "mlp.shared_expert.up_proj": TPRule("column"),
-        "mlp.shared_expert.down_proj": TPRule("row"),
-        "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
+        **SHARED_EXPERT_RULES,
     },
     input_copy=("self_attn", "mlp.shared_expert"),
     variant_rules={"linear_attention": LINEAR_ATTENTION_RULES},

@@ -13,7 +13,8 @@ channels split block by block (q | k | v) as Qwen3.5's. transformers' forward re
 Blocks with a dense MLP (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are the variants ``linear_attention_dense``
 and ``full_attention_dense``: their MLP split like a dense model's, "f" on ``mlp``.
 """
-from hybridtrain.models.families.base import DENSE_MLP_RULES, EXPERTS_RULES, Family, LinearAttention, MoE, TPRule
+from hybridtrain.models.families.base import (DENSE_MLP_RULES, EXPERTS_RULES, NO_SHARED_EXPERT, SHARED_EXPERT_RULES,
+                                              Family, LinearAttention, MoE, TPRule)
 from hybridtrain.models.families.qwen3_5 import CONTEXT_PARALLEL, FULL_ATTENTION, GATED_DELTANET_PER_RANK, UNVERIFIED_LORA
 from hybridtrain.models.families.qwen3_moe import dense_layers
 
@@ -27,10 +28,8 @@ GATED_DELTANET_RULES: dict = {
 }
 """Qwen3-Next's Gated DeltaNet split by key-head groups (the module docstring)."""
 
-SHARED = {"mlp.shared_expert.gate_proj": None, "mlp.shared_expert.up_proj": None, "mlp.shared_expert.down_proj": None,
-          "mlp.shared_expert_gate": None}
 LINEAR = {**GATED_DELTANET_RULES, **{name: None for name in FULL_ATTENTION}}
-DENSE = {**DENSE_MLP_RULES, **SHARED}
+DENSE = {**DENSE_MLP_RULES, **NO_SHARED_EXPERT}
 
 
 def variants(hf_config) -> list[str]:
@@ -53,10 +52,7 @@ FAMILY = Family(
         "mlp.gate_proj": None,
         "mlp.up_proj": None,
         "mlp.down_proj": None,
-        "mlp.shared_expert.gate_proj": TPRule("column"),
-        "mlp.shared_expert.up_proj": TPRule("column"),
-        "mlp.shared_expert.down_proj": TPRule("row"),
-        "mlp.shared_expert_gate": TPRule("replicated"),  # outside the TP region; named so LoRA can adapt it
+        **SHARED_EXPERT_RULES,
     },
     input_copy=("self_attn", "mlp.shared_expert"),
     block_variants=variants,
