@@ -112,6 +112,37 @@ def check_moe_precision(cfg: Any, family: Any, hf_config: Any) -> None:
                         "trainer.precision=fp32" + (" or bf16" if not fp32_modules(hf_config, "bf16") else ""))
 
 
+GROUPED_MM_ALIGN_BYTES = 16
+"""CUDA's ``torch._grouped_mm`` checks that every operand's data pointer and leading stride is a multiple of 16
+bytes (``GroupedMMUtils.h`` ``check_valid_strides_and_return_transposed``); the CPU path checks nothing."""
+
+
+def check_grouped_mm_alignment(cfg: Any, family: Any, hf_config: Any, tp: int, gpus: bool) -> None:
+    """Refuse, on a GPU plan, a layout whose experts' slices transformers' ``grouped_mm`` would reject on the first
+    forward ("strides should be multiple of 16 bytes"): the rows of ``gate_up_proj [E, 2I/tp, H]`` are ``H`` wide and
+    those of ``down_proj [E, H, I/tp]`` ``I/tp`` wide, so both must be whole multiples of 16 bytes in the training
+    precision (8 elements in bf16 and fp16, 4 in fp32). GPU review 3, finding 10: gpt-oss at tp = 16 (2880 / 16 =
+    180) and small custom configs. CPU plans pass (the CPU kernel has no such check)."""
+    if family.moe is None or not gpus:
+        return
+    precision = str(cfg.trainer.precision)
+    per = GROUPED_MM_ALIGN_BYTES // (4 if precision == "fp32" else 2)  # elements per 16 bytes
+    hidden = int(getattr(hf_config, family.hidden))
+    if hidden % per:
+        raise PlanError("model.config." + family.hidden,
+                        f"model.config.{family.hidden}={hidden} is not a multiple of {per}: on GPUs transformers' "
+                        f"grouped_mm experts need rows of whole 16 bytes ({per} {precision} values); use a hidden "
+                        f"size that {per} divides" + ("" if precision == "fp32" else ", or trainer.precision=fp32"))
+    width = int(getattr(hf_config, family.moe.width))
+    if (width // tp) % per:
+        fits = [t for t in (1, 2, 4, 8, 16, 32, 64) if width % t == 0 and (width // t) % per == 0]
+        raise PlanError("parallel.tp", f"parallel.tp={tp}: each expert's slice is model.config.{family.moe.width}/tp = "
+                        f"{width}/{tp} = {width // tp} wide, not a multiple of {per}: on GPUs transformers' "
+                        f"grouped_mm experts need rows of whole 16 bytes ({per} {precision} values); "
+                        + (f"use tp in {fits}" if fits else f"no tp fits a width of {width}: use an expert width that "
+                           f"{per} divides" + ("" if precision == "fp32" else ", or trainer.precision=fp32")))
+
+
 def check_expert_parallel(cfg: Any, family: Any, hf_config: Any, dp: int, zero: int) -> int:
     """The checked ``parallel.ep`` of a run with ``dp`` data-parallel ranks and ZeRO stage ``zero``: it must
     divide dp and the experts, and ZeRO-3 is refused (DeepSpeed has no MoE parameter groups there, and

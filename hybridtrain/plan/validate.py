@@ -21,8 +21,8 @@ from hybridtrain.plan.objective import check_objective
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
-from hybridtrain.plan.moe import (check_expert_parallel, check_expert_stages, check_moe, check_moe_precision,
-                                  expert_stage_needs)
+from hybridtrain.plan.moe import (check_expert_parallel, check_expert_stages, check_grouped_mm_alignment, check_moe,
+                                  check_moe_precision, expert_stage_needs)
 from hybridtrain.plan.partition import MANUAL, manual, partition, stage_problem
 from hybridtrain.plan.types import Machine, Plan
 
@@ -147,6 +147,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
           f"must be in [1024, 65535] or null (pick a free port), got {lau.master_port}")
 
     _check_cluster_launcher(lau)
+    check_grouped_mm_alignment(cfg, family, hf_config, par.tp, uses_gpus(lau, machine))
 
     # World size against the devices. A cluster launcher's nodes are not this machine: only
     # launcher.gpus_per_node counts there.

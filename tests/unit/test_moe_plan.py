@@ -358,3 +358,31 @@ def test_the_balanced_partition_puts_an_moe_block_on_every_stage_at_ep_2(blocks,
     for s in range(2):
         names = plan.layer_names[b[s]:b[s + 1]]
         assert any(kind_of(n) is Kind.BLOCK and block_index(n) not in dense for n in names), (s, names)
+
+
+GPU1 = Machine(gpus_per_node=8, fp16_supported=True, cpu_cores=64, device_memory_bytes=80 * 2**30)
+"""A node of eight 80 GB GPUs (the plan rules that hold only where CUDA's kernels run)."""
+
+
+@pytest.mark.parametrize("overrides,key,fragments", [
+    (("model.config.moe_intermediate_size=36", "parallel.tp=2"), "parallel.tp",
+     ["expert's slice is model.config.moe_intermediate_size/tp = 36/2 = 18 wide, not a multiple of 8",
+      "no tp fits a width of 36: use an expert width that 8 divides, or trainer.precision=fp32"]),
+    (("model.config.moe_intermediate_size=48", "parallel.tp=4"), "parallel.tp",
+     ["48/4 = 12 wide, not a multiple of 8", "use tp in [1, 2]"]),
+    (("model.config.hidden_size=68",), "model.config.hidden_size",
+     ["hidden_size=68 is not a multiple of 8", "or trainer.precision=fp32"]),
+], ids=["tp2_bf16", "tp4_bf16", "hidden"])
+def test_a_gpu_plan_refuses_expert_slices_grouped_mm_cannot_take(overrides, key, fragments):
+    """GPU review 3, finding 10: CUDA's grouped_mm wants 16-byte rows (8 bf16 values, 4 fp32 ones) of the experts'
+    H-wide and I/tp-wide weights; a CPU plan of the same config plans (its kernel checks nothing)."""
+    base = (*TINY_MOE, "trainer.precision=bf16", "parallel.zero_stage=1", *overrides)
+    with pytest.raises(PlanError) as info:
+        resolve(compose(*base), GPU1)
+    assert info.value.key == key
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    resolve(compose(*(*TINY_MOE, *overrides)), CPU)  # the CPU's kernel takes it
+    if key == "parallel.tp":  # 4 fp32 values are 16 bytes: the 12-wide slice is aligned there
+        fp32 = (*TINY_MOE, "trainer.precision=fp32", "parallel.zero_stage=1", "model.config.moe_intermediate_size=48", "parallel.tp=4")
+        resolve(compose(*fp32), GPU1)
