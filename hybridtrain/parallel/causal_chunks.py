@@ -65,16 +65,26 @@ def _cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: fl
     """torch's lower-right causal bias; keys and values repeated to every head unless FlashAttention takes the
     grouped heads as they are (the memory-efficient kernel does not)."""
     import torch.nn.functional as F
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
     from torch.nn.attention.bias import causal_lower_right
 
     bias = causal_lower_right(query.shape[2], key.shape[2])
-    gqa = query.shape[1] != key.shape[1]
-    if gqa and not can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, True)):
-        n = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(n, dim=1), value.repeat_interleave(n, dim=1)
-        gqa = False
+    key, value, gqa = _heads_for_kernel(query, key, value, is_causal=False)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=gqa)
+
+
+def _heads_for_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool):
+    """``(key, value, enable_gqa)`` for sdpa: on CUDA, grouped KV heads repeated to every query head unless
+    FlashAttention takes them as they are. Without that, fp32 (which flash refuses) with ``enable_gqa`` falls back
+    to the math kernel, which keeps the whole ``[B, H, Lq, Lk]`` matrix: the memory-efficient kernel refuses GQA
+    (GPU review 3, finding 9). On CPUs the grouped heads go as they are."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.device.type == "cuda":
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        if not can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, is_causal, True)):
+            n = query.shape[1] // key.shape[1]
+            return key.repeat_interleave(n, dim=1), value.repeat_interleave(n, dim=1), False
+    return key, value, gqa
 
 
 def lower_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,8 +97,8 @@ def lower_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if lk < lq:
         raise ValueError(f"bottom-right causal attention needs at least as many keys as queries, got {lk} < {lq}")
     if lq == lk:  # top left and bottom right coincide
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                              enable_gqa=query.shape[1] != key.shape[1])
+        key, value, gqa = _heads_for_kernel(query, key, value, is_causal=True)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
     if query.device.type == "cpu":
         return PrefixCausal.apply(query, key, value, lk - lq, scale)
     return _cuda(query, key, value, scale)

@@ -172,21 +172,29 @@ def stage_param_sizes(units: list[UnitFacts], tp: int) -> list[int]:
     return out
 
 
-def kernel_flags(attn: str, packed: bool, facts: ModelFacts, gpus: bool) -> dict[str, bool]:
+def kernel_flags(attn: str, packed: bool, facts: ModelFacts, gpus: bool, precision: str = "bf16") -> dict[str, bool]:
     """What the attention kernel ``attn`` keeps for the backward: ``eager`` (the attention matrix) and ``mask``
     (sdpa with packed records keeps their block-causal mask). ``gpus``: whether the ranks run on GPUs
-    (:attr:`~hybridtrain.plan.types.Plan.gpus`). On CPUs sdpa runs torch's math kernel, which keeps the attention
-    matrix like eager, where a value head is narrower than a query head (DeepSeek-V3's MLA: torch's CPU flash
-    kernel takes equal widths only, ``check_head_dim_size_cpp`` in ``sdp_utils_cpp``; on GPUs the memory-efficient
-    kernel takes them and keeps no matrix); measured, ``bench/activations.py``."""
-    math = attn == "sdpa" and not gpus and bool(facts.v_dim) and facts.v_dim != facts.kv_dim
+    (:attr:`~hybridtrain.plan.types.Plan.gpus`). sdpa runs torch's math kernel, which keeps the attention matrix
+    like eager:
+
+    - on CPUs where a value head is narrower than a query head (DeepSeek-V3's MLA: torch's CPU flash kernel takes
+      equal widths only, ``check_head_dim_size_cpp`` in ``sdp_utils_cpp``; on GPUs the memory-efficient kernel
+      takes them and keeps no matrix); measured, ``bench/activations.py``;
+    - on GPUs in fp32 with grouped-query attention and no mask (unpacked rows): transformers then passes
+      ``enable_gqa=True`` (``use_gqa_in_sdpa``), flash refuses fp32 and the memory-efficient kernel refuses GQA
+      (``check_batch_size_and_num_heads_dense`` in ``sdp_utils.cpp``), so torch falls back to math (GPU review 3,
+      finding 9). With a mask (packed rows) transformers repeats K and V and the memory-efficient kernel runs."""
+    narrow_v = bool(facts.v_dim) and facts.v_dim != facts.kv_dim
+    gqa = bool(facts.kv_dim) and bool(facts.q_dim) and facts.kv_dim < facts.q_dim and not narrow_v
+    math = attn == "sdpa" and ((not gpus and narrow_v) or (gpus and precision == "fp32" and gqa and not packed))
     return {"eager": attn == "eager" or math, "mask": packed and attn == "sdpa" and not math}
 
 
 def attention_flags(cfg, facts: ModelFacts, gpus: bool) -> dict[str, bool]:
     """:func:`kernel_flags` of the config's attention kernel and packing."""
     packed = Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents
-    return kernel_flags(str(cfg.model.attn_implementation), packed, facts, gpus)
+    return kernel_flags(str(cfg.model.attn_implementation), packed, facts, gpus, str(cfg.trainer.precision))
 
 
 def memory_flags(cfg, facts: ModelFacts, gpus: bool) -> dict:

@@ -112,3 +112,24 @@ def test_mask_free_causal_chunks_equal_the_dense_mask_on_the_gpu(heads, dtype):
     lower_right_causal(q, k, v, None).sum().backward()
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < lq * lk, "the CUDA path materialized a mask"
+
+
+@pytest.mark.parametrize("lq", [512, 256], ids=["square", "prefix"])
+def test_fp32_grouped_heads_never_fall_back_to_the_math_kernel(lq):
+    """GPU review 3, finding 9: cp rank 0's square chunk (``lq == lk``) passed ``enable_gqa=True`` in fp32, which
+    flash refuses and the memory-efficient kernel does not take, so torch ran math (the whole score matrix kept).
+    With math switched off the call must still run, and equal the math kernel's result."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hybridtrain.parallel.causal_chunks import lower_right_causal
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 8, lq, 64, device="cuda", generator=g)
+    k, v = torch.randn(2, 2, 512, 64, device="cuda", generator=g), torch.randn(2, 2, 512, 64, device="cuda", generator=g)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        fused = lower_right_causal(q, k, v, None)
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = lower_right_causal(q, k, v, None)
+    assert float((fused - ref).abs().max()) < 1e-4

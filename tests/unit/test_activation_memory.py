@@ -169,6 +169,22 @@ def test_deepseek_sdpa_keeps_the_attention_matrix_on_cpus_only():
     assert kernel_flags("eager", True, gqa, gpus=True) == {"eager": True, "mask": False}
 
 
+def test_fp32_grouped_query_sdpa_on_gpus_keeps_the_attention_matrix():
+    """GPU review 3, finding 9: unpacked rows of a GQA model in fp32 on GPUs take torch's math kernel (transformers
+    passes ``enable_gqa=True`` without a mask; flash refuses fp32, the memory-efficient kernel refuses GQA), which
+    keeps the matrix as eager; bf16, packed rows (K and V repeated, memory-efficient) and equal heads keep none."""
+    from hybridtrain.plan.memory import kernel_flags
+    from bench.activations import _facts
+
+    gqa, mha = _facts("llama", "{}"), _facts("gpt2", "{}")
+    assert 0 < gqa.kv_dim < gqa.q_dim
+    assert kernel_flags("sdpa", False, gqa, gpus=True, precision="fp32") == {"eager": True, "mask": False}
+    assert kernel_flags("sdpa", False, gqa, gpus=True, precision="bf16") == {"eager": False, "mask": False}
+    assert kernel_flags("sdpa", True, gqa, gpus=True, precision="fp32") == {"eager": False, "mask": True}
+    assert kernel_flags("sdpa", False, gqa, gpus=False, precision="fp32") == {"eager": False, "mask": False}
+    assert kernel_flags("sdpa", False, mha, gpus=True, precision="fp32") == {"eager": False, "mask": False}
+
+
 def test_deepseek_shared_experts_count_at_their_width():
     """DeepSeek-V3's ``n_shared_experts`` run as one MLP that many experts wide: the plan's shared width."""
     from bench.activations import _facts
