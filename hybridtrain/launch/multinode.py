@@ -64,6 +64,20 @@ def command(run_dir: Path, launcher: MultinodeLauncherConfig, hostfile: Path) ->
     return cmd + ["--no_local_rank", "--module", "hybridtrain.worker", str(run_dir)]
 
 
+FORWARDED_ENV = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                 "CUDA_DEVICE_MAX_CONNECTIONS", "UCX_", "FI_")
+"""Prefixes of this shell's variables the ranks on every host get (the network and collective settings:
+``NCCL_SOCKET_IFNAME``, ``NCCL_IB_HCA``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the allocator, libfabric's ``FI_*``).
+DeepSpeed's runner passes on ``NCCL*`` only where its own accelerator is CUDA, and ``TORCH_NCCL_*`` never; pdsh
+passes on nothing else (GPU review 3, finding 15; docs/slurm.md#network-settings-nccl-and-where-the-expert-groups-sit)."""
+
+
+def forwarded_env(environ) -> dict[str, str]:
+    """The variables of ``environ`` that :data:`FORWARDED_ENV` names, one line each in DeepSpeed's env file (a value
+    holding a newline cannot be a line of it and is left out)."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV) and "\n" not in v}
+
+
 def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine: Machine) -> int:
     """Start the runner for this node (or all hosts); return its exit code."""
     found = hosts(launcher, plan)
@@ -74,7 +88,7 @@ def launch(run_dir: Path, plan: Plan, launcher: MultinodeLauncherConfig, machine
     # CONTROLLER_ENV: the ranks on this host die with this process (hybridtrain.launch.parent.watch_controller),
     # the lifeline: those on the other hosts (hold_lifeline); it lives as long as this process
     lifeline = Lifeline(toward=found[0][0])
-    extra = {"HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+    extra = {**forwarded_env(os.environ), "HYBRIDTRAIN_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
              "HYBRIDTRAIN_NODES": ",".join(h for h, _ in found), **controller_env(), **lifeline.env(),
              **cpu_ranks_env(uses_gpus(launcher, machine))}  # CPU processes: the worker hides the GPUs (hide_gpus)
     # pdsh passes on only a few variables (PYTHON*, NCCL*...) plus the lines of DeepSpeed's env file

@@ -45,5 +45,7 @@ def describe(plan: Plan, node_names: Optional[Sequence[str]] = None) -> str:
               + "  ".join(f"{axis} {getattr(p.coords, axis)}" for axis in shown) for p in places(plan)]
     cross = crossing(plan)
     lines.append("[hybridtrain]   groups crossing nodes: " + (", ".join(cross) if cross else "none")
-                 + ("  (tensor-parallel traffic leaves the node: use tp <= ranks per node)" if "tp" in cross else ""))
+                 + ("  (tensor-parallel traffic leaves the node: use tp <= ranks per node)" if "tp" in cross else "")
+                 + ("  (every MoE layer's expert all-to-all leaves the node: use an ep whose groups fit a node)"
+                    if "ep" in cross else ""))
     return "\n".join(lines)

@@ -166,8 +166,8 @@ class ParallelDims:
         return self.data_group_of(rank).index(rank) % self.ep
 
     def crossing(self, nodes: int) -> list[str]:
-        """The axes (innermost first: ``tp``, ``cp``, ``dp``, ``pp``) whose groups span more than one of
-        ``nodes`` nodes under block placement: each node holds ``world / nodes`` consecutive ranks (srun
+        """The axes (innermost first: ``tp``, ``cp``, ``dp``, ``pp``, then ``ep`` where :meth:`experts_cross`) whose
+        groups span more than one of ``nodes`` nodes under block placement: each node holds ``world / nodes`` consecutive ranks (srun
         ``--distribution=block``, the deepspeed runner).
 
         The ranks of one group of an axis lie in a block of :meth:`span` consecutive ranks that starts at a
@@ -177,7 +177,18 @@ class ParallelDims:
         if nodes <= 1:
             return []
         per_node = self.world // nodes
-        return [axis for axis in reversed(AXES) if getattr(self, axis) > 1 and per_node % self.span(axis)]
+        axes = [axis for axis in reversed(AXES) if getattr(self, axis) > 1 and per_node % self.span(axis)]
+        return axes + (["ep"] if self.experts_cross(nodes) else [])
+
+    def experts_cross(self, nodes: int) -> bool:
+        """Whether an expert-parallel group (:meth:`expert_groups`) has members on two of ``nodes`` nodes under block
+        placement: then every MoE layer's all-to-alls leave the node, whether or not dp crosses (GPU review 3,
+        finding 15). Enumerated: an ep group is not one block of consecutive ranks (its members are dp neighbours,
+        ``cp x tp`` apart)."""
+        if self.ep <= 1 or nodes <= 1:
+            return False
+        per_node = self.world // nodes
+        return any(len({r // per_node for r in group}) > 1 for group in self.expert_groups()[0])
 
     def topology(self):
         """DeepSpeed's ``PipeModelDataParallelTopology`` of these degrees, ``data = dp x cp`` (imports deepspeed)."""

@@ -146,7 +146,7 @@ def estimate(c: Candidate, plan: Plan, facts: ModelFacts, cfg: Config, rates: Ra
     slow = 1.0 if rates.device != "cpu" else max(1.0, ranks_per_node * rates.threads / cores)
     rate = rates.flops / slow
     act = tokens * h * w
-    ep_link = rates.link("dp" in crossing)  # the ep group is carved from dp
+    ep_link = rates.link("ep" in crossing)  # the ep groups, carved from dp, may stay on a node where dp crosses
     routed = tokens * top_k * h * w  # a rank's tokens, once per expert they go to: the dispatch's volume
     per_stage, tp_comm, cp_comm, ep_comm = [], 0.0, 0.0, 0.0
     for st in range(dims.pp):

@@ -104,6 +104,11 @@ def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> Plan
                 "plan.memory_headroom and plan.memory_reserved_gb); raise tp/pp/dp with ZeRO, turn on "
                 "parallel.activation_checkpointing, lower parallel.micro_batch_size, or split long sequences with "
                 "parallel.cp (docs/long-context.md)")
+    if "ep" in plan.dims.crossing(plan.nodes):
+        report.warnings.append(f"expert groups cross nodes: every MoE layer's all-to-all over parallel.ep="
+                               f"{plan.dims.ep} goes over the network; use an ep whose groups fit one node's "
+                               f"{plan.world_size // plan.nodes} ranks (a group spans ep x cp x tp consecutive ranks; "
+                               "docs/moe.md)")
     if plan.dims.pp > 1 and bubble > 0.25:
         report.warnings.append(f"pipeline bubble {bubble:.0%}: raise the micro-batches per step "
                                f"(trainer.global_batch_size / (micro x dp) = {plan.grad_accum})")

@@ -386,3 +386,18 @@ def test_a_gpu_plan_refuses_expert_slices_grouped_mm_cannot_take(overrides, key,
     if key == "parallel.tp":  # 4 fp32 values are 16 bytes: the 12-wide slice is aligned there
         fp32 = (*TINY_MOE, "trainer.precision=fp32", "parallel.zero_stage=1", "model.config.moe_intermediate_size=48", "parallel.tp=4")
         resolve(compose(*fp32), GPU1)
+
+
+@pytest.mark.parametrize("ep,crosses", [(2, False), (4, True)])
+def test_the_plan_warns_where_expert_groups_cross_nodes(ep, crosses):
+    """GPU review 3, finding 15: two nodes of 2 GPUs at dp = 4: ep = 2 keeps each expert group on a node (dp
+    still crosses), ep = 4 sends every MoE layer's all-to-all over the network, which the plan report says."""
+    from hybridtrain.plan.report import build_report
+
+    cfg = compose(*TINY_MOE, "launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=2",
+                  "launcher.gpu_type=h100-80gb", "parallel.zero_stage=1", f"parallel.ep={ep}",
+                  "trainer.global_batch_size=8")
+    plan, hf = resolve(cfg, CPU)
+    assert "dp" in plan.dims.crossing(plan.nodes)
+    warned = [w for w in build_report(cfg, plan, hf, 0).warnings if "expert groups cross nodes" in w]
+    assert bool(warned) == crosses, warned

@@ -224,3 +224,29 @@ def test_requeue_resume_is_a_no_op_on_a_first_start(tmp_path):
 
 
 
+
+
+def test_the_network_settings_of_this_shell_reach_every_host(tmp_path, monkeypatch):
+    """GPU review 3, finding 15: ``NCCL_*``, ``TORCH_NCCL_*``, the allocator and libfabric settings of the shell
+    that starts ``launcher=multinode`` go into DeepSpeed's env file, the lines pdsh exports on every host (its
+    runner passes ``NCCL*`` on only where its own accelerator is CUDA, ``TORCH_NCCL_*`` never); others do not."""
+    from hybridtrain.launch import multinode
+
+    (tmp_path / "h").write_text("hostA slots=2\nhostB slots=2\n")
+    plan, cfg = plan_of("launcher=multinode", "launcher.nodes=2", "parallel.pp=2", f"launcher.hostfile={tmp_path / 'h'}")
+    for key, value in {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "TORCH_NCCL_BLOCKING_WAIT": "1",
+                       "PYTORCH_ALLOC_CONF": "expandable_segments:True", "FI_PROVIDER": "efa",
+                       "UNRELATED_SETTING": "x", "NCCL_BAD": "two\nlines"}.items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+
+    def runner(cmd, env, run_dir, verbose=True):
+        seen["file"] = Path(env["DS_ENV_FILE"]).read_text()
+        return 0
+
+    monkeypatch.setattr(multinode, "run_runner", runner)
+    assert multinode.launch(tmp_path, plan, cfg.launcher, Machine(cpu_cores=2)) == 0
+    lines = set(seen["file"].splitlines())
+    assert {"NCCL_SOCKET_IFNAME=ib0", "NCCL_IB_HCA=mlx5_0,mlx5_1", "TORCH_NCCL_BLOCKING_WAIT=1",
+            "PYTORCH_ALLOC_CONF=expandable_segments:True", "FI_PROVIDER=efa"} <= lines
+    assert not any(line.startswith(("UNRELATED_SETTING", "NCCL_BAD", "lines")) for line in lines)

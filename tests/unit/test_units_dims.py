@@ -142,3 +142,19 @@ def test_crossing_nodes_matches_every_group():
                         checked += 1
     assert checked > 1000
     assert ParallelDims(dp=2, tp=4).crossing(2) == ["dp"] and ParallelDims(tp=8, pp=2).crossing(4) == ["tp", "pp"]
+
+
+@pytest.mark.parametrize("dims,nodes,want", [
+    (ParallelDims(dp=16, ep=8), 2, ["dp"]),            # each node's 8 ranks hold one whole copy of the experts
+    (ParallelDims(dp=16, ep=16), 2, ["dp", "ep"]),
+    (ParallelDims(dp=8, tp=2, ep=4), 2, ["dp"]),       # ep members tp apart: {0, 2, 4, 6} on node 0
+    (ParallelDims(dp=8, tp=2, ep=8), 2, ["dp", "ep"]),
+    (ParallelDims(dp=4, pp=2, ep=4), 2, ["pp"]),       # a stage per node, its experts inside it
+    (ParallelDims(dp=4, pp=2, ep=4), 4, ["dp", "pp", "ep"]),
+])
+def test_expert_groups_crossing_nodes_are_named_apart_from_dp(dims, nodes, want):
+    """GPU review 3, finding 15: the all-to-all of an expert group leaves the node only where the group itself
+    spans nodes, which dp crossing does not decide; checked against the nodes of every expert group."""
+    assert dims.crossing(nodes) == want
+    per_node = dims.world // nodes
+    assert dims.experts_cross(nodes) == any(len({r // per_node for r in g}) > 1 for g in dims.expert_groups()[0])
