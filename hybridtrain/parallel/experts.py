@@ -173,6 +173,14 @@ class ExpertDispatch:
         self.module = module
         self.ep = ep
         self.local = num_experts
+        self.peak_load = 0.0
+        """Most pairs this rank's experts ran in one forward, over the pairs its own tokens sent, since
+        :meth:`take_peak_load` (from the split sizes the dispatch reads anyway: no extra host read)."""
+
+    def take_peak_load(self) -> float:
+        """:attr:`peak_load`, reset."""
+        peak, self.peak_load = self.peak_load, 0.0
+        return peak
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from hybridtrain.parallel import collectives
@@ -188,6 +196,7 @@ class ExpertDispatch:
         splits = torch.cat([sent, received]).tolist()  # the one host read per layer forward: the splits (dropless)
         in_splits, out_splits = splits[:self.ep.size], splits[self.ep.size:]
         self.last_received = sum(out_splits)  # rows this rank's experts ran in the last forward (tests, observers)
+        self.peak_load = max(self.peak_load, self.last_received / max(1, ids.numel()))
         rows = collectives.all_to_all_rows(hidden_states[order // k], out_splits, in_splits, self.ep.group)  # [R, H]
         with torch.no_grad():
             local_ids = collectives.all_to_all_rows((ids[order] % self.local)[:, None], out_splits, in_splits,

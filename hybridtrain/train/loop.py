@@ -113,6 +113,9 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
     from hybridtrain.observe.observer import Observer
 
     obs = Observer.create(cfg, plan, built, run_dir, is_rank0, start_step)  # MFU, memory, stage times, timeline
+    from hybridtrain.train.expert_load import ExpertLoad
+
+    load = ExpertLoad.of(built, plan.dims.ep, is_rank0)  # ep > 1: the dispatch's peak load per rank
     writer = MetricsWriter(RunDir(run_dir).metrics_file if is_rank0 else None, append=start_step > 0, also=obs.log)
     if resumed_from is not None:
         writer.mark_resume(start_step, resumed_from)
@@ -136,6 +139,8 @@ def train(cfg: Config, plan: Plan, built: Built, samples: Samples, run_dir: Path
             built.stop_watching()  # the model state's peaks are measured; they do not change
         observed = obs.end_step(dt, timer.seconds - wait0, log_now)  # every rank: gathers on log steps
         observed = {**observed, **step_metrics(built, log_now)}  # finetune.objective=dpo: TRL's rewards/, logps/
+        if load is not None:
+            observed.update(load.step(step + 1, engine.device, log_now))
         losses.append(loss)
         tokens_per_sec = plan.tokens_per_step / dt
         loss_tokens = samples.step_loss_tokens(step, plan.global_batch_size)  # padding and prompts excluded

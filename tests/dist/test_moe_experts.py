@@ -115,8 +115,14 @@ def _run(rank: int, world: int, emit) -> None:
             want_grad = shard_tensor(getattr(summed.experts, leaf).grad[start:stop], dim, blocks, tp_ctx.rank, tp)
             checks[f"{leaf}_grad"] = (getattr(sharded.experts, leaf).grad, want_grad)
         checks["received_rows"] = int(getattr(sharded.experts.forward, "last_received", -1))
+        checks["peak_load"] = sharded.experts.forward.take_peak_load()  # the same in all three forwards
+        checks["peak_after_take"] = sharded.experts.forward.peak_load
         checks["syncs"] = syncs
         emit(name, checks)
+
+
+NOT_PAIRS = ("received_rows", "syncs", "peak_load", "peak_after_take")
+"""Checks that are not (got, want) tensor pairs."""
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +135,7 @@ def test_expert_parallel_block_matches_unsharded(world_run: WorldRun, case: str)
     assert not world_run.problems, world_run.problem_report()
     for rank in range(WORLD):
         checks = world_run.emitted[rank][case]
-        for check, (got, want) in ((k, v) for k, v in checks.items() if k not in ("received_rows", "syncs")):
+        for check, (got, want) in ((k, v) for k, v in checks.items() if k not in NOT_PAIRS):
             scale = want.abs().max().item()
             if scale == 0:  # experts that received no token: no gradient (DeepSpeed reduces a zero for it)
                 assert check.endswith("proj_grad") and CASES[case][3] and rank > 0, (case, rank, check)
@@ -140,6 +146,21 @@ def test_expert_parallel_block_matches_unsharded(world_run: WorldRun, case: str)
     if CASES[case][3]:  # routed to rank 0's experts only: the other ranks of each EP group received nothing
         received = [world_run.emitted[r][case]["received_rows"] for r in range(WORLD)]
         assert received[0] == WORLD * T * K and received[1:] == [0, 0, 0], received
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_expert_parallel_layer_keeps_its_peak_load(world_run: WorldRun, case: str) -> None:
+    """GPU review 3, finding 11 b: the dispatch keeps the pairs its experts ran over the pairs its tokens sent
+    (``hybridtrain.train.expert_load`` reports the world's peak per log step): all of every peer's pairs on the
+    one owner (ep times its own), none elsewhere; reset once taken."""
+    assert not world_run.problems, world_run.problem_report()
+    for rank in range(WORLD):
+        checks = world_run.emitted[rank][case]
+        assert checks["peak_load"] == checks["received_rows"] / (T * K), (case, rank, checks["peak_load"])
+        assert checks["peak_after_take"] == 0.0
+    if CASES[case][3]:
+        ep = CASES[case][2]
+        assert [world_run.emitted[r][case]["peak_load"] for r in range(WORLD)] == [ep] + [0.0] * (WORLD - 1)
 
 
 @pytest.mark.parametrize("case", list(CASES))
