@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from hybridtrain.parallel.context import CPContext
+from hybridtrain.parallel.state_pass import CarryLog, pass_state
 
 
 def _starts(pos: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,8 @@ def run_per_document(fn: Callable[..., torch.Tensor], hidden: torch.Tensor, docs
 
 
 def _per_document_forward(module: nn.Module, hidden_states: torch.Tensor, *args,
-                          documents: "Documents | RankChunks | None" = None, carry_log=None, **kwargs) -> torch.Tensor:
+                          documents: "Documents | RankChunks | None" = None, carry_log: CarryLog | None = None,
+                          **kwargs) -> torch.Tensor:
     """``module``'s own class forward, once per document of ``documents`` (``None``: once on the whole rows); for
     :class:`RankChunks`, over a context-parallel rank's chunks with the carry passed between the ranks
     (``carry_log``: the block's :class:`~hybridtrain.parallel.state_pass.CarryLog` under activation checkpointing)."""
@@ -218,9 +220,8 @@ def _chunk_run(module: nn.Module, chunks: RankChunks, kwargs: dict):
     return run, c * k1 + hv * dk * dv
 
 
-def _chained_forward(module: nn.Module, hidden: torch.Tensor, chunks: RankChunks, log, kwargs: dict) -> torch.Tensor:
+def _chained_forward(module: nn.Module, hidden: torch.Tensor, chunks: RankChunks, log: CarryLog | None,
+                     kwargs: dict) -> torch.Tensor:
     """The mixer over this cp rank's two chunks ``hidden [B, 2c, H]``, the carry passed along the cp ranks."""
-    from hybridtrain.parallel.state_pass import pass_state
-
     run, width = _chunk_run(module, chunks, kwargs)
     return pass_state(module, run, hidden, chunks.cp, width, log)

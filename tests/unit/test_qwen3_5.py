@@ -1,5 +1,5 @@
 """Qwen3.5 (Gated DeltaNet beside gated full attention) without processes: what this version refuses, each refusal
-naming its key and the fix (context parallelism, LoRA on ``linear_attn``), what LoRA may adapt, and the document
+naming its key and the fix (ZeRO-3 with context parallelism, LoRA on ``linear_attn``), what LoRA may adapt, and the document
 grouping of packed rows that the Gated DeltaNet blocks run per document (``hybridtrain/models/linear_attention.py``).
 The exactness tests are with the other families' (``tests/unit/test_family_logits.py``, ``test_packing.py``,
 ``tests/dist/test_tp_layers.py``, ``test_family_layouts.py``, ``test_packing_layouts.py``)."""
@@ -20,12 +20,22 @@ def _resolve(folder, *overrides: str):
     return resolve(cfg, CPU)
 
 
-def test_context_parallel_is_refused_naming_the_key(family_folders):
+@pytest.mark.parametrize("folders,family", [("family_folders", "qwen3_5_text"), ("hybrid_folders", "qwen3_5_moe_text"),
+                                             ("hybrid_folders", "qwen3_next")])
+def test_context_parallel_is_planned(folders, family, request):
+    """cp > 1 runs (the Gated DeltaNet state passes between the cp ranks: tests/dist/test_cp_gated_deltanet.py)."""
+    plan, _ = _resolve(request.getfixturevalue(folders)[family], "data.seq_len=32", "parallel.cp=2", "parallel.tp=2")
+    assert (plan.dims.cp, plan.dims.tp) == (2, 2)
+
+
+def test_context_parallel_with_zero3_is_refused_naming_the_key(family_folders):
     with pytest.raises(PlanError) as info:
-        _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2")
-    assert info.value.key == "parallel.cp"
-    assert "qwen3_5_text cannot run with context parallelism in this version: its Gated DeltaNet" in str(info.value)
-    assert "use parallel.cp=1" in str(info.value)
+        _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2", "parallel.zero_stage=3")
+    assert info.value.key == "parallel.zero_stage"
+    message = str(info.value)
+    assert "qwen3_5_text's Gated DeltaNet blocks pass their recurrent state from cp rank to cp rank" in message
+    assert "use parallel.zero_stage=2 (or 1), or parallel.cp=1" in message
+    _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2", "parallel.zero_stage=2")
 
 
 @pytest.mark.parametrize("targets", ["all-linear", "[in_proj_qkv,q_proj]"])
