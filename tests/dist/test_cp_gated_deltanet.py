@@ -10,7 +10,8 @@ document); the cp run is the rank's two chunks with the carry passed between the
 variant runs the cp layer under non-reentrant activation checkpointing, whose recomputation replays the received
 carries (:class:`~hybridtrain.parallel.state_pass.CarryLog`).
 
-All cases run in ONE spawned world of 4 gloo ranks: on the cp group {0, 1}, then on all four. Checked per rank: the
+CI runs Qwen3.5's layer on packed rows at cp = 2 (plain and checkpointed) in a world of 2 gloo ranks; the slow
+tier every case in ONE spawned world of 4: on the cp group {0, 1}, then on all four. Checked per rank: the
 local outputs and input gradients equal the reference's at the rank's tokens, and each parameter's gradient summed
 over the cp group equals the reference's."""
 from __future__ import annotations
@@ -138,18 +139,27 @@ CASES: Dict[str, Callable] = {f"{case}-{rows}": (lambda cp, c=case, r=rows: case
 CASES["qwen3_5-packed-checkpointed"] = lambda cp: case_layer(cp, "qwen3_5", "packed", checkpointed=True)
 
 
+CI = {(2, "qwen3_5-packed"), (2, "qwen3_5-packed-checkpointed")}
+"""What CI runs, in a world of 2 ranks: Qwen3.5's layer on packed rows at cp = 2, plain and checkpointed; every
+case at cp = 2 and 4 runs in the slow tier (a world of 4 ranks)."""
+
+
 def run_cases(rank: int, world: int, emit) -> None:
-    """Child entry: every case on the cp groups of :data:`CP_GROUPS`."""
+    """Child entry: on a world of 2, the :data:`CI` cases at cp = 2; on a world of 4, every case on the cp groups
+    of :data:`CP_GROUPS`."""
     import torch.distributed as dist
 
     from hybridtrain.parallel.context import CPContext
 
-    groups = {n: dist.new_group(ranks) for n, ranks in CP_GROUPS.items()}  # every rank calls new_group, in order
-    for n, ranks in sorted(CP_GROUPS.items()):
+    degrees = {n: ranks for n, ranks in CP_GROUPS.items() if n <= world}
+    groups = {n: dist.new_group(ranks) for n, ranks in degrees.items()}  # every rank calls new_group, in order
+    for n, ranks in sorted(degrees.items()):
         if rank not in ranks:
             continue
         cp = CPContext(group=groups[n], rank=ranks.index(rank), size=n)
         for name, case in CASES.items():
+            if world == 2 and (n, name) not in CI:
+                continue
             try:
                 emit(f"cp{n}-{name}", case(cp))
             except Exception:
@@ -157,14 +167,18 @@ def run_cases(rank: int, world: int, emit) -> None:
 
 
 @pytest.fixture(scope="module")
-def world_run() -> WorldRun:
+def ci_world() -> WorldRun:
+    """The CI cases, once for the module, in one world of 2 spawned gloo ranks."""
+    return run_world(run_cases, 2, timeout_s=180, deepspeed_comm=False)
+
+
+@pytest.fixture(scope="module")
+def full_world() -> WorldRun:
     """All cases at both degrees, once for the module, in one world of 4 spawned gloo ranks."""
-    return run_world(run_cases, 4, timeout_s=240, deepspeed_comm=False)
+    return run_world(run_cases, 4, timeout_s=300, deepspeed_comm=False)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("cp", sorted(CP_GROUPS), ids=lambda n: f"cp{n}")
-def test_cp_gated_deltanet_matches_one_process(world_run: WorldRun, cp: int, case: str) -> None:
+def _assert_case(world_run: WorldRun, cp: int, case: str) -> None:
     key = f"cp{cp}-{case}"
     for rank in CP_GROUPS[cp]:
         emitted = world_run.emitted[rank]
@@ -177,3 +191,15 @@ def test_cp_gated_deltanet_matches_one_process(world_run: WorldRun, cp: int, cas
             torch.testing.assert_close(got, want, rtol=rtol, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {key}: {check}\n{m}")
     assert not world_run.problems, world_run.problem_report()
+
+
+@pytest.mark.parametrize("cp,case", sorted(CI), ids=[f"cp{n}-{c}" for n, c in sorted(CI)])
+def test_cp_gated_deltanet_matches_one_process(ci_world: WorldRun, cp: int, case: str) -> None:
+    _assert_case(ci_world, cp, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cp", sorted(CP_GROUPS), ids=lambda n: f"cp{n}")
+def test_cp_gated_deltanet_every_case_matches_one_process(full_world: WorldRun, cp: int, case: str) -> None:
+    _assert_case(full_world, cp, case)

@@ -86,6 +86,28 @@ def test_documents_are_grouped_by_length_at_every_restart():
     assert hidden.grad is not None and hidden.grad[0, 0, 0] == 3  # token 0 feeds the three sums of its document
 
 
+def test_rank_chunks_cut_the_documents_at_the_chunk_edges():
+    """cp = 2 over rows of 8: rank 0 holds chunks 0 and 3 (tokens 0-1, 6-7), rank 1 chunks 1 and 2 (2-3, 4-5). A
+    chunk continues the document before it unless one starts exactly at its first token."""
+    from hybridtrain.models.linear_attention import RankChunks
+    from hybridtrain.parallel.context import CPContext
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]])  # [B, S]: docs 3,2,3 | 2,6
+    pieces = {}
+    for rank in (0, 1):
+        chunks = RankChunks.of(pos, CPContext(rank=rank, size=2))
+        for name, chunk in zip(("first", "second"), chunks.chunks):
+            assert chunk.length == 2
+            groups = {n: sorted(zip(r.tolist(), s.tolist())) for n, r, s in chunk.groups}
+            pieces[rank, name] = (groups, chunk.continues.tolist())
+    assert pieces[0, "first"] == ({2: [(0, 0), (1, 0)]}, [False, False])  # tokens 0-1: every row starts
+    assert pieces[1, "first"] == ({1: [(0, 0), (0, 1)], 2: [(1, 0)]}, [True, False])  # 2-3: row 1 starts at 2
+    assert pieces[1, "second"] == ({1: [(0, 0), (0, 1)], 2: [(1, 0)]}, [True, True])  # 4-5: row 0 starts at 5
+    assert pieces[0, "second"] == ({2: [(0, 0), (1, 0)]}, [True, True])  # 6-7 continue both rows
+    whole = RankChunks.of(pos, CPContext(rank=1, size=2), packed=False)  # one document per row: all continue
+    assert [c.continues.tolist() for c in whole.chunks] == [[True, True], [True, True]]
+
+
 @pytest.fixture(scope="module")
 def hybrid_folders(family_folders, tmp_path_factory):
     """Qwen3.5's tiny twin and the MoE twins of Qwen3.5-MoE and Qwen3-Next (``tests/helpers/moe.py``)."""
