@@ -104,14 +104,15 @@ def _per_document_forward(module: nn.Module, hidden_states: torch.Tensor, *args,
 
 def split_documents(module: nn.Module) -> None:
     """Make ``module`` (a Gated DeltaNet, ``[B, S, H] -> [B, S, H]``) run per document when its forward is given
-    ``documents=`` (:class:`Documents`); its hooks (the tensor-parallel "f") still run once, on the whole input."""
+    ``documents=`` (:class:`Documents`), or over a cp rank's chunks (:class:`RankChunks`, ``[B, S / cp, H]``); its
+    hooks (the tensor-parallel "f") still run once, on the whole input."""
     module.forward = functools.partial(_per_document_forward, module)
 
 
 @dataclass(frozen=True)
 class ChunkPieces:
-    """The pieces of documents inside one chunk ``[start, start + length)`` of every row, grouped by length as
-    :class:`Documents` groups documents (``starts`` relative to the chunk)."""
+    """The pieces of documents inside one chunk of ``length`` tokens of every row, grouped by length as
+    :class:`Documents` groups documents (``starts`` relative to the chunk's first token)."""
 
     length: int
     groups: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]
