@@ -22,10 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
-from hybridtrain.models.linear_attention import Documents, split_documents
+from hybridtrain.models.linear_attention import Documents, RankChunks, split_documents
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import CPContext
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+from hybridtrain.parallel.state_pass import CarryLog
 from hybridtrain.parallel.slicing import Split
 
 # Every layer below has ``hf_params()``: ``(HF name, parameter, Split)`` for what it holds, so a
@@ -156,14 +157,17 @@ class BlockInputs:
             made = self._made[sliding] = (key, pos, self._make(hidden, pos, sliding, rotary))
         return made[2]
 
-    def documents(self, pos: torch.Tensor) -> Documents | None:
-        """The documents of packed rows with position ids ``pos`` (``None``: one per row, or rows built unpacked), made
-        once per micro-batch for a stage's linear-attention blocks (:class:`~hybridtrain.models.linear_attention.Documents`)."""
-        if not self.packed:
+    def documents(self, pos: torch.Tensor) -> Documents | RankChunks | None:
+        """The documents of packed rows with the whole rows' position ids ``pos`` (``None``: one per row, or rows built
+        unpacked), made once per micro-batch for a stage's linear-attention blocks
+        (:class:`~hybridtrain.models.linear_attention.Documents`); at cp > 1 this rank's chunks of the rows and their
+        pieces of documents (:class:`~hybridtrain.models.linear_attention.RankChunks`)."""
+        if not self.packed and self.cp.size == 1:
             return None
         made = self._made.get("documents")
         if made is None or made[1] is not pos:
-            made = self._made["documents"] = (None, pos, Documents.of(pos))
+            docs = RankChunks.of(pos, self.cp, self.packed) if self.cp.size > 1 else Documents.of(pos)
+            made = self._made["documents"] = (None, pos, docs)
         return made[2]
 
     def _make(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
@@ -232,6 +236,7 @@ class DecoderBlock(nn.Module):
         self.checkpointing = builder.activation_checkpointing
         # a linear-attention block (Gated DeltaNet) has no mask, and its mixer runs packed rows per document
         self.linear = builder.family.is_linear_attention(self.variant)
+        self.carries = self.linear and builder.cp.size > 1  # its mixer passes a carry between the cp ranks
         if self.linear:
             split_documents(self.block.get_submodule(builder.family.linear_attention.module))
         attention = None if self.linear else self.block.get_submodule(builder.family.attention)
@@ -267,24 +272,29 @@ class DecoderBlock(nn.Module):
         return [(f"{self.hf_prefix}.{name}", held[name]) for name in self.family.saved_buffers if name in held]
 
 
-    def _run(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _run(self, hidden: torch.Tensor, pos: torch.Tensor, log: CarryLog | None = None) -> torch.Tensor:
         args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary)
         if self.linear:
-            return self._run_linear(hidden, local_pos, cos_sin)
+            return self._run_linear(hidden, pos, cos_sin, log)
         if cos_sin is None:
             return self.block(hidden, **args)
         return self.block(hidden, position_ids=local_pos, position_embeddings=cos_sin, **args)
 
-    def _run_linear(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: tuple | None) -> torch.Tensor:
+    def _run_linear(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: tuple | None,
+                    log: CarryLog | None = None) -> torch.Tensor:
         """A linear-attention block: no mask (its model gives it none without padding); in packed rows its mixer runs
-        once per document, so each starts from a zero recurrent state and conv window; the block passes ``documents``
-        on to it (:mod:`~hybridtrain.models.linear_attention`)."""
+        once per document, so each starts from a zero recurrent state and conv window; at cp > 1 over the rank's
+        chunks with the carry passed between the ranks (``log``: the carries to replay when activation checkpointing
+        recomputes the block); the block passes ``documents`` on to it (:mod:`~hybridtrain.models.linear_attention`).
+        ``pos``: the whole rows' position ids."""
+        if self.carries:
+            return self.block(hidden, position_embeddings=cos_sin, documents=self.inputs.documents(pos), carry_log=log)
         return self.block(hidden, position_embeddings=cos_sin, documents=self.inputs.documents(pos))
 
-    def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _run_routed(self, hidden: torch.Tensor, pos: torch.Tensor, log: CarryLog | None = None) -> tuple[torch.Tensor, ...]:
         """The block and its router's ``(P, C)`` of this forward (recomputed alike under checkpointing)."""
         with self.tap.capture() as logits:
-            out = self._run(hidden, pos)
+            out = self._run(hidden, pos, log)
         assert len(logits) == 1, f"{self.hf_prefix}: the router ran {len(logits)} times in one forward"
         return (out, *moe.layer_sums(logits[0], self.top_k))
 
@@ -292,7 +302,8 @@ class DecoderBlock(nn.Module):
         hidden, pos, *sums = x  # [B, S, H], [B, S] (, P [E], C [E])
         run = self._run_routed if self.tap is not None else self._run
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            out = checkpoint(run, hidden, pos, use_reentrant=False)
+            # a fresh log per forward: the recomputation replays the carries this forward receives
+            out = checkpoint(run, hidden, pos, CarryLog() if self.carries else None, use_reentrant=False)
         else:
             out = run(hidden, pos)
         if self.tap is None:

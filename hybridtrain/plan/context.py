@@ -60,3 +60,15 @@ def check_context_parallel(cfg: Any, family: Any, hf_config: Any) -> int:
                         f"transformers' attention functions, which parallel.cp={cp} wraps; set it to false or "
                         "use model.attn_implementation=sdpa")
     return cp
+
+
+def check_recurrent_context_parallel(family: Any, cp: int, zero_stage: int) -> None:
+    """A hybrid linear-attention model (Gated DeltaNet) at cp > 1 passes each block's recurrent state from cp
+    rank to cp rank inside the block (:mod:`hybridtrain.parallel.state_pass`): a rank waits there for the rank
+    before it. ZeRO-3 gathers a layer's parameters over the data axis (dp x cp) as each of its modules starts,
+    so the first rank would wait in that gather for a rank that waits for its state: refused."""
+    if cp > 1 and zero_stage == 3 and getattr(family, "linear_attention", None) is not None:
+        raise PlanError("parallel.zero_stage", f"parallel.zero_stage=3 with parallel.cp={cp}: {family.model_type}'s "
+                        "Gated DeltaNet blocks pass their recurrent state from cp rank to cp rank, one after the "
+                        "other, while ZeRO-3 gathers each module's parameters over dp x cp as it starts; use "
+                        "parallel.zero_stage=2 (or 1), or parallel.cp=1")

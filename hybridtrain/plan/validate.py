@@ -15,7 +15,7 @@ from hybridtrain.models.families import padded_vocab, tp_divisible
 from hybridtrain.parallel.dims import ParallelDims, data_parallel_degree
 from hybridtrain.models.units import model_units, split_around_blocks
 from hybridtrain.models.units import names as unit_names
-from hybridtrain.plan.context import check_context_parallel
+from hybridtrain.plan.context import check_context_parallel, check_recurrent_context_parallel
 from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.objective import check_objective
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
@@ -222,6 +222,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(par.pp == 1 or zero <= 1, "parallel.zero_stage",
           f"zero_stage={zero} with parallel.pp={par.pp}: DeepSpeed's pipeline engine supports "
           "ZeRO 0 and 1 only; use parallel.zero_stage=1, or pp=1 for ZeRO-2/3")
+    check_recurrent_context_parallel(family, cp, zero)
     _need(tr.precision != "fp16" or machine.fp16_supported, "trainer.precision",
           "fp16 is not supported on this device (no GPU / no CPU fp16 kernels); use bf16 or fp32")
     where = f"launcher.gpu_type={machine.gpu_type}" if machine.gpu_type else "this machine's GPU"

@@ -118,14 +118,10 @@ CP_CI = {"gemma2"}
 embedding scale, the logit soft-cap); every other family in the slow tier."""
 
 
-NO_CP = {"qwen3_5_text"}
-"""Families the plan refuses at cp > 1 (``Family.context_parallel``: Gated DeltaNet's recurrent state would have to
-pass between cp ranks); the refusal is tested in tests/unit/test_qwen3_5.py."""
-
-
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in CP_CI else [pytest.mark.slow])
-                                    for f in NEW if f not in NO_CP])
+                                    for f in NEW])
 def test_family_context_parallel_equals_transformers(family, family_folders, oracle, tmp_path):
     """cp = 2 x tp = 2 (issue 31.1): each rank's chunks of every row, the attention over the gathered keys and
-    values; transformers' losses and gradient norms, and the export's logits gathered over cp and tp."""
+    values (Qwen3.5's Gated DeltaNet blocks pass their state between the cp ranks, issue 42.4); transformers'
+    losses and gradient norms, and the export's logits gathered over cp and tp."""
     _check_run(family, (1, 2, 1), family_folders, oracle, tmp_path, "parallel.cp=2")

@@ -1,5 +1,5 @@
 """Qwen3.5 (Gated DeltaNet beside gated full attention) without processes: what this version refuses, each refusal
-naming its key and the fix (context parallelism, LoRA on ``linear_attn``), what LoRA may adapt, and the document
+naming its key and the fix (ZeRO-3 with context parallelism, LoRA on ``linear_attn``), what LoRA may adapt, and the document
 grouping of packed rows that the Gated DeltaNet blocks run per document (``hybridtrain/models/linear_attention.py``).
 The exactness tests are with the other families' (``tests/unit/test_family_logits.py``, ``test_packing.py``,
 ``tests/dist/test_tp_layers.py``, ``test_family_layouts.py``, ``test_packing_layouts.py``)."""
@@ -20,12 +20,22 @@ def _resolve(folder, *overrides: str):
     return resolve(cfg, CPU)
 
 
-def test_context_parallel_is_refused_naming_the_key(family_folders):
+@pytest.mark.parametrize("folders,family", [("family_folders", "qwen3_5_text"), ("hybrid_folders", "qwen3_5_moe_text"),
+                                             ("hybrid_folders", "qwen3_next")])
+def test_context_parallel_is_planned(folders, family, request):
+    """cp > 1 runs (the Gated DeltaNet state passes between the cp ranks: tests/dist/test_cp_gated_deltanet.py)."""
+    plan, _ = _resolve(request.getfixturevalue(folders)[family], "data.seq_len=32", "parallel.cp=2", "parallel.tp=2")
+    assert (plan.dims.cp, plan.dims.tp) == (2, 2)
+
+
+def test_context_parallel_with_zero3_is_refused_naming_the_key(family_folders):
     with pytest.raises(PlanError) as info:
-        _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2")
-    assert info.value.key == "parallel.cp"
-    assert "qwen3_5_text cannot run with context parallelism in this version: its Gated DeltaNet" in str(info.value)
-    assert "use parallel.cp=1" in str(info.value)
+        _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2", "parallel.zero_stage=3")
+    assert info.value.key == "parallel.zero_stage"
+    message = str(info.value)
+    assert "qwen3_5_text's Gated DeltaNet blocks pass their recurrent state from cp rank to cp rank" in message
+    assert "use parallel.zero_stage=2 (or 1), or parallel.cp=1" in message
+    _resolve(family_folders["qwen3_5_text"], "data.seq_len=32", "parallel.cp=2", "parallel.zero_stage=2")
 
 
 @pytest.mark.parametrize("targets", ["all-linear", "[in_proj_qkv,q_proj]"])
@@ -74,6 +84,28 @@ def test_documents_are_grouped_by_length_at_every_restart():
     torch.testing.assert_close(out[1], torch.cat([hidden[1, 0:2].cumsum(0), hidden[1, 2:8].cumsum(0)]))
     out.sum().backward()
     assert hidden.grad is not None and hidden.grad[0, 0, 0] == 3  # token 0 feeds the three sums of its document
+
+
+def test_rank_chunks_cut_the_documents_at_the_chunk_edges():
+    """cp = 2 over rows of 8: rank 0 holds chunks 0 and 3 (tokens 0-1, 6-7), rank 1 chunks 1 and 2 (2-3, 4-5). A
+    chunk continues the document before it unless one starts exactly at its first token."""
+    from hybridtrain.models.linear_attention import RankChunks
+    from hybridtrain.parallel.context import CPContext
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]])  # [B, S]: docs 3,2,3 | 2,6
+    pieces = {}
+    for rank in (0, 1):
+        chunks = RankChunks.of(pos, CPContext(rank=rank, size=2))
+        for name, chunk in zip(("first", "second"), chunks.chunks):
+            assert chunk.length == 2
+            groups = {n: sorted(zip(r.tolist(), s.tolist())) for n, r, s in chunk.groups}
+            pieces[rank, name] = (groups, chunk.continues.tolist())
+    assert pieces[0, "first"] == ({2: [(0, 0), (1, 0)]}, [False, False])  # tokens 0-1: every row starts
+    assert pieces[1, "first"] == ({1: [(0, 0), (0, 1)], 2: [(1, 0)]}, [True, False])  # 2-3: row 1 starts at 2
+    assert pieces[1, "second"] == ({1: [(0, 0), (0, 1)], 2: [(1, 0)]}, [True, True])  # 4-5: row 0 starts at 5
+    assert pieces[0, "second"] == ({2: [(0, 0), (1, 0)]}, [True, True])  # 6-7 continue both rows
+    whole = RankChunks.of(pos, CPContext(rank=1, size=2), packed=False)  # one document per row: all continue
+    assert [c.continues.tolist() for c in whole.chunks] == [[True, True], [True, True]]
 
 
 @pytest.fixture(scope="module")

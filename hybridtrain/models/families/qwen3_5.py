@@ -24,8 +24,9 @@ key head over ``Hv / Hk`` consecutive value heads). So:
 
 transformers' own plan gathers every linear-attention output (``colwise_gather_output``); these rules replace it.
 The blocks take no mask (the recurrence is causal by construction) and keep packed documents apart by running the
-mixer per document (:mod:`hybridtrain.models.linear_attention`). Context parallelism would need the recurrent and
-conv states passed between ranks, which this version does not do (refused). LoRA adapts the Gated DeltaNet
+mixer per document (:mod:`hybridtrain.models.linear_attention`). Under context parallelism the full-attention blocks
+gather keys and values as every family's do, and each Gated DeltaNet block passes its recurrent state and conv
+window from cp rank to cp rank in sequence order (:mod:`hybridtrain.parallel.state_pass`). LoRA adapts the Gated DeltaNet
 projections as peft's ``all-linear`` does (``in_proj_qkv`` split block by block like its weight).
 """
 from hybridtrain.models.families.base import Family, LinearAttention, TPRule
@@ -53,9 +54,6 @@ GATED_DELTANET_PER_RANK = ("linear_attn.key_dim", "linear_attn.value_dim", "line
                            "linear_attn.num_v_heads", "linear_attn.conv_dim")
 """``linear_attn``'s sizes divided by tp (its forward splits q | k | v by ``key_dim`` and ``value_dim``)."""
 
-CONTEXT_PARALLEL = ("its Gated DeltaNet layers carry a recurrent state and a conv window along the row, which "
-                    "would have to pass from each context-parallel rank to the next")
-
 UNVERIFIED_LORA = ("adapters on its Gated DeltaNet projections are not yet proven equal to peft's; Qwen3.5's dense "
                    "model (qwen3_5_text) is")
 """Why the MoE hybrids (Qwen3.5-MoE, Qwen3-Next) refuse LoRA on ``linear_attn``."""
@@ -74,7 +72,6 @@ FAMILY = Family(
     variant_heads_per_rank_attrs={"linear_attention": GATED_DELTANET_PER_RANK},
     linear_attention=LinearAttention(),
     tp_divides=("linear_num_key_heads", "linear_num_value_heads"),
-    context_parallel=CONTEXT_PARALLEL,
     attn_implementations=("sdpa", "eager"),
     dropout_keys=("attention_dropout",),
 )

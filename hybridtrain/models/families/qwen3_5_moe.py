@@ -8,7 +8,7 @@ and the shared expert's gate replicated outside the tensor-parallel region, the 
 its own "f". Every block routes (no dense variant); the variants are the layer types.
 """
 from hybridtrain.models.families.base import EXPERTS_RULES, SHARED_EXPERT_RULES, Family, LinearAttention, MoE
-from hybridtrain.models.families.qwen3_5 import (CONTEXT_PARALLEL, GATED_DELTANET_PER_RANK, GATED_DELTANET_RULES,
+from hybridtrain.models.families.qwen3_5 import (GATED_DELTANET_PER_RANK, GATED_DELTANET_RULES,
                                                  LINEAR_ATTENTION_RULES, UNVERIFIED_LORA)
 
 FAMILY = Family(
@@ -30,7 +30,6 @@ FAMILY = Family(
     variant_heads_per_rank_attrs={"linear_attention": GATED_DELTANET_PER_RANK},
     linear_attention=LinearAttention(),
     tp_divides=("linear_num_key_heads", "linear_num_value_heads"),
-    context_parallel=CONTEXT_PARALLEL,
     unverified_lora={"linear_attn": UNVERIFIED_LORA},
     attn_implementations=("sdpa", "eager"),
     moe=MoE(shared_width="shared_expert_intermediate_size"),

@@ -15,7 +15,7 @@ and ``full_attention_dense``: their MLP split like a dense model's, "f" on ``mlp
 """
 from hybridtrain.models.families.base import (DENSE_MLP_RULES, EXPERTS_RULES, NO_SHARED_EXPERT, SHARED_EXPERT_RULES,
                                               Family, LinearAttention, MoE, TPRule)
-from hybridtrain.models.families.qwen3_5 import CONTEXT_PARALLEL, FULL_ATTENTION, GATED_DELTANET_PER_RANK, UNVERIFIED_LORA
+from hybridtrain.models.families.qwen3_5 import FULL_ATTENTION, GATED_DELTANET_PER_RANK, UNVERIFIED_LORA
 from hybridtrain.models.families.qwen3_moe import dense_layers
 
 GATED_DELTANET_RULES: dict = {
@@ -64,7 +64,6 @@ FAMILY = Family(
                                   "linear_attention_dense": GATED_DELTANET_PER_RANK},
     linear_attention=LinearAttention(),
     tp_divides=("linear_num_key_heads", "linear_num_value_heads"),
-    context_parallel=CONTEXT_PARALLEL,
     unverified_lora={"linear_attn": UNVERIFIED_LORA},
     attn_implementations=("sdpa", "eager"),
     moe=MoE(dense_layers=dense_layers, shared_width="shared_expert_intermediate_size"),
