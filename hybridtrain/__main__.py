@@ -116,7 +116,7 @@ def run(cfg: DictConfig) -> int:
     if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
             with delivered():  # a Ctrl-C in a weakref callback still interrupts
-                prepared = prepare(typed.data, typed.trainer.seed)
+                prepared = prepare(typed.data, typed.trainer.seed, reward=typed.finetune.objective == "reward")
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
             typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
         except PlanError as err:

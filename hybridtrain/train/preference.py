@@ -142,4 +142,5 @@ def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
         return {}
     sums = collectives.all_reduce(sums, built.engine.device).cpu()
     count = max(float(sums[-1]), 1.0)
-    return {name: float(sums[k]) / count for k, name in enumerate(STATS)}
+    names = getattr(built.objective, "names", STATS)  # a reward model's: RewardLoss.names
+    return {name: float(sums[k]) / count for k, name in enumerate(names)}
