@@ -13,7 +13,7 @@ METRICS = ("accuracy", "margin", "mean_reward")
 
 
 def overrides(folder: Path, pairs: Path, *, steps: int, batch: int, lr: float, seed: int,
-              center: float | None = None, seq_len: int = 128) -> list[str]:
+              center: float | None = None, seq_len: int = 128, save: bool = False) -> list[str]:
     """A hybridtrain run that trains as :func:`trl_run` does: constant lr (no warmup, no decay), AdamW with
     TRL's betas 0.9/0.999 and no weight decay, gradients clipped to norm 1."""
     return [f"model.pretrained={folder}", "data=files", f"data.path={pairs}", "data.format=preference",
@@ -21,7 +21,7 @@ def overrides(folder: Path, pairs: Path, *, steps: int, batch: int, lr: float, s
             *([f"finetune.reward.center_rewards_coefficient={center}"] if center is not None else []),
             f"trainer.global_batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.seed={seed}",
             f"optim.lr={lr}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "optim.weight_decay=0.0",
-            "optim.betas=[0.9,0.999]", "optim.grad_clip=1.0", "trainer.save_final=false"]
+            "optim.betas=[0.9,0.999]", "optim.grad_clip=1.0", f"trainer.save_final={str(save).lower()}"]
 
 
 def trl_trainer(folder: Path, records: list[dict], out: Path, *, steps: int, batch: int, lr: float, seed: int,
