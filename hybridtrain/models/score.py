@@ -35,8 +35,8 @@ def initial_score(hf_model: nn.Module, hidden: int, seed: int, weights: Any = No
         if tuple(tensor.shape) != (1, hidden):
             from hybridtrain.models.weights import CheckpointError
 
-            raise CheckpointError(f"{weights.folder}: {SCORE} has shape {tuple(tensor.shape)}, but a reward model's "
-                                  f"head is [1, {hidden}] (num_labels=1)")
+            raise CheckpointError(f"{weights.folder}: {SCORE} has shape {tuple(tensor.shape)}, "
+                                  f"but a reward model's head is [1, {hidden}] (num_labels=1)")
         return tensor.float()
     score = nn.Linear(hidden, 1, bias=False)
     with torch.random.fork_rng(devices=[]):  # as from_pretrained after set_seed(seed): the first draw
