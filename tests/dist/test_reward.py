@@ -3,7 +3,7 @@ the export is a folder ``AutoModelForSequenceClassification`` loads with TRL's s
 
 Per step: the loss, TRL's ``accuracy``, ``margin`` and ``mean_reward`` and the gradient norm, on the same tiny
 ``save_pretrained`` folder, records, order, batch, lr and seed (TRL's new ``score`` head is hybridtrain's: both
-draw it from ``trainer.seed``, ``tests/unit/test_reward.py``). Tolerances: 1e-4 relative for the loss and the
+draw it from ``trainer.seed``, ``tests/unit/test_reward_model.py``). Tolerances: 1e-4 relative for the loss and the
 gradient norm against TRL, 1e-3 for the gradient norm across layouts; the rewards are scores near 0.1, compared
 to 1e-4 relative or 1e-6 absolute; the accuracy exactly.
 """

@@ -22,7 +22,13 @@ from hybridtrain.plan.machine import machine_facts
 
 from helpers.config import compose
 from helpers.data import write_jsonl
-from test_preference_data import CHAT
+
+CHAT = [{"prompt": [{"role": "user", "content": "Who made the light?"}],
+         "chosen": [{"role": "assistant", "content": "God said, Let there be light."}],
+         "rejected": [{"role": "assistant", "content": "Nobody at all"}]},
+        {"prompt": [{"role": "system", "content": "You recite scripture."}, {"role": "user", "content": "And then?"}],
+         "chosen": [{"role": "assistant", "content": "And there was light."}],
+         "rejected": [{"role": "assistant", "content": "Darkness"}]}]
 
 REWARD = ("data.format=preference", "finetune.objective=reward")
 
