@@ -48,6 +48,9 @@ def check_reward(cfg: Config, family: Any, hf_config: Any) -> None:
         raise PlanError(f"model.config.{family.moe.aux_on}",
                         f"reward: {name} adds no router load-balancing loss, so a reward model trains without it; "
                         f"set model.config.{family.moe.aux_on}=false")
+    _need(not cfg.trainer.save_logits, "trainer.save_logits",
+          "a reward model has no logits to save (its head gives one score per token); set trainer.save_logits=false "
+          "(an export is checked by its scores: AutoModelForSequenceClassification, docs/preference.md)")
     coefficient = cfg.finetune.reward.center_rewards_coefficient
     _need(coefficient is None or coefficient >= 0, "finetune.reward.center_rewards_coefficient",
           f"must be >= 0 or null (the weight of mean((r_chosen + r_rejected)^2)), got {coefficient}")

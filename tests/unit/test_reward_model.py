@@ -141,6 +141,8 @@ def test_the_loss_is_trls_bradley_terry_with_centring():
                  "validation of finetune.objective=reward is not supported yet", id="validation"),
     pytest.param(REWARD + ("finetune.method=lora",), "finetune.method",
                  "lora with finetune.objective=reward is not supported yet", id="lora"),
+    pytest.param(REWARD + ("trainer.save_logits=true",), "trainer.save_logits", "a reward model has no logits to save",
+                 id="save_logits"),
     pytest.param(REWARD + ("finetune.reward.center_rewards_coefficient=-1",),
                  "finetune.reward.center_rewards_coefficient", "must be >= 0 or null", id="center"),
     pytest.param(REWARD + ("+recipe=llama_tiny", "model=olmoe"), "finetune.objective",
