@@ -191,6 +191,16 @@ def data_changes(saved: dict, now: dict) -> list[str]:
     return changes
 
 
+def _refuse_margins(cfg: DataConfig, *splits) -> None:
+    """A reward model's records must not hold TRL's ``margin`` field: ``RewardTrainer`` subtracts it from each
+    pair's reward difference, which ``finetune.objective=reward`` does not (yet), so it would train another model."""
+    if any("margin" in ds.column_names for ds in splits):
+        raise PlanError("data.name" if str(cfg.source) == "hf" else "data.path",
+                        "the records have a 'margin' field, which TRL's RewardTrainer subtracts from each pair's reward "
+                        "difference; finetune.objective=reward does not read it yet (it would train another model "
+                        "than TRL's); remove the field")
+
+
 def _check_field(ds, name: str, key: str) -> None:
     if name not in ds.column_names:
         raise PlanError(key, f"the records have no field {name!r}; their fields are {ds.column_names}; "
@@ -367,6 +377,8 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
             _check_field(raw.train, name, key)
             if raw.val is not None:
                 _check_field(raw.val, name, key)
+        if reward:
+            _refuse_margins(cfg, *(ds for ds in (raw.train, raw.val) if ds is not None))
         skipped = {}
         train, skipped["train"] = invalid.screen(raw.train, raw.origins["train"], cfg, "train")
         val = raw.val

@@ -112,6 +112,17 @@ def test_a_pair_longer_than_seq_len_counts_every_token(tmp_path):
     assert info.value.key == "data.seq_len" and f"the longest such pair takes {whole} tokens" in str(info.value)
 
 
+def test_records_with_a_margin_field_are_refused(tmp_path):
+    """TRL subtracts a record's ``margin`` from its reward difference; hybridtrain does not read it: refused."""
+    records = [dict(r, margin=0.5) for r in preference_pairs(4)]
+    cfg = DataConfig(source="files", path=str(write_jsonl(tmp_path / "p.jsonl", records)), format="preference",
+                     cache_dir=str(tmp_path / "cache"), seq_len=96)
+    prep.prepare(cfg, 0, log=lambda _: None)  # DPO has no margin: the field is not read
+    with pytest.raises(PlanError) as info:
+        prep.prepare(cfg, 0, log=lambda _: None, reward=True)
+    assert info.value.key == "data.path" and "the records have a 'margin' field" in str(info.value)
+
+
 def test_the_loss_is_trls_bradley_terry_with_centring():
     from types import SimpleNamespace
 
