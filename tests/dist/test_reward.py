@@ -122,3 +122,19 @@ def test_zero_stages_equal_one_process(stage, single, hf_checkpoints, pairs, tmp
     """ZeRO partitions the optimizer (1), the gradients (2) and the parameters (3, the head's too) over dp = 2."""
     ours = run(tmp_path, "llama", hf_checkpoints["llama"], pairs[1], (2, 1, 1, 1), (f"parallel.zero_stage={stage}",))
     check_steps(ours, single[0], grad_rel=1e-3)
+
+
+@pytest.mark.slow
+def test_resume_under_another_layout_trains_the_same_steps(hf_checkpoints, pairs, tmp_path):
+    """A checkpoint of step 2 at (1,1,1,1), resumed at tp = 2 (the head and its AdamW moments read back by HF
+    name): steps 3 and 4 are the uninterrupted run's."""
+    kw = dict(KW, steps=4)
+    base = ("model=llama", *overrides(hf_checkpoints["llama"], pairs[1], **kw), f"data.cache_dir={tmp_path / 'cache'}")
+    run_cli(tmp_path / "full", *base, "trainer.save_every=2")
+    run_cli(tmp_path / "resumed", *base, "parallel.tp=2",
+            f"trainer.resume={RunDir(tmp_path / 'full').checkpoints / 'step_2'}")
+    full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [3, 4]
+    for a, b in zip(resumed, full[2:]):
+        assert _close(a["loss"], b["loss"], 1e-4) and _close(a["grad_norm"], b["grad_norm"], 1e-3), (a, b)
+        assert _close(a["margin"], b["margin"], 1e-4, 1e-6), (a, b)
