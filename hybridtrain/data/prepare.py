@@ -112,8 +112,9 @@ def options(cfg: DataConfig, seed: int, reward: bool = False) -> dict:
     ``seq_len`` only matters for ``rows`` (packed blocks are cut when read), and the seed only
     when it splits off validation records; ``reward``: pairs as whole scored sequences.
     """
-    opts = {"pairs": "scored"} if reward else {}
-    opts |= {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
+    opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
+    if reward:  # finetune.objective=reward: other rows of the same records than DPO's
+        opts["pairs"] = "scored"
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
                  "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]},
                  "preference": {"fields": list(preference.fields(cfg))}}[cfg.format])
@@ -227,8 +228,8 @@ def _map_fn(cfg: DataConfig, tokenizer, reward: bool = False) -> tuple[Callable,
         return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
                                    "split": mode is Packing.documents}
     if cfg.format == "preference":
-        return preference.scored_rows if reward else preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
-                                      "pad_id": _pad_id(tokenizer)}
+        rows = preference.scored_rows if reward else preference.pair_rows
+        return rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len, "pad_id": _pad_id(tokenizer)}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
