@@ -21,6 +21,7 @@ from hybridtrain.plan import PlanError, resolve
 from hybridtrain.plan.machine import machine_facts
 
 from helpers.config import compose
+from helpers.families import SEQ, TINY, VOCAB, one_process_model_of
 from helpers.data import write_jsonl
 
 CHAT = [{"prompt": [{"role": "user", "content": "Who made the light?"}],
@@ -58,6 +59,39 @@ def test_the_head_starts_as_transformers_adds_it_under_set_seed(family, tmp_path
     AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=2).save_pretrained(str(tmp_path / "two"))
     with pytest.raises(CheckpointError, match=r"but a reward model's head is \[1, "):
         initial_score(meta_model(config), hidden, 6, SafetensorsWeights(tmp_path / "two"))
+
+
+INIT_DIFFERS = {"qwen3_5_text"}
+"""Families whose ``from_pretrained`` draws other random values before the new head (Qwen3.5's linear-attention
+parameters), so the head ``set_seed(seed)`` gives there is not the generator's first draw; hybridtrain's is."""
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_every_familys_scores_equal_its_sequence_classifier(family, family_folders):
+    """hybridtrain's one-process reward model (the head on the final norm's output) of each family's tiny folder
+    gives ``AutoModelForSequenceClassification``'s pooled scores, fp32, 1e-5 relative; the head is the one
+    transformers draws after ``set_seed`` but in :data:`INIT_DIFFERS` (there both take hybridtrain's); the classifier
+    has the causal LM's tensor names plus ``score.weight`` (what the export writes)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
+
+    folder = family_folders[family]
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))  # [B, S]
+    ids[1, SEQ - 5:] = 0  # a shorter second row, right-padded with the pad (= EOS) token 0
+    ours = one_process_model_of(folder, "finetune.objective=reward", "data.format=preference", "trainer.seed=5").eval()
+    with torch.no_grad():
+        scores = ours.outputs(ids)  # [B, S]: every token's score
+    set_seed(5)
+    theirs = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=1, dtype=torch.float32,
+                                                                pad_token_id=0).eval()
+    head = ours.head.weight.detach()
+    assert torch.equal(head, theirs.score.weight.detach()) is (family not in INIT_DIFFERS)
+    with torch.no_grad():
+        theirs.score.weight.copy_(head)  # a no-op but in INIT_DIFFERS
+        want = theirs(input_ids=ids).logits.squeeze(-1)  # [B]
+    got = scores[torch.arange(2), torch.tensor([SEQ - 1, SEQ - 6])]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (family, got, want)
+    causal = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert set(theirs.state_dict()) - {"score.weight"} == {n for n in causal.state_dict() if not n.startswith("lm_head")}
 
 
 def test_score_index_is_where_transformers_pools():
