@@ -129,7 +129,8 @@ def attach_reference(cfg: Any, plan: Any, built: Any, samples: Any, data_dir: st
 
 
 def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
-    """TRL's per-step metrics (:data:`~hybridtrain.objectives.dpo.STATS`), means over the step's pairs, on a
+    """TRL's per-step metrics (:data:`~hybridtrain.objectives.dpo.STATS`, or the objective's ``names``: a reward
+    model's :data:`~hybridtrain.objectives.reward.STATS`), means over the step's pairs, on a
     log step (every rank calls it after every step; one all-reduce over the world on log steps). The ranks
     that computed no loss add zeros; the tp and cp ranks of one replica, which all hold the same values, count
     their pairs as often as their sums, so the means are exact."""
