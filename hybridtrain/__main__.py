@@ -135,7 +135,7 @@ def _prepared_data(typed, plan, hf_config, machine, preloader, run_dir):
     if typed.launcher.dry_run or _deferred(typed):
         return None
     with delivered():  # a Ctrl-C in a weakref callback still interrupts
-        prepared = prepare(typed.data, typed.trainer.seed)
+        prepared = prepare(typed.data, typed.trainer.seed, reward=typed.finetune.objective == "reward")
     n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
     typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
     print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"

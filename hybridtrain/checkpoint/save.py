@@ -192,10 +192,15 @@ def _write(built, cfg, plan, hf_config, step: int, run_dir: Path, tokenizer_path
         extra(tmp)
     collectives.barrier(device)
     if rank == 0:
+        run = RunDir(run_dir)
+        if str(cfg.finetune.objective) == "reward":  # a ...ForSequenceClassification folder, pooling at the pad id
+            from hybridtrain.plan.reward import classifier_config
+
+            pad_id = json.loads(run.data_file.read_text()).get("pad_id", 0) if run.data_file.is_file() else 0
+            hf_config = classifier_config(hf_config, pad_id)
         write_hf_metadata(ckpt.hf, hf_config, tokenizer_path)
         if lora is not None:
             write_adapter_config(ckpt.adapter, lora, cfg, hf_config)
-        run = RunDir(run_dir)
         shutil.copy2(run.config_file, ckpt.config_file)
         shutil.copy2(run.plan_file, ckpt.plan_file)
         meta = {"step": step, "samples_seen": step * plan.global_batch_size,

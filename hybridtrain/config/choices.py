@@ -149,6 +149,9 @@ class Objective(Choice):
     """The token cross-entropy of every data format."""
     dpo = "dpo"
     """Direct preference optimisation over ``data.format=preference`` pairs, TRL's ``DPOTrainer`` losses."""
+    reward = "reward"
+    """A Bradley-Terry reward model over ``data.format=preference`` pairs: a scalar head on each sequence's last
+    token, TRL's ``RewardTrainer`` loss (``docs/preference.md#reward-models``)."""
 
 
 GpuType = Choice("GpuType", [(name, name) for name in GPU_TYPES], module=__name__, qualname="GpuType")

@@ -491,6 +491,16 @@ class DPOConfig:
 
 
 @dataclass
+class RewardConfig:
+    """The reward model of ``finetune.objective=reward``, with TRL's ``RewardConfig`` names and meanings
+    (``docs/preference.md#reward-models``)."""
+
+    center_rewards_coefficient: Optional[float] = None
+    """Adds ``coefficient x mean((r_chosen + r_rejected)^2)`` over the batch's pairs to the loss, pulling the
+    rewards towards mean zero (TRL's ``center_rewards_coefficient``); ``null``: no such term."""
+
+
+@dataclass
 class FinetuneConfig:
     """Which parameters train: all of them, or LoRA adapters on a frozen base (``docs/finetuning.md``)."""
 
@@ -500,8 +510,10 @@ class FinetuneConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     objective: Objective = Objective.sft
     """``sft``: the token cross-entropy; ``dpo``: a preference loss of ``finetune.dpo`` over
-    ``data.format=preference`` pairs (``docs/preference.md``)."""
+    ``data.format=preference`` pairs (``docs/preference.md``); ``reward``: a reward model (a scalar head on
+    each sequence's last token) over the same pairs, ``finetune.reward``."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 @dataclass

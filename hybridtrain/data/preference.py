@@ -17,6 +17,12 @@ chosen document's tokens in the row) tells the loss which document a token belon
 A pair that does not fit (``(len(prompt + chosen) - 1) + (len(prompt + rejected) - 1) > seq_len``: each
 document is its tokens but the last, whose next token does not exist) or whose completion tokenizes to
 nothing is refused by :func:`screen`, naming the file and record, or counted with ``data.skip_invalid``.
+
+``finetune.objective=reward`` takes the same records as whole sequences instead (``whole=True``,
+:func:`scored_rows`): a reward model reads every token of ``prompt + chosen`` (TRL's ``RewardTrainer``
+tokenizes exactly ``prompt + chosen``, EOS appended to text, the same ids as above) and scores it at its last
+token that is not the pad token (transformers' ``...ForSequenceClassification``); such a pair takes
+``len(prompt + chosen) + len(prompt + rejected)`` tokens of its row.
 """
 from __future__ import annotations
 
@@ -86,27 +92,28 @@ def pair_tokens(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list
     return len(prompt_ids) + len(chosen_ids) - 1 + len(prompt_ids) + len(rejected_ids) - 1
 
 
-def pair_problem(tokenizer, prompt: Any, chosen: Any, rejected: Any, seq_len: int) -> tuple[str, str, int] | None:
+def pair_problem(tokenizer, prompt: Any, chosen: Any, rejected: Any, seq_len: int,
+                 whole: bool = False) -> tuple[str, str, int] | None:
     """``(key, problem, tokens)`` that keeps a record (whose fields passed :mod:`hybridtrain.data.invalid`)
-    from training, or ``None``."""
+    from training, or ``None``; ``whole``: as the whole sequences of :func:`scored_rows`."""
     if _mixed(prompt, chosen, rejected):
         return "data.prompt_field", "prompt, chosen and rejected mix text and message lists", 0
     p, c, r = pair_ids(tokenizer, prompt, chosen, rejected)
     if not c or not r:
         return "data.chosen_field", "a completion tokenizes to no token", 0
-    if _documents(p, c) is None or _documents(p, r) is None:  # an empty prompt: nothing predicts the first token
+    if not whole and (_documents(p, c) is None or _documents(p, r) is None):  # nothing predicts the first token
         return "data.chosen_field", "a completion leaves no token to learn from (an empty prompt, one token)", 0
-    tokens = pair_tokens(p, c, r)
+    tokens = 2 * len(p) + len(c) + len(r) if whole else pair_tokens(p, c, r)
     if tokens > seq_len:
         return "data.seq_len", f"the pair is longer than data.seq_len={seq_len} tokens", tokens
     return None
 
 
 def _problems(batch: dict[str, list], indices: list[int], *, tokenizer, fields: tuple[str, str, str],
-              seq_len: int) -> dict[str, list]:
+              seq_len: int, whole: bool = False) -> dict[str, list]:
     out: dict[str, list] = {"key": [], "problem": [], "tokens": []}
     for k in range(len(indices)):
-        found = pair_problem(tokenizer, *(batch[f][k] for f in fields), seq_len) or ("", "", 0)
+        found = pair_problem(tokenizer, *(batch[f][k] for f in fields), seq_len, whole) or ("", "", 0)
         for name, value in zip(out, found):
             out[name].append(value)
     return out
@@ -117,13 +124,14 @@ def fields(cfg: DataConfig) -> tuple[str, str, str]:
     return cfg.prompt_field, cfg.chosen_field, cfg.rejected_field
 
 
-def screen(ds, origins: Sequence[tuple[str, int]], cfg: DataConfig, tokenizer, source: str):
-    """``ds`` less the pairs that cannot train (:func:`pair_problem`) and what was skipped (``{}``: none),
+def screen(ds, origins: Sequence[tuple[str, int]], cfg: DataConfig, tokenizer, source: str, whole: bool = False):
+    """``ds`` less the pairs that cannot train (:func:`pair_problem`, ``whole``: as whole sequences, for
+    :func:`scored_rows`) and what was skipped (``{}``: none),
     as :func:`hybridtrain.data.invalid.screen` does for the field checks: without ``data.skip_invalid`` a
     :class:`PlanError` naming the key, the files and the record numbers. Tokenizes every pair (the rows are
     tokenized again after the validation split: the records' numbers in their files are known only here)."""
     found = ds.map(_problems, batched=True, with_indices=True, remove_columns=ds.column_names,
-                   fn_kwargs={"tokenizer": tokenizer, "fields": fields(cfg), "seq_len": cfg.seq_len},
+                   fn_kwargs={"tokenizer": tokenizer, "fields": fields(cfg), "seq_len": cfg.seq_len, "whole": whole},
                    num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"checking {source} pairs")
     keys, problems, tokens = found["key"], found["problem"], found["tokens"]
     records = [i for i, p in enumerate(problems) if p]
@@ -179,6 +187,42 @@ def pair_rows(batch: dict[str, list], indices: list[int], *, tokenizer, fields: 
         out["num_labels"].append(sum(t != IGNORE for t in labels))
         out["chosen_len"].append(len(chosen[0]))
         out["chosen_labels"].append(sum(t != IGNORE for t in chosen[1]))
+        out["pair_len"].append(len(inputs))
+        out["record"].append(index)
+        out["cut"].append(0)
+    return out
+
+
+def score_index(ids: Sequence[int], pad_id: int) -> int:
+    """Where transformers' ``...ForSequenceClassification`` reads the score of the sequence ``ids`` (right-padded
+    with ``pad_id``): its rightmost token that is not ``pad_id``, 0 if every one is (``(arange x non_pad).argmax()``).
+    With the pad token the EOS token (TRL's default when the tokenizer has no pad token), that is the token
+    before the EOS that ends a text completion."""
+    return max((t for t, tok in enumerate(ids) if tok != pad_id), default=0)
+
+
+def scored_rows(batch: dict[str, list], indices: list[int], *, tokenizer, fields: tuple[str, str, str],
+                seq_len: int, pad_id: int) -> dict[str, list]:
+    """Batched ``datasets.map`` function of ``finetune.objective=reward``: one row per pair, the whole chosen
+    sequence (``prompt + chosen``, every token) then the whole rejected one, then ``pad_id``; ``labels`` are
+    ``-100`` but at each sequence's :func:`score_index` (there: the token itself), which the reward loss reads.
+    The columns of :func:`pair_rows` (``num_labels`` 2, ``chosen_labels`` 1)."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "num_labels": [], "chosen_len": [], "chosen_labels": [],
+                            "pair_len": [], "record": [], "cut": []}
+    for k, index in enumerate(indices):
+        p, c, r = pair_ids(tokenizer, *(batch[f][k] for f in fields))
+        chosen, rejected = p + c, p + r
+        inputs = chosen + rejected
+        assert c and r and len(inputs) <= seq_len, "screen(whole=True) lets no such pair through"
+        labels = [IGNORE] * len(inputs)
+        for at in (score_index(chosen, pad_id), len(chosen) + score_index(rejected, pad_id)):
+            labels[at] = inputs[at]
+        pad = seq_len - len(inputs)
+        out["input_ids"].append(inputs + [pad_id] * pad)
+        out["labels"].append(labels + [IGNORE] * pad)
+        out["num_labels"].append(2)
+        out["chosen_len"].append(len(chosen))
+        out["chosen_labels"].append(1)
         out["pair_len"].append(len(inputs))
         out["record"].append(index)
         out["cut"].append(0)

@@ -106,13 +106,15 @@ def kind_of(cfg: DataConfig) -> str:
     return {Packing.stream: "packed", Packing.documents: "documents", Packing.none: "rows"}[packing_of(cfg)]
 
 
-def options(cfg: DataConfig, seed: int) -> dict:
+def options(cfg: DataConfig, seed: int, reward: bool = False) -> dict:
     """The format options the samples depend on (part of the fingerprint).
 
     ``seq_len`` only matters for ``rows`` (packed blocks are cut when read), and the seed only
-    when it splits off validation records.
+    when it splits off validation records; ``reward``: pairs as whole scored sequences.
     """
     opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
+    if reward:  # finetune.objective=reward: other rows of the same records than DPO's
+        opts["pairs"] = "scored"
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
                  "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]},
                  "preference": {"fields": list(preference.fields(cfg))}}[cfg.format])
@@ -190,6 +192,16 @@ def data_changes(saved: dict, now: dict) -> list[str]:
     return changes
 
 
+def _refuse_margins(cfg: DataConfig, *splits) -> None:
+    """A reward model's records must not hold TRL's ``margin`` field: ``RewardTrainer`` subtracts it from each
+    pair's reward difference, which ``finetune.objective=reward`` does not (yet), so it would train another model."""
+    if any("margin" in ds.column_names for ds in splits):
+        raise PlanError("data.name" if str(cfg.source) == "hf" else "data.path",
+                        "the records have a 'margin' field, which TRL's RewardTrainer subtracts from each pair's reward "
+                        "difference; finetune.objective=reward does not read it yet (it would train another model "
+                        "than TRL's); remove the field")
+
+
 def _check_field(ds, name: str, key: str) -> None:
     if name not in ds.column_names:
         raise PlanError(key, f"the records have no field {name!r}; their fields are {ds.column_names}; "
@@ -203,7 +215,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
+def _map_fn(cfg: DataConfig, tokenizer, reward: bool = False) -> tuple[Callable, dict]:
     eos = tokenizer.eos_token_id
     if eos is None and cfg.format != "chat":
         raise PlanError("data.tokenizer", "the tokenizer has no EOS token to end documents; use a tokenizer "
@@ -216,8 +228,8 @@ def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
         return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
                                    "split": mode is Packing.documents}
     if cfg.format == "preference":
-        return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
-                                      "pad_id": _pad_id(tokenizer)}
+        rows = preference.scored_rows if reward else preference.pair_rows
+        return rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len, "pad_id": _pad_id(tokenizer)}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -322,8 +334,10 @@ def _tokenized(prepared: Prepared, records: int, seconds: float, num_proc: int, 
             f" in {seconds:.1f}s (num_proc={num_proc}): {counts}; cached in {final}")
 
 
-def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
-    """Tokenize ``data`` into samples once (or find them cached); return where they are.
+def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, reward: bool = False) -> Prepared:
+    """Tokenize ``data`` into samples once (or find them cached); return where they are. ``reward``
+    (``finetune.objective=reward``): preference pairs as whole sequences scored at their last token
+    (:func:`~hybridtrain.data.preference.scored_rows`).
 
     Raises :class:`~hybridtrain.plan.PlanError` for every problem with the input, before any worker runs.
     """
@@ -332,7 +346,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
     if template is not None:
         tokenizer.chat_template = template
     kind = kind_of(cfg)
-    opts = options(cfg, seed)
+    opts = options(cfg, seed, reward)
     identity = identify(cfg)
     fp = fingerprint(identity, _hash_tokenizer(cfg, tokenizer), opts)
     root = cache_root(cfg)
@@ -364,16 +378,18 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
             _check_field(raw.train, name, key)
             if raw.val is not None:
                 _check_field(raw.val, name, key)
+        if reward:
+            _refuse_margins(cfg, *(ds for ds in (raw.train, raw.val) if ds is not None))
         skipped = {}
         train, skipped["train"] = invalid.screen(raw.train, raw.origins["train"], cfg, "train")
         val = raw.val
         if val is not None:
             val, skipped["val"] = invalid.screen(val, raw.origins["val"], cfg, "val")
         if cfg.format == "preference":  # pairs that do not fit data.seq_len, completions of no token
-            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train")
+            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train", reward)
             skipped["train"] = preference.merge_skipped(skipped["train"], more)
             if val is not None:
-                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val")
+                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val", reward)
                 skipped["val"] = preference.merge_skipped(skipped["val"], more)
         skipped = {source: s for source, s in skipped.items() if s}
         if cfg.val_fraction > 0:
@@ -385,7 +401,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
                 raise PlanError("data.val_fraction", f"{cfg.val_fraction} of {len(train)} records leaves an empty "
                                                      f"split ({err}); use a fraction that keeps records on both sides") from None
             train, val = parts["train"], parts["test"]
-        fn, kwargs = _map_fn(cfg, tokenizer)
+        fn, kwargs = _map_fn(cfg, tokenizer, reward)
         dtype = "uint16" if len(tokenizer) < 2**16 else "uint32"
         splits = {}
         for split, ds in (("train", train), ("val", val)):
@@ -423,8 +439,8 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
     return prepared
 
 
-def train_samples(cfg: DataConfig, seed: int, split: str = "train"):
+def train_samples(cfg: DataConfig, seed: int, split: str = "train", reward: bool = False):
     """Prepare (or find cached) and open one split in this process: for the reference loop and tests."""
     from hybridtrain.data.sampler import open_samples
 
-    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None).to_json()), split, seed)
+    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None, reward=reward).to_json()), split, seed)

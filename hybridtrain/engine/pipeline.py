@@ -6,6 +6,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.units import Kind, model_units
+from hybridtrain.models.score import ScoreHead
 from hybridtrain.models.stages import LAYER_CLASSES, DecoderBlock, TokenEmbedding, tied_head
 from hybridtrain.parallel.context import TPContext
 from hybridtrain.parallel.dims import ParallelDims
@@ -45,6 +46,8 @@ def layer_specs(builder: ModelBuilder) -> list:
     for unit in model_units(builder.family, builder.hf_config):
         if unit.kind is Kind.EMBED and builder.tied:
             specs.append(TiedLayerSpec("embed", TokenEmbedding, builder, tied_weight_attr="weight"))
+        elif unit.kind is Kind.HEAD and builder.score_head:  # a reward model: the scalar head, not tied
+            specs.append(LayerSpec(ScoreHead, builder))
         elif unit.kind is Kind.HEAD and unit.tied:
             specs.append(TiedLayerSpec("embed", TokenEmbedding, builder, forward_fn=tied_head, tied_weight_attr="weight"))
         elif unit.kind is Kind.BLOCK:

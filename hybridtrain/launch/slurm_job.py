@@ -55,7 +55,7 @@ def prepare_data(run_dir: Path) -> bool:
     if problem is not None:
         key, _, message = problem.partition(": ")
         raise PlanError(key, message)
-    prepared = prepare(cfg.data, cfg.trainer.seed)
+    prepared = prepare(cfg.data, cfg.trainer.seed, reward=cfg.finetune.objective == "reward")
     cfg.trainer.max_steps = check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val"))
     files.write_config(cfg)
     files.write_data(prepared)

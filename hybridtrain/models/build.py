@@ -61,6 +61,9 @@ class ModelBuilder:
     """Whether rows may hold several records (``data.packing=documents``: position ids restart inside a row).
     False lets the blocks skip the test for restarts, a GPU-to-CPU sync per stage and micro-batch (transformers'
     ``find_packed_sequence_indices``, the varlen offsets of FlashAttention 2); True is always right, only slower."""
+    score_head: bool = False
+    """The head is a reward model's scalar ``score`` (``finetune.objective=reward``,
+    :class:`~hybridtrain.models.score.ScoreHead`), not the LM head: no logits, no tied copy of the embedding."""
     stage_shared: dict = field(default_factory=dict)
     """Modules the layers built from this builder (one rank's stage) share, by name
     (:class:`~hybridtrain.models.stages.BlockInputs`)."""
@@ -81,6 +84,7 @@ class ModelBuilder:
 
         folder = weights_dir or cfg.model.pretrained
         cp = cp or CPContext()
+        reward = str(cfg.finetune.objective) == "reward"
         cp_base = hf_config._attn_implementation
         if cp.size > 1:  # before the modules exist: every attention module looks its function up by this name
             from hybridtrain.parallel.context_parallel import register_attention
@@ -99,7 +103,8 @@ class ModelBuilder:
                    activation_checkpointing=cfg.parallel.activation_checkpointing, weights=weights,
                    lora=lora, adapter=adapter, ep=ep or EPContext(), cp=cp, cp_base=cp_base,
                    packed=Packing.of(cfg.data.packing, cfg.data.format) is Packing.documents,
-                   defer_head=cfg.parallel.micro_batch_size * cfg.data.seq_len // cp.size > cfg.trainer.loss_chunk_tokens)
+                   score_head=reward, defer_head=not reward and (
+                       cfg.parallel.micro_batch_size * cfg.data.seq_len // cp.size > cfg.trainer.loss_chunk_tokens))
 
     @property
     def vocab_size(self) -> int:
@@ -107,7 +112,8 @@ class ModelBuilder:
 
     @property
     def tied(self) -> bool:
-        return bool(self.hf_config.tie_word_embeddings)
+        """Whether the embedding is also the head (never with a :attr:`score_head`)."""
+        return bool(self.hf_config.tie_word_embeddings) and not self.score_head
 
     def materialize(self, name: str, skip: tuple[str, ...] = (), keep: Keep | None = None) -> nn.Module:
         """Give HF unit ``name`` real CPU storage: its seeded initial values, or the pretrained

@@ -23,6 +23,7 @@ from hybridtrain.checkpoint.hf_state import block_params
 from hybridtrain.models import moe
 from hybridtrain.models.build import ModelBuilder
 from hybridtrain.models.linear_attention import Documents, RankChunks, split_documents
+from hybridtrain.models.score import ScoreHead
 from hybridtrain.models.units import Kind, model_units
 from hybridtrain.parallel.context import CPContext
 from hybridtrain.parallel.layers import VocabParallelEmbedding, VocabParallelHead
@@ -425,6 +426,8 @@ def sequential_model(builder: ModelBuilder, loss_fn, partition: Callable[[nn.Mod
     for unit in model_units(builder.family, builder.hf_config):
         if unit.kind is Kind.BLOCK:
             layer = DecoderBlock(builder, unit.index)
+        elif unit.kind is Kind.HEAD and builder.score_head:  # a reward model: the scalar head, no logits
+            head = layer = ScoreHead(builder)
         elif unit.kind is Kind.HEAD:
             head = layer = None if unit.tied else LMHead(builder)
         else:

@@ -1,5 +1,6 @@
 """Training objectives other than the token cross-entropy: the preference losses of ``finetune.objective=dpo``
-(:mod:`hybridtrain.objectives.dpo`)."""
+(:mod:`hybridtrain.objectives.dpo`); the reward model's loss of ``finetune.objective=reward``
+(:mod:`hybridtrain.objectives.reward`)."""
 from __future__ import annotations
 
 PAIR_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",

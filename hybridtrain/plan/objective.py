@@ -17,10 +17,13 @@ def check_objective(cfg: Config) -> None:
     """``finetune.objective`` against ``data.format`` and the ``finetune.dpo`` keys."""
     dpo, data = cfg.finetune.dpo, cfg.data
     preference = data.format == "preference"
+    if cfg.finetune.objective == "reward":
+        return  # hybridtrain/plan/reward.py
     if cfg.finetune.objective != "dpo":
         _need(not preference, "data.format", "preference pairs train only with finetune.objective=dpo (a chosen "
-                                             "and a rejected completion per prompt); set finetune.objective=dpo, or "
-                                             "use data.format=prompt_completion to fine-tune on completions")
+                                             "and a rejected completion per prompt) or reward; set "
+                                             "finetune.objective=dpo, or use data.format=prompt_completion to "
+                                             "fine-tune on completions")
         return
     _need(preference, "finetune.objective", f"dpo trains on preference pairs, but data.format={data.format}; set "
                                             "data.format=preference (records with prompt, chosen and rejected)")

@@ -18,6 +18,7 @@ from hybridtrain.models.units import names as unit_names
 from hybridtrain.plan.context import check_context_parallel, check_recurrent_context_parallel
 from hybridtrain.plan.data import check_data_config, check_packing_kernel
 from hybridtrain.plan.objective import check_objective
+from hybridtrain.plan.reward import check_reward
 from hybridtrain.plan.devices import is_cluster, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.hf import checked_family
 from hybridtrain.plan.memory import balanced_inputs
@@ -121,6 +122,7 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it
     check_data_config(cfg.data, tr)
     check_objective(cfg)  # finetune.objective against data.format, finetune.dpo
+    check_reward(cfg, family, hf_config)  # finetune.objective=reward: its data, method and family
     check_moe(cfg, family, hf_config)  # parallel.ep and what mixture-of-experts models cannot do yet
     check_packing_kernel(cfg.data, cfg.model.attn_implementation)
     tr.precision = precision_for(tr.precision, lau, machine)  # null resolved: bf16 on GPUs, fp32 on CPUs

@@ -129,7 +129,8 @@ def attach_reference(cfg: Any, plan: Any, built: Any, samples: Any, data_dir: st
 
 
 def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
-    """TRL's per-step metrics (:data:`~hybridtrain.objectives.dpo.STATS`), means over the step's pairs, on a
+    """TRL's per-step metrics (:data:`~hybridtrain.objectives.dpo.STATS`, or the objective's ``names``: a reward
+    model's :data:`~hybridtrain.objectives.reward.STATS`), means over the step's pairs, on a
     log step (every rank calls it after every step; one all-reduce over the world on log steps). The ranks
     that computed no loss add zeros; the tp and cp ranks of one replica, which all hold the same values, count
     their pairs as often as their sums, so the means are exact."""
@@ -142,4 +143,5 @@ def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
         return {}
     sums = collectives.all_reduce(sums, built.engine.device).cpu()
     count = max(float(sums[-1]), 1.0)
-    return {name: float(sums[k]) / count for k, name in enumerate(STATS)}
+    names = getattr(built.objective, "names", STATS)  # a reward model's: RewardLoss.names
+    return {name: float(sums[k]) / count for k, name in enumerate(names)}
