@@ -51,6 +51,18 @@ def all_reduce(tensor: torch.Tensor, device: Any, op: str = "sum", group: Any = 
     return out
 
 
+def send(tensor: torch.Tensor, group: Any, peer: int) -> None:
+    """Point-to-point: ``tensor`` (made contiguous) to rank ``peer`` of ``group`` (its place in the group)."""
+    dist.send(tensor.contiguous(), dst=dist.get_global_rank(group, peer), group=group)
+
+
+def recv(like: torch.Tensor, group: Any, peer: int) -> torch.Tensor:
+    """Point-to-point: a tensor shaped and typed as ``like`` from rank ``peer`` of ``group``."""
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    dist.recv(out, src=dist.get_global_rank(group, peer), group=group)
+    return out
+
+
 def all_gather(tensor: torch.Tensor, device: Any, group: Any = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype on every rank) in group-rank order, on ``device``."""
     local = on_device(tensor, device)

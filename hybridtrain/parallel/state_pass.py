@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from hybridtrain.parallel import collectives
 from hybridtrain.parallel.context import CPContext
 
 __all__ = ["CarryLog", "ChunkRun", "pass_state"]
@@ -54,18 +54,12 @@ def carry_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _peer(cp: CPContext, rank: int) -> int:
-    return dist.get_global_rank(cp.group, rank)
-
-
 def _send(tensor: torch.Tensor, cp: CPContext, rank: int) -> None:
-    dist.send(tensor.contiguous(), dst=_peer(cp, rank), group=cp.group)
+    collectives.send(tensor, cp.group, rank)
 
 
 def _recv(like: torch.Tensor, cp: CPContext, rank: int) -> torch.Tensor:
-    out = torch.empty_like(like, memory_format=torch.contiguous_format)
-    dist.recv(out, src=_peer(cp, rank), group=cp.group)
-    return out
+    return collectives.recv(like, cp.group, rank)
 
 
 class _StatePass(torch.autograd.Function):
