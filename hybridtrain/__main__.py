@@ -46,6 +46,7 @@ def run(cfg: DictConfig) -> int:
 
     from hybridtrain.config import to_config
     from hybridtrain.config.explain import message
+    from hybridtrain.data.preference import tokenization_of
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.dispatch import check, start
     from hybridtrain.launch.interrupt import delivered
@@ -116,7 +117,8 @@ def run(cfg: DictConfig) -> int:
     if not typed.launcher.dry_run and not deferred:
         try:  # tokenize once, here; every input problem is a config error before any worker starts
             with delivered():  # a Ctrl-C in a weakref callback still interrupts
-                prepared = prepare(typed.data, typed.trainer.seed)
+                pairs = tokenization_of(typed.finetune.objective)  # as its TRL trainer tokenizes
+                prepared = prepare(typed.data, typed.trainer.seed, pairs=pairs)
             n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
             typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
         except PlanError as err:

@@ -149,6 +149,10 @@ class Objective(Choice):
     """The token cross-entropy of every data format."""
     dpo = "dpo"
     """Direct preference optimisation over ``data.format=preference`` pairs, TRL's ``DPOTrainer`` losses."""
+    cpo = "cpo"
+    """Contrastive preference optimisation (and SimPO), reference-free: TRL's ``CPOTrainer`` losses."""
+    orpo = "orpo"
+    """Odds-ratio preference optimisation, reference-free: TRL's ``ORPOTrainer`` loss."""
 
 
 GpuType = Choice("GpuType", [(name, name) for name in GPU_TYPES], module=__name__, qualname="GpuType")

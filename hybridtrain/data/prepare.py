@@ -106,8 +106,9 @@ def kind_of(cfg: DataConfig) -> str:
     return {Packing.stream: "packed", Packing.documents: "documents", Packing.none: "rows"}[packing_of(cfg)]
 
 
-def options(cfg: DataConfig, seed: int) -> dict:
-    """The format options the samples depend on (part of the fingerprint).
+def options(cfg: DataConfig, seed: int, pairs: str = "dpo") -> dict:
+    """The format options the samples depend on (part of the fingerprint); ``pairs``: how preference pairs are
+    tokenized (:data:`hybridtrain.data.preference.PAIRS`, named only where it is not ``dpo``).
 
     ``seq_len`` only matters for ``rows`` (packed blocks are cut when read), and the seed only
     when it splits off validation records.
@@ -116,6 +117,8 @@ def options(cfg: DataConfig, seed: int) -> dict:
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
                  "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]},
                  "preference": {"fields": list(preference.fields(cfg))}}[cfg.format])
+    if cfg.format == "preference" and pairs != "dpo":  # DPO's caches keep their names
+        opts["pairs"] = pairs
     if kind_of(cfg) != "packed":  # records are truncated (or split) to seq_len when written
         opts["seq_len"] = cfg.seq_len
     if cfg.val_fraction > 0:
@@ -203,7 +206,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
+def _map_fn(cfg: DataConfig, tokenizer, pairs: str = "dpo") -> tuple[Callable, dict]:
     eos = tokenizer.eos_token_id
     if eos is None and cfg.format != "chat":
         raise PlanError("data.tokenizer", "the tokenizer has no EOS token to end documents; use a tokenizer "
@@ -217,7 +220,7 @@ def _map_fn(cfg: DataConfig, tokenizer) -> tuple[Callable, dict]:
                                    "split": mode is Packing.documents}
     if cfg.format == "preference":
         return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
-                                      "pad_id": _pad_id(tokenizer)}
+                                      "pad_id": _pad_id(tokenizer), "pairs": pairs}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -322,8 +325,10 @@ def _tokenized(prepared: Prepared, records: int, seconds: float, num_proc: int, 
             f" in {seconds:.1f}s (num_proc={num_proc}): {counts}; cached in {final}")
 
 
-def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> Prepared:
-    """Tokenize ``data`` into samples once (or find them cached); return where they are.
+def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, pairs: str = "dpo") -> Prepared:
+    """Tokenize ``data`` into samples once (or find them cached); return where they are. ``pairs``: how
+    ``format=preference`` pairs are tokenized, as ``finetune.objective``'s TRL trainer does
+    (:func:`hybridtrain.data.preference.tokenization_of`).
 
     Raises :class:`~hybridtrain.plan.PlanError` for every problem with the input, before any worker runs.
     """
@@ -332,7 +337,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
     if template is not None:
         tokenizer.chat_template = template
     kind = kind_of(cfg)
-    opts = options(cfg, seed)
+    opts = options(cfg, seed, pairs)
     identity = identify(cfg)
     fp = fingerprint(identity, _hash_tokenizer(cfg, tokenizer), opts)
     root = cache_root(cfg)
@@ -370,10 +375,10 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
         if val is not None:
             val, skipped["val"] = invalid.screen(val, raw.origins["val"], cfg, "val")
         if cfg.format == "preference":  # pairs that do not fit data.seq_len, completions of no token
-            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train")
+            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train", pairs)
             skipped["train"] = preference.merge_skipped(skipped["train"], more)
             if val is not None:
-                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val")
+                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val", pairs)
                 skipped["val"] = preference.merge_skipped(skipped["val"], more)
         skipped = {source: s for source, s in skipped.items() if s}
         if cfg.val_fraction > 0:
@@ -385,7 +390,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print) -> P
                 raise PlanError("data.val_fraction", f"{cfg.val_fraction} of {len(train)} records leaves an empty "
                                                      f"split ({err}); use a fraction that keeps records on both sides") from None
             train, val = parts["train"], parts["test"]
-        fn, kwargs = _map_fn(cfg, tokenizer)
+        fn, kwargs = _map_fn(cfg, tokenizer, pairs)
         dtype = "uint16" if len(tokenizer) < 2**16 else "uint32"
         splits = {}
         for split, ds in (("train", train), ("val", val)):

@@ -158,7 +158,8 @@ class Built:
     last layer's output (:func:`head_caller`); else ``None`` (the last layer gives logits)."""
     objective: Any = None
     """With ``finetune.objective=dpo``: the :class:`~hybridtrain.objectives.dpo.PreferenceLoss` (its reference
-    mode and per-step metrics, :mod:`hybridtrain.train.preference`); else ``None``."""
+    mode and per-step metrics, :mod:`hybridtrain.train.preference`); with ``cpo`` / ``orpo`` the
+    :class:`~hybridtrain.objectives.reference_free.ReferenceFreeLoss`; else ``None``."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -242,7 +243,12 @@ class Built:
 
 def objective_loss(cfg: Config, token_loss: Any) -> Any:
     """The loss of ``finetune.objective`` over ``token_loss`` (a :class:`~hybridtrain.parallel.layers.
-    VocabParallelLoss`): ``None`` for ``sft`` (the token loss itself), the preference loss for ``dpo``."""
+    VocabParallelLoss`): ``None`` for ``sft`` (the token loss itself), the preference loss for ``dpo``, the
+    reference-free one for ``cpo`` and ``orpo``."""
+    if cfg.finetune.objective in ("cpo", "orpo"):
+        from hybridtrain.objectives.reference_free import ReferenceFreeLoss
+
+        return ReferenceFreeLoss(token_loss, cfg.finetune.objective, getattr(cfg.finetune, str(cfg.finetune.objective)))
     if cfg.finetune.objective != "dpo":
         return None
     from hybridtrain.objectives.dpo import PreferenceLoss

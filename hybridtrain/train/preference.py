@@ -141,5 +141,7 @@ def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
     if not log_now:
         return {}
     sums = collectives.all_reduce(sums, built.engine.device).cpu()
+    if hasattr(built.objective, "metrics"):  # cpo / orpo: their own names and denominators
+        return built.objective.metrics(sums)
     count = max(float(sums[-1]), 1.0)
     return {name: float(sums[k]) / count for k, name in enumerate(STATS)}
