@@ -85,6 +85,13 @@ def single(hf_checkpoints, pairs, tmp_path_factory) -> dict:
     return get
 
 
+@pytest.mark.parametrize("objective", ["cpo", "orpo"])
+def test_the_plan_shows_no_reference_pass(objective, tmp_path):
+    """A dry run's plan report of a reference-free objective names no reference pass (a DPO plan may)."""
+    proc = run_cli(tmp_path / "run", "+recipe=dpo", f"finetune.objective={objective}", "launcher.dry_run=true")
+    assert "dry run: plan valid" in proc.stdout and "reference" not in (proc.stdout + proc.stderr).lower()
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in CI else [pytest.mark.slow]) for c in CASES])
 def test_full_finetune_equals_trl(case, single, hf_checkpoints, pairs, tmp_path):
     """CPO (sigmoid with label smoothing and the NLL term), SimPO (length-normalised, margin gamma, no NLL) and
