@@ -54,12 +54,12 @@ def pairs(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 def run(tmp: Path, case: str, folder: Path, pairs_file: Path, layout: tuple[int, int, int, int] = (1, 1, 1, 1),
-        family: str = "gpt2", extra: tuple[str, ...] = ()) -> list[dict]:
+        family: str = "gpt2", extra: tuple[str, ...] = (), seq_len: int = 128) -> list[dict]:
     """hybridtrain's per-step records of ``case`` under ``layout`` = (dp, tp, pp, cp)."""
     objective, keys = CASES[case]
     dp, tp, pp, cp = layout
     proc = run_cli(tmp / "run", f"model={family}", *overrides(folder, pairs_file, objective, keys, steps=STEPS,
-                                                               batch=BATCH, lr=LR, seed=SEED),
+                                                               batch=BATCH, lr=LR, seed=SEED, seq_len=seq_len),
                    f"data.cache_dir={tmp / 'cache'}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
                    f"parallel.cp={cp}", *extra)
     assert "reference log-probabilities" not in proc.stdout  # reference-free: no pass, no cache
@@ -110,6 +110,23 @@ def test_lora_equals_trl(case, hf_checkpoints, pairs, tmp_path):
     ours = run(tmp_path, case, hf_checkpoints["llama"], pairs[1], family="llama",
                extra=("finetune.method=lora", f"finetune.lora.init_from={adapter}"))
     check_steps(ours, theirs(tmp_path, case, hf_checkpoints["llama"], pairs[0], adapter), METRICS[CASES[case][0]],
+                grad_rel=1e-4)
+
+
+def _as_chat(records: list[dict]) -> list[dict]:
+    """The text pairs as TRL's conversational form: a user turn, two assistant turns."""
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["cpo", "orpo"])
+def test_chat_records_equal_trl(case, hf_checkpoints, pairs, tmp_path):
+    """Message records, rendered by the folder's chat template as TRL's ``maybe_apply_chat_template`` does."""
+    records = _as_chat(pairs[0])
+    ours = run(tmp_path, case, hf_checkpoints["gpt2"], write_jsonl(tmp_path / "chat.jsonl", records), seq_len=256)
+    check_steps(ours, theirs(tmp_path, case, hf_checkpoints["gpt2"], records), METRICS[CASES[case][0]],
                 grad_rel=1e-4)
 
 
