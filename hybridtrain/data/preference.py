@@ -145,7 +145,12 @@ def cpo_sequences(tokenizer, prompt: Any, chosen: Any,
 def sequences(tokenizer, prompt: Any, chosen: Any, rejected: Any,
               pairs: str = "dpo") -> tuple[list[int], list[int], list[int], list[int]]:
     """``(chosen_prompt, chosen, rejected_prompt, rejected)`` token ids of one record, tokenized as ``pairs``
-    (:data:`PAIRS`) says; under ``dpo`` both prompts are the same."""
+    (:data:`PAIRS`) says; under ``dpo`` both prompts are the same. Message records with a tokenizer that has
+    no chat template: a :class:`PlanError`."""
+    if (conversational(prompt) or conversational(chosen)) and not tokenizer.chat_template:
+        raise PlanError("data.chat_template", "message records are rendered with a chat template, and the tokenizer "
+                                              "has none; give data.chat_template=FILE (a Jinja template), or use a "
+                                              "tokenizer that has one")
     if pairs == "cpo":
         return cpo_sequences(tokenizer, prompt, chosen, rejected)
     p, c, r = pair_ids(tokenizer, prompt, chosen, rejected)

@@ -67,10 +67,11 @@ def run(tmp: Path, case: str, folder: Path, pairs_file: Path, layout: tuple[int,
     return metrics(tmp / "run")
 
 
-def theirs(tmp: Path, case: str, folder: Path, records: list[dict], adapter: Path | None = None) -> list[dict]:
+def theirs(tmp: Path, case: str, folder: Path, records: list[dict], adapter: Path | None = None,
+           chat_template: str | None = None) -> list[dict]:
     objective, keys = CASES[case]
     return trl_run(folder, records, tmp / "trl", objective, keys, steps=STEPS, batch=BATCH, lr=LR, seed=SEED,
-                   adapter=adapter)
+                   adapter=adapter, chat_template=chat_template)
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +124,16 @@ def _as_chat(records: list[dict]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["cpo", "orpo"])
 def test_chat_records_equal_trl(case, hf_checkpoints, pairs, tmp_path):
-    """Message records, rendered by the folder's chat template as TRL's ``maybe_apply_chat_template`` does."""
+    """Message records, rendered by a chat template (the embedded one; the folder's tokenizer has none) as TRL's
+    ``maybe_apply_chat_template`` renders them."""
+    from hybridtrain.data.tokenizer import EMBEDDED_CHAT_TEMPLATE
+
     records = _as_chat(pairs[0])
-    ours = run(tmp_path, case, hf_checkpoints["gpt2"], write_jsonl(tmp_path / "chat.jsonl", records), seq_len=256)
-    check_steps(ours, theirs(tmp_path, case, hf_checkpoints["gpt2"], records), METRICS[CASES[case][0]],
-                grad_rel=1e-4)
+    (tmp_path / "template.jinja").write_text(EMBEDDED_CHAT_TEMPLATE)
+    ours = run(tmp_path, case, hf_checkpoints["gpt2"], write_jsonl(tmp_path / "chat.jsonl", records), seq_len=256,
+               extra=(f"data.chat_template={tmp_path / 'template.jinja'}",))
+    check_steps(ours, theirs(tmp_path, case, hf_checkpoints["gpt2"], records, chat_template=EMBEDDED_CHAT_TEMPLATE),
+                METRICS[CASES[case][0]], grad_rel=1e-4)
 
 
 LAYOUTS = [(1, 2, 2, 1), (2, 2, 1, 1), (2, 1, 1, 1), (1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 2, 2)]

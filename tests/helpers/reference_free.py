@@ -25,11 +25,11 @@ def overrides(folder: Path, pairs: Path, objective: str, keys: dict, *, steps: i
 
 
 def trl_run(folder: Path, records: list[dict], out: Path, objective: str, keys: dict, *, steps: int, batch: int,
-            lr: float, seed: int, adapter: Path | None = None) -> list[dict]:
+            lr: float, seed: int, adapter: Path | None = None, chat_template: str | None = None) -> list[dict]:
     """TRL's per-step log records (``loss``, ``grad_norm`` and :data:`METRICS`) of ``CPOTrainer`` (``cpo``) or
     ``ORPOTrainer`` (``orpo``) on ``records`` taken in :func:`~helpers.dpo.order` (TRL's shuffling replaced by
     it), one process, the whole batch in one micro-batch, no truncation (``max_length`` past every pair); with
-    ``adapter`` a peft adapter folder trained on the frozen base."""
+    ``adapter`` a peft adapter folder trained on the frozen base; ``chat_template`` replaces the tokenizer's."""
     import torch
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -51,6 +51,8 @@ def trl_run(folder: Path, records: list[dict], out: Path, objective: str, keys: 
 
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if tokenizer.pad_token is None:  # CPOTrainer does this itself; ORPOTrainer pads with pad_token_id
         tokenizer.pad_token = tokenizer.eos_token
     args = Config(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,

@@ -79,6 +79,15 @@ def test_a_pair_trl_would_refuse_is_refused(tok):
     assert key == "data.prompt_field" and "a message prompt is empty" in problem
 
 
+@pytest.mark.parametrize("pairs", ["dpo", "cpo"])
+def test_message_records_without_a_chat_template_are_refused(tok, pairs):
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(PlanError) as info:
+        pair_problem(bare, CHAT[0]["prompt"], CHAT[0]["chosen"], CHAT[0]["rejected"], 96, pairs)
+    assert info.value.key == "data.chat_template" and "and the tokenizer has none" in str(info.value)
+
+
 def _trl_stub(**kw):
     return SimpleNamespace(accelerator=SimpleNamespace(device="cpu"), **kw)
 
