@@ -119,6 +119,7 @@ def _deferred(typed) -> bool:
 def _prepared_data(typed, plan, hf_config, machine, preloader, run_dir):
     """Print the run's summary, then tokenize once, here (none for a dry run or a deferred SLURM script):
     every input problem is a :class:`PlanError` before any worker starts."""
+    from hybridtrain.data.preference import tokenization_of
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.interrupt import delivered
     from hybridtrain.models.families import family_of
@@ -135,7 +136,7 @@ def _prepared_data(typed, plan, hf_config, machine, preloader, run_dir):
     if typed.launcher.dry_run or _deferred(typed):
         return None
     with delivered():  # a Ctrl-C in a weakref callback still interrupts
-        prepared = prepare(typed.data, typed.trainer.seed, reward=typed.finetune.objective == "reward")
+        prepared = prepare(typed.data, typed.trainer.seed, pairs=tokenization_of(typed.finetune.objective))
     n_train, n_val = prepared.num_samples("train"), prepared.num_samples("val")
     typed.trainer.max_steps = check_data_counts(typed, plan, n_train, n_val)
     print(f"[hybridtrain] data      {typed.data.source} {typed.data.format}: train {n_train} samples"

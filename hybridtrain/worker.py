@@ -78,6 +78,8 @@ def run(run_dir: Path) -> int:
     built = build(cfg, plan, hf_config, weights_dir=str(CheckpointDir(resume).hf) if reshard else None,
                   adapter_dir=str(adapters) if adapters else None)
     samples = open_samples(files.data_file, "train", cfg.trainer.seed)  # memory-mapped, never re-tokenized
+    if cfg.finetune.objective == "orpo":  # ORPO's NLL runs over the chosen prompt too (TRL's ORPOTrainer)
+        samples.prompt_nll = True
     if cfg.finetune.objective == "dpo":  # before a checkpoint's weights load: the reference is the initial model
         from hybridtrain.train.preference import attach_reference
 

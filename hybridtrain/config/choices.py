@@ -152,6 +152,10 @@ class Objective(Choice):
     reward = "reward"
     """A Bradley-Terry reward model over ``data.format=preference`` pairs: a scalar head on each sequence's last
     token, TRL's ``RewardTrainer`` loss (``docs/preference.md#reward-models``)."""
+    cpo = "cpo"
+    """Contrastive preference optimisation (and SimPO), reference-free: TRL's ``CPOTrainer`` losses."""
+    orpo = "orpo"
+    """Odds-ratio preference optimisation, reference-free: TRL's ``ORPOTrainer`` loss."""
 
 
 GpuType = Choice("GpuType", [(name, name) for name in GPU_TYPES], module=__name__, qualname="GpuType")

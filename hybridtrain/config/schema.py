@@ -501,6 +501,37 @@ class RewardConfig:
 
 
 @dataclass
+class CPOConfig:
+    """The reference-free loss of ``finetune.objective=cpo``, with TRL's ``CPOConfig`` names and meanings
+    (``docs/preference.md``); SimPO is ``loss_type=simpo`` with ``cpo_alpha=0``."""
+
+    beta: float = 0.1
+    """The temperature of the log-probability margin (TRL's ``beta``): rewards are ``beta x log pi`` (for
+    ``ipo`` and ``simpo`` the per-token mean log-probability); for ``ipo`` the regularisation ``tau``."""
+    loss_type: str = "sigmoid"
+    """TRL's CPO loss name: ``sigmoid`` (CPO), ``hinge``, ``ipo``, ``simpo`` (length-normalised, with the
+    target margin ``simpo_gamma``)."""
+    label_smoothing: float = 0.0
+    """The assumed share of flipped labels (``sigmoid``, ``simpo``; TRL's ``label_smoothing``), in [0, 0.5)."""
+    cpo_alpha: float = 1.0
+    """Weight of the chosen completions' token NLL added to the loss (TRL's ``cpo_alpha``; 0 for SimPO)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (TRL's ``simpo_gamma``; ``loss_type=simpo`` only)."""
+    alpha: float = 0.0
+    """AlphaPO's reward shape (TRL's ``alpha``): 0 uses the log-probabilities, else ``(1 - p^-alpha) / alpha``."""
+
+
+@dataclass
+class ORPOConfig:
+    """The reference-free loss of ``finetune.objective=orpo``, with TRL's ``ORPOConfig`` names and meanings
+    (``docs/preference.md``)."""
+
+    beta: float = 0.1
+    """Weight of the odds-ratio term added to the chosen sequences' NLL (TRL's ``beta``, the paper's lambda);
+    rewards are ``beta x`` the per-token mean log-probability."""
+
+
+@dataclass
 class FinetuneConfig:
     """Which parameters train: all of them, or LoRA adapters on a frozen base (``docs/finetuning.md``)."""
 
@@ -510,10 +541,16 @@ class FinetuneConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     objective: Objective = Objective.sft
     """``sft``: the token cross-entropy; ``dpo``: a preference loss of ``finetune.dpo`` over
-    ``data.format=preference`` pairs (``docs/preference.md``); ``reward``: a reward model (a scalar head on
-    each sequence's last token) over the same pairs, ``finetune.reward``."""
+    ``data.format=preference`` pairs; ``cpo`` / ``orpo``: the reference-free ones of ``finetune.cpo`` /
+    ``finetune.orpo`` (``docs/preference.md``); ``reward``: a reward model (a scalar head on each sequence's
+    last token) over the same pairs, ``finetune.reward``."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
+    """The loss of ``finetune.objective=cpo`` (no reference model)."""
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
+    """The loss of ``finetune.objective=orpo`` (no reference model)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward model's options (``finetune.objective=reward``)."""
 
 
 @dataclass

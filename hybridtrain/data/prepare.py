@@ -106,18 +106,19 @@ def kind_of(cfg: DataConfig) -> str:
     return {Packing.stream: "packed", Packing.documents: "documents", Packing.none: "rows"}[packing_of(cfg)]
 
 
-def options(cfg: DataConfig, seed: int, reward: bool = False) -> dict:
-    """The format options the samples depend on (part of the fingerprint).
+def options(cfg: DataConfig, seed: int, pairs: str = "dpo") -> dict:
+    """The format options the samples depend on (part of the fingerprint); ``pairs``: how preference pairs are
+    tokenized (:data:`hybridtrain.data.preference.PAIRS`, named only where it is not ``dpo``).
 
     ``seq_len`` only matters for ``rows`` (packed blocks are cut when read), and the seed only
-    when it splits off validation records; ``reward``: pairs as whole scored sequences.
+    when it splits off validation records.
     """
     opts = {"version": VERSION, "format": cfg.format, "kind": kind_of(cfg), "val_fraction": cfg.val_fraction}
-    if reward:  # finetune.objective=reward: other rows of the same records than DPO's
-        opts["pairs"] = "scored"
     opts.update({"text": {"field": cfg.text_field}, "chat": {"field": cfg.messages_field},
                  "prompt_completion": {"fields": [cfg.prompt_field, cfg.completion_field]},
                  "preference": {"fields": list(preference.fields(cfg))}}[cfg.format])
+    if cfg.format == "preference" and pairs != "dpo":  # DPO's caches keep their names
+        opts["pairs"] = pairs
     if kind_of(cfg) != "packed":  # records are truncated (or split) to seq_len when written
         opts["seq_len"] = cfg.seq_len
     if cfg.val_fraction > 0:
@@ -215,7 +216,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def _map_fn(cfg: DataConfig, tokenizer, reward: bool = False) -> tuple[Callable, dict]:
+def _map_fn(cfg: DataConfig, tokenizer, pairs: str = "dpo") -> tuple[Callable, dict]:
     eos = tokenizer.eos_token_id
     if eos is None and cfg.format != "chat":
         raise PlanError("data.tokenizer", "the tokenizer has no EOS token to end documents; use a tokenizer "
@@ -228,8 +229,11 @@ def _map_fn(cfg: DataConfig, tokenizer, reward: bool = False) -> tuple[Callable,
         return formats.text_rows, {"field": cfg.text_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad,
                                    "split": mode is Packing.documents}
     if cfg.format == "preference":
-        rows = preference.scored_rows if reward else preference.pair_rows
-        return rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len, "pad_id": _pad_id(tokenizer)}
+        if pairs == "scored":  # finetune.objective=reward: whole sequences, scored at their last token
+            return preference.scored_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
+                                            "pad_id": _pad_id(tokenizer)}
+        return preference.pair_rows, {"fields": preference.fields(cfg), "seq_len": cfg.seq_len,
+                                      "pad_id": _pad_id(tokenizer), "pairs": pairs}
     if cfg.format == "prompt_completion":
         return formats.prompt_completion_rows, {"prompt_field": cfg.prompt_field, "completion_field":
                                                 cfg.completion_field, "eos_id": eos, "seq_len": cfg.seq_len, "pad_id": pad}
@@ -334,10 +338,10 @@ def _tokenized(prepared: Prepared, records: int, seconds: float, num_proc: int, 
             f" in {seconds:.1f}s (num_proc={num_proc}): {counts}; cached in {final}")
 
 
-def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, reward: bool = False) -> Prepared:
-    """Tokenize ``data`` into samples once (or find them cached); return where they are. ``reward``
-    (``finetune.objective=reward``): preference pairs as whole sequences scored at their last token
-    (:func:`~hybridtrain.data.preference.scored_rows`).
+def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, pairs: str = "dpo") -> Prepared:
+    """Tokenize ``data`` into samples once (or find them cached); return where they are. ``pairs``: how
+    ``format=preference`` pairs are tokenized, as ``finetune.objective``'s TRL trainer does
+    (:func:`hybridtrain.data.preference.tokenization_of`).
 
     Raises :class:`~hybridtrain.plan.PlanError` for every problem with the input, before any worker runs.
     """
@@ -346,7 +350,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
     if template is not None:
         tokenizer.chat_template = template
     kind = kind_of(cfg)
-    opts = options(cfg, seed, reward)
+    opts = options(cfg, seed, pairs)
     identity = identify(cfg)
     fp = fingerprint(identity, _hash_tokenizer(cfg, tokenizer), opts)
     root = cache_root(cfg)
@@ -378,7 +382,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
             _check_field(raw.train, name, key)
             if raw.val is not None:
                 _check_field(raw.val, name, key)
-        if reward:
+        if pairs == "scored":  # finetune.objective=reward
             _refuse_margins(cfg, *(ds for ds in (raw.train, raw.val) if ds is not None))
         skipped = {}
         train, skipped["train"] = invalid.screen(raw.train, raw.origins["train"], cfg, "train")
@@ -386,10 +390,10 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
         if val is not None:
             val, skipped["val"] = invalid.screen(val, raw.origins["val"], cfg, "val")
         if cfg.format == "preference":  # pairs that do not fit data.seq_len, completions of no token
-            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train", reward)
+            train, more = preference.screen(train, raw.origins["train"], cfg, tokenizer, "train", pairs)
             skipped["train"] = preference.merge_skipped(skipped["train"], more)
             if val is not None:
-                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val", reward)
+                val, more = preference.screen(val, raw.origins["val"], cfg, tokenizer, "val", pairs)
                 skipped["val"] = preference.merge_skipped(skipped["val"], more)
         skipped = {source: s for source, s in skipped.items() if s}
         if cfg.val_fraction > 0:
@@ -401,7 +405,7 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
                 raise PlanError("data.val_fraction", f"{cfg.val_fraction} of {len(train)} records leaves an empty "
                                                      f"split ({err}); use a fraction that keeps records on both sides") from None
             train, val = parts["train"], parts["test"]
-        fn, kwargs = _map_fn(cfg, tokenizer, reward)
+        fn, kwargs = _map_fn(cfg, tokenizer, pairs)
         dtype = "uint16" if len(tokenizer) < 2**16 else "uint32"
         splits = {}
         for split, ds in (("train", train), ("val", val)):
@@ -439,8 +443,8 @@ def prepare(cfg: DataConfig, seed: int, log: Callable[[str], None] = print, rewa
     return prepared
 
 
-def train_samples(cfg: DataConfig, seed: int, split: str = "train", reward: bool = False):
+def train_samples(cfg: DataConfig, seed: int, split: str = "train"):
     """Prepare (or find cached) and open one split in this process: for the reference loop and tests."""
     from hybridtrain.data.sampler import open_samples
 
-    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None, reward=reward).to_json()), split, seed)
+    return open_samples(json.loads(prepare(cfg, seed, log=lambda _: None).to_json()), split, seed)

@@ -285,7 +285,7 @@ class PairSamples(RowSamples):
     A micro-batch's target is ``(labels, weights, segments, reference, index)``: ``weights`` ``[2]`` turn the
     micro-batch's summed pair losses and summed chosen-token NLL into their shares of the global batch's means
     (:meth:`batch_weight` for pairs and for chosen tokens), ``segments [B, S]`` say which sequence a token is in
-    (0 chosen, 1 rejected, -1 padding), ``reference [B, 2]`` the pairs' reference log-probabilities (chosen,
+    (0 chosen, 1 rejected, -1 padding; 2 the chosen prompt under :attr:`prompt_nll`), ``reference [B, 2]`` the pairs' reference log-probabilities (chosen,
     rejected; zeros until :attr:`reference` is set) and ``index [B]`` the pairs' indices.
     """
 
@@ -297,6 +297,10 @@ class PairSamples(RowSamples):
         self.reference: np.ndarray | None = None
         """``[num_samples, 2]`` float64 log-probabilities of each pair under the reference model, once computed
         (:mod:`hybridtrain.train.preference`)."""
+        self.prompt_nll = False
+        """ORPO (``finetune.objective=orpo``): the chosen sequence's prompt tokens carry labels too (the next
+        token), with segment 2, and the per-chosen-token weight counts them: TRL's ``ORPOTrainer`` takes the
+        NLL over the whole chosen sequence."""
 
     def positions(self, indices: np.ndarray) -> np.ndarray:
         out = np.empty((len(indices), self.seq_len), dtype=np.int64)
@@ -315,7 +319,18 @@ class PairSamples(RowSamples):
         """``[per pair, per chosen token]``: what :meth:`Samples.batch_weight` is for tokens, for the global
         batch's pairs and for its chosen completions' loss tokens (TRL's ``sft`` loss type)."""
         scale = layout.grad_accum * layout.averaged_over
-        return np.array([scale / max(1, len(indices)), scale / max(1, int(self.chosen_labels[indices].sum()))])
+        chosen = self.chosen_len if self.prompt_nll else self.chosen_labels  # every chosen token is labelled
+        return np.array([scale / max(1, len(indices)), scale / max(1, int(chosen[indices].sum()))])
+
+    def _prompt_labelled(self, inputs: np.ndarray, labels: np.ndarray, segments: np.ndarray,
+                         row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:attr:`prompt_nll`'s labels and segments: the chosen sequence's unlabelled (prompt) tokens get the
+        next input token as label and segment 2. Within a sequence the label of token ``t`` is token
+        ``t + 1``, which a prompt token always has (a completion follows it)."""
+        t = np.arange(self.seq_len)[None, :]
+        prompt = (t < self.chosen_len[row][:, None]) & (labels == -100)  # [B, S]
+        following = np.concatenate([inputs[:, 1:], inputs[:, -1:]], axis=1)
+        return np.where(prompt, following, labels), np.where(prompt, 2, segments)
 
     def reference_batches(self, layout: BatchLayout, dp_rank: int) -> Iterator[list[tuple]]:
         """Every pair once, in index order, as this rank's micro-batches of consecutive global batches; the last
@@ -331,9 +346,12 @@ class PairSamples(RowSamples):
         weights = torch.tensor(self.batch_weights(idx, layout), dtype=torch.float32)
         for row in layout.rank_rows(idx, dp_rank):
             inputs, labels = self.rows(row)
+            segments = self.segments(row)
+            if self.prompt_nll:
+                labels, segments = self._prompt_labelled(inputs, labels, segments, row)
             reference = self.reference[row] if self.reference is not None else np.zeros((len(row), 2))
             model_inputs = (torch.from_numpy(inputs), torch.from_numpy(self.positions(row)))
-            yield model_inputs, (torch.from_numpy(labels), weights, torch.from_numpy(self.segments(row)),
+            yield model_inputs, (torch.from_numpy(labels), weights, torch.from_numpy(segments),
                                  torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float64)),
                                  torch.from_numpy(np.asarray(row, dtype=np.int64)))
 

@@ -159,7 +159,8 @@ class Built:
     objective: Any = None
     """With ``finetune.objective=dpo``: the :class:`~hybridtrain.objectives.dpo.PreferenceLoss` (its reference
     mode and per-step metrics, :mod:`hybridtrain.train.preference`); ``reward``: the
-    :class:`~hybridtrain.objectives.reward.RewardLoss` (its per-step metrics); else ``None``."""
+    :class:`~hybridtrain.objectives.reward.RewardLoss` (its per-step metrics); with ``cpo`` / ``orpo`` the
+    :class:`~hybridtrain.objectives.reference_free.ReferenceFreeLoss`; else ``None``."""
     at_step: dict = field(default_factory=dict)
     """Largest model-state bytes measured so far (filled by :meth:`watch_model_state`)."""
     _unwatch: list = field(default_factory=list)
@@ -244,11 +245,16 @@ class Built:
 def objective_loss(cfg: Config, token_loss: Any) -> Any:
     """The loss of ``finetune.objective`` over ``token_loss`` (a :class:`~hybridtrain.parallel.layers.
     VocabParallelLoss`): ``None`` for ``sft`` (the token loss itself), the preference loss for ``dpo``, the
-    Bradley-Terry loss over the scalar head's scores for ``reward``."""
+    Bradley-Terry loss over the scalar head's scores for ``reward``, the reference-free one for ``cpo`` and
+    ``orpo``."""
     if cfg.finetune.objective == "reward":
         from hybridtrain.objectives.reward import RewardLoss
 
         return RewardLoss(token_loss.cp, cfg.finetune.reward)
+    if cfg.finetune.objective in ("cpo", "orpo"):
+        from hybridtrain.objectives.reference_free import ReferenceFreeLoss
+
+        return ReferenceFreeLoss(token_loss, cfg.finetune.objective, getattr(cfg.finetune, str(cfg.finetune.objective)))
     if cfg.finetune.objective != "dpo":
         return None
     from hybridtrain.objectives.dpo import PreferenceLoss

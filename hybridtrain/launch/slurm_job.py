@@ -44,6 +44,7 @@ def prepare_data(run_dir: Path) -> bool:
     files = RunDir(run_dir)
     if files.data_file.is_file():
         return False
+    from hybridtrain.data.preference import tokenization_of
     from hybridtrain.data.prepare import prepare
     from hybridtrain.plan.data import check_data_counts
 
@@ -55,7 +56,7 @@ def prepare_data(run_dir: Path) -> bool:
     if problem is not None:
         key, _, message = problem.partition(": ")
         raise PlanError(key, message)
-    prepared = prepare(cfg.data, cfg.trainer.seed, reward=cfg.finetune.objective == "reward")
+    prepared = prepare(cfg.data, cfg.trainer.seed, pairs=tokenization_of(cfg.finetune.objective))
     cfg.trainer.max_steps = check_data_counts(cfg, plan, prepared.num_samples("train"), prepared.num_samples("val"))
     files.write_config(cfg)
     files.write_data(prepared)

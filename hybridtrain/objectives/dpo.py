@@ -65,6 +65,30 @@ def pair_loss(loss_type: str, beta: float, label_smoothing: float, tau: float, l
     raise ValueError(f"unknown loss type {loss_type!r}; use one of {list(LOSS_TYPES)}")
 
 
+def segment_sums(token_loss: Any, outputs, labels: torch.Tensor, segments: torch.Tensor,
+                 buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, counts)``, each ``[B, buckets]`` fp32: per row, the summed label log-probabilities (``-``
+    ``token_loss.token_losses``, differentiable) and the loss-token counts of the tokens whose ``segments``
+    value is ``0 .. buckets - 1`` (-1: padding), over the whole rows: under cp each rank sums its tokens and
+    one differentiable all-reduce over the cp group adds the ranks' sums."""
+    cp = token_loss.cp
+    if cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
+        keep = cp.indices(labels.shape[1]).to(labels.device)
+        labels, segments = labels[:, keep], segments[:, keep]
+    logp = -token_loss.token_losses(outputs, labels)  # [B, T], 0 at ignored labels
+    rows = labels.shape[0]
+    doc = (torch.arange(rows, device=labels.device).unsqueeze(1) * buckets + segments).reshape(-1)  # [B x T]
+    real = ((segments >= 0) & (labels != -100)).reshape(-1)
+    sums = logp.new_zeros(buckets * rows).index_add(0, doc[real], logp.reshape(-1)[real])
+    counts = logp.new_zeros(buckets * rows).index_add(0, doc[real], torch.ones_like(logp.reshape(-1)[real]))
+    both = torch.stack([sums, counts])  # [2, buckets x B]
+    if cp.size > 1:
+        from hybridtrain.parallel import collectives
+
+        both = collectives.all_reduce_autograd(both, cp.group)
+    return both[0].reshape(rows, buckets), both[1].detach().reshape(rows, buckets)
+
+
 class PreferenceLoss:
     """The loss function of ``finetune.objective=dpo`` (DeepSpeed's ``loss_fn``: called per micro-batch on the
     last pipeline stage, or by the sequential model), over the target
@@ -94,22 +118,7 @@ class PreferenceLoss:
                        segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logps, lengths)``, each ``[B, 2]`` fp32: the summed completion log-probabilities of each row's
         chosen and rejected sequence and their loss-token counts, over the whole rows (all cp ranks')."""
-        cp = self.cp
-        if cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
-            keep = cp.indices(labels.shape[1]).to(labels.device)
-            labels, segments = labels[:, keep], segments[:, keep]
-        logp = -self.token_loss.token_losses(outputs, labels)  # [B, T], 0 at ignored labels
-        rows = labels.shape[0]
-        doc = (torch.arange(rows, device=labels.device).unsqueeze(1) * 2 + segments).reshape(-1)  # [B x T]
-        real = ((segments >= 0) & (labels != -100)).reshape(-1)
-        sums = logp.new_zeros(2 * rows).index_add(0, doc[real], logp.reshape(-1)[real])
-        counts = logp.new_zeros(2 * rows).index_add(0, doc[real], torch.ones_like(logp.reshape(-1)[real]))
-        both = torch.stack([sums, counts])  # [2, 2B]
-        if cp.size > 1:
-            from hybridtrain.parallel import collectives
-
-            both = collectives.all_reduce_autograd(both, cp.group)
-        return both[0].reshape(rows, 2), both[1].detach().reshape(rows, 2)
+        return segment_sums(self.token_loss, outputs, labels, segments, 2)
 
     def __call__(self, outputs, target) -> torch.Tensor:
         labels, weights, segments, reference, index = target

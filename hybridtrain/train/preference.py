@@ -142,6 +142,8 @@ def step_metrics(built: Any, log_now: bool) -> dict[str, float]:
     if not log_now:
         return {}
     sums = collectives.all_reduce(sums, built.engine.device).cpu()
+    if hasattr(built.objective, "metrics"):  # cpo / orpo: their own names and denominators
+        return built.objective.metrics(sums)
     count = max(float(sums[-1]), 1.0)
     names = getattr(built.objective, "names", STATS)  # a reward model's: RewardLoss.names
     return {name: float(sums[k]) / count for k, name in enumerate(names)}

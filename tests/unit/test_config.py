@@ -138,7 +138,8 @@ def test_every_field_says_what_it_accepts():
     sections = [t for t in typing.get_type_hints(Config).values() if dataclasses.is_dataclass(t)]
     assert len(sections) == 9
     nested = [t for s in sections for t in typing.get_type_hints(s).values() if dataclasses.is_dataclass(t)]
-    assert [t.__name__ for t in nested] == ["LoraConfig", "DPOConfig", "RewardConfig"]  # finetune.lora, .dpo, .reward
+    assert [t.__name__ for t in nested] == ["LoraConfig", "DPOConfig", "CPOConfig", "ORPOConfig",
+                                           "RewardConfig"]  # finetune.*
     for section in [*sections, *nested, *LAUNCHER_CONFIGS.values()]:
         for name, hint in typing.get_type_hints(section).items():
             if dataclasses.is_dataclass(hint):

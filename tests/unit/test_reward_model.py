@@ -117,7 +117,7 @@ def test_a_pair_is_trls_two_whole_sequences_scored_at_their_last_token(chat, tmp
     theirs = RewardTrainer._prepare_dataset(None, Dataset.from_list(records), tok, args, "train")
     cfg = DataConfig(source="files", path=str(write_jsonl(tmp_path / "p.jsonl", records)), format="preference",
                      cache_dir=str(tmp_path / "cache"), seq_len=96)
-    prepared = prep.prepare(cfg, 0, log=lambda _: None, reward=True)
+    prepared = prep.prepare(cfg, 0, log=lambda _: None, pairs="scored")
     assert prepared.fingerprint != prep.prepare(cfg, 0, log=lambda _: None).fingerprint  # not DPO's rows
     samples = open_samples(json.loads(prepared.to_json()), "train", 0)
     assert isinstance(samples, PairSamples) and samples.num_samples == len(records)
@@ -142,7 +142,7 @@ def test_a_pair_longer_than_seq_len_counts_every_token(tmp_path):
                      cache_dir=str(tmp_path / "cache"), seq_len=whole - 1)
     prep.prepare(cfg, 0, log=lambda _: None)  # DPO's row fits (whole - 2 tokens)
     with pytest.raises(PlanError) as info:
-        prep.prepare(cfg, 0, log=lambda _: None, reward=True)
+        prep.prepare(cfg, 0, log=lambda _: None, pairs="scored")
     assert info.value.key == "data.seq_len" and f"the longest such pair takes {whole} tokens" in str(info.value)
 
 
@@ -153,7 +153,7 @@ def test_records_with_a_margin_field_are_refused(tmp_path):
                      cache_dir=str(tmp_path / "cache"), seq_len=96)
     prep.prepare(cfg, 0, log=lambda _: None)  # DPO has no margin: the field is not read
     with pytest.raises(PlanError) as info:
-        prep.prepare(cfg, 0, log=lambda _: None, reward=True)
+        prep.prepare(cfg, 0, log=lambda _: None, pairs="scored")
     assert info.value.key == "data.path" and "the records have a 'margin' field" in str(info.value)
 
 
