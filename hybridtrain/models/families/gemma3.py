@@ -7,12 +7,15 @@ scaled by ``query_pre_attn_scalar ** -0.5``) with five sliding-window layers to 
 attention soft-cap.
 
 The split is transformers' plan as it stands (the per-head q/k norms replicated, their gradients summed over tp).
-Unlike Gemma 2 it runs sdpa (no attention soft-cap in its kernels). The published Gemma 3 folders (4B and up) are
+Unlike Gemma 2 it runs sdpa and flash attention (its attention has no soft-cap). The published Gemma 3 folders (4B and up) are
 the vision-language ``Gemma3ForConditionalGeneration`` (``model_type`` ``gemma3``): the plan refuses them and names
 ``python -m hybridtrain.extract_text``, which writes the language model as a ``Gemma3ForCausalLM`` folder.
 ``use_bidirectional_attention`` (Gemma 3 as an embedding model) is refused by the plan: it is not a causal LM.
 """
 from hybridtrain.models.families.base import Family
+
+BIDIRECTIONAL = ("Gemma 3 with bidirectional attention is an embedding model (every token attends to the whole "
+                 "row), not a causal LM hybridtrain trains with next-token losses")
 
 FAMILY = Family(
     model_type="gemma3_text",
@@ -24,6 +27,6 @@ FAMILY = Family(
     hf_config_class="Gemma3TextConfig",
     embed_scale=True,
     final_logit_softcap="final_logit_softcapping",
-    attn_implementations=("sdpa", "eager"),
+    refused_config={"use_bidirectional_attention": BIDIRECTIONAL},
     dropout_keys=("attention_dropout",),
 )
