@@ -14,7 +14,8 @@ with ``peft.get_peft_model`` from the same initial A and B. Per run:
 CI runs Llama at (2, 2, 2) from fresh adapters, GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
 peft adapter folder (``finetune.lora.init_from``) with activation checkpointing, and Qwen3.5 at (1, 2, 2) (``all-linear``
 on its Gated DeltaNet blocks: the fused q | k | v projection's adapter cut block by block); the ``slow`` tier runs
-every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``).
+every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``), and
+SmolLM3, OLMo 3 and Gemma 3 at (1, 2, 2) with ``all-linear``.
 A LoRA run also resumes exactly under its own layout and under another one, and a bad target is a
 one-line exit-2 error.
 """
@@ -131,6 +132,21 @@ def test_lora_matches_peft_every_layout(family, layout, folders, reference, tmp_
     want, adapters = reference(overrides)
     dp, tp, pp = layout
     run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}")
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
+
+
+ATTENTION_2026 = ["smollm3", "olmo3", "gemma3_text"]
+"""Issue 44's families (NoPE layers; OLMo 3's sharded full-width q/k norms beside adapted q/k projections; Gemma 3's
+per-layer-type rotary and tied head), at (1, 2, 2) in the slow tier."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ATTENTION_2026)
+def test_lora_matches_peft_on_the_2026_attention_families(family, folders, reference, tmp_path):
+    folder = folders(family)
+    overrides = _overrides(folder, "finetune.lora.target_modules=all-linear")
+    want, adapters = reference(overrides)
+    run_cli(tmp_path / "run", *overrides, "parallel.dp=1", "parallel.tp=2", "parallel.pp=2")
     check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
 
 
