@@ -10,7 +10,7 @@ plan's model-state estimate is within 10% of what rank 0 measured.
 
 CI runs one multi-process layout per family (chosen so the families together cover tp, pp and dp);
 the ``slow`` tier runs (1,2,2), (2,1,2), (2,2,1) and tp=4 for every family, the 8-rank (2,2,2) and (2,1,4) for
-SmolLM3, OLMo 3 and Gemma 3, cp = 2 x tp = 2 for every family that takes cp, and resumes two families under another
+SmolLM3, OLMo 3 and Gemma 3, cp = 2 x tp = 2 for every family that takes cp, and resumes three families (Gemma 3 among them) under another
 layout.
 """
 from __future__ import annotations
@@ -106,8 +106,9 @@ def test_eight_rank_layouts_equal_transformers(family, layout, family_folders, o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,before,after", [("qwen2", (1, 2, 2), (2, 1, 1)), ("phi3", (2, 1, 2), (1, 2, 1))],
-                         ids=["qwen2", "phi3"])
+@pytest.mark.parametrize("family,before,after", [("qwen2", (1, 2, 2), (2, 1, 1)), ("phi3", (2, 1, 2), (1, 2, 1)),
+                                                ("gemma3_text", (1, 2, 2), (2, 1, 1))],
+                         ids=["qwen2", "phi3", "gemma3_text"])
 def test_resume_under_another_layout_continues_the_losses(family, before, after, family_folders, oracle, tmp_path):
     """Steps 1-2 under one layout, a checkpoint, steps 3-4 under another: the oracle's four losses."""
     common = [*_common(family_folders[family]), "trainer.max_steps=4"]
