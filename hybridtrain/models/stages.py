@@ -140,7 +140,8 @@ class BlockInputs:
         self.cp_base = cp_base
         self.flash = hf_config._attn_implementation == "flash_attention_2"
         self.packed = packed  # False: rows hold one sequence each, so the restart tests (host syncs) are skipped
-        self._made: dict = {}  # (sliding, layer type) -> (key, position ids, (args, cos_sin)); "documents" -> (_, ids, Documents)
+        # (sliding, layer type) -> (key, position ids, (args, cos_sin)); "documents" -> (_, ids, Documents)
+        self._made: dict = {}
 
     @classmethod
     def shared(cls, builder: ModelBuilder) -> "BlockInputs":

@@ -10,8 +10,8 @@ plan's model-state estimate is within 10% of what rank 0 measured.
 
 CI runs one multi-process layout per family (chosen so the families together cover tp, pp and dp);
 the ``slow`` tier runs (1,2,2), (2,1,2), (2,2,1) and tp=4 for every family, the 8-rank (2,2,2) and (2,1,4) for
-SmolLM3, OLMo 3 and Gemma 3, cp = 2 x tp = 2 for every family that takes cp, and resumes three families (Gemma 3 among them) under another
-layout.
+SmolLM3, OLMo 3 and Gemma 3, cp = 2 x tp = 2 for every family that takes cp, and resumes three families (Gemma 3
+among them) under another layout.
 """
 from __future__ import annotations
 

@@ -61,8 +61,9 @@ def test_the_published_gemma3_folder_is_refused_and_its_extracted_language_model
     with pytest.raises(PlanError) as info:
         _resolve(src)
     assert info.value.key == "model.pretrained"
-    assert "'gemma3' vision-language model; hybridtrain trains its language model (Gemma3ForCausalLM)" in str(info.value)
-    assert f"extract it first with `{command(src)}`" in str(info.value)
+    message = str(info.value)
+    assert "'gemma3' vision-language model; hybridtrain trains its language model (Gemma3ForCausalLM)" in message
+    assert f"extract it first with `{command(src)}`" in message
     dst = tmp_path / "gemma-3-4b-text"
     assert main([str(src), str(dst)]) == 0
     with safe_open(str(src / "model.safetensors"), "pt") as f:

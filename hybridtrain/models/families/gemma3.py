@@ -7,9 +7,10 @@ scaled by ``query_pre_attn_scalar ** -0.5``) with five sliding-window layers to 
 attention soft-cap.
 
 The split is transformers' plan as it stands (the per-head q/k norms replicated, their gradients summed over tp).
-Unlike Gemma 2 it runs sdpa and flash attention (its attention has no soft-cap). The published Gemma 3 folders (4B and up) are
-the vision-language ``Gemma3ForConditionalGeneration`` (``model_type`` ``gemma3``): the plan refuses them and names
-``python -m hybridtrain.extract_text``, which writes the language model as a ``Gemma3ForCausalLM`` folder.
+Unlike Gemma 2 it runs sdpa (its attention has no soft-cap; flash attention as for the other families, not run on a
+GPU here). The published Gemma 3 folders (4B and up) are the vision-language ``Gemma3ForConditionalGeneration``
+(``model_type`` ``gemma3``): the plan refuses them and names ``python -m hybridtrain.extract_text``, which writes the
+language model as a ``Gemma3ForCausalLM`` folder.
 ``use_bidirectional_attention`` (Gemma 3 as an embedding model) is refused by the plan: it is not a causal LM.
 """
 from hybridtrain.models.families.base import Family
