@@ -52,10 +52,18 @@ SHAPES: dict[str, dict] = {
                   intermediate_size=128, pad_token_id=1),
     "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
                      use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
+    "smollm3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=128, pad_token_id=2),
+    "olmo3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=128, pad_token_id=1, sliding_window=4096),
+    "gemma3_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                        intermediate_size=128, query_pre_attn_scalar=16, sliding_window=4096, pad_token_id=0),
 }
 """Each family's small shape (HF names; MLP width 2 x hidden): two blocks, 8 query heads, 4 KV heads where the family
 has grouped-query attention. Sliding windows (Mistral, Gemma 2) are longer than the rows: a window shorter than the
-row makes sdpa keep a mask, which the plan does not count yet."""
+row makes sdpa keep a mask, which the plan does not count yet. SmolLM3's two blocks both take rotary (its NoPE blocks,
+one in ``no_rope_layer_interval``, keep no more than these: the plan counts them as rotary blocks); OLMo 3's and
+Gemma 3's are sliding blocks (the first of their patterns)."""
 
 _MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts_per_tok=2)
 MOE_SHAPES: dict[str, dict] = {

@@ -1,12 +1,14 @@
 """``python -m hybridtrain.extract_text SRC DST``: the language model of a published vision-language folder as a
-causal-LM folder hybridtrain trains (Qwen3.5's ``Qwen3_5ForConditionalGeneration``, ``model_type`` ``qwen3_5``, and
-Qwen3.5-MoE's ``qwen3_5_moe``).
+causal-LM folder hybridtrain trains (Qwen3.5's ``Qwen3_5ForConditionalGeneration``, ``model_type`` ``qwen3_5``,
+Qwen3.5-MoE's ``qwen3_5_moe``, and Gemma 3's ``Gemma3ForConditionalGeneration``, ``gemma3``: the 4B and larger).
 
-Those folders keep the language model's weights under ``model.language_model.`` beside the vision tower
-(``model.visual.``) and, in some releases, multi-token-prediction layers (``mtp.``, which transformers does not
-load); their ``config.json`` holds the language model's config as ``text_config``. ``DST`` gets that config as a
-``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM``) config, the language model's tensors renamed to ``model.*`` (and
-``lm_head.weight``), shard by shard (one source shard in memory at a time), and the tokenizer and generation files.
+Those folders keep the language model's weights under ``model.language_model.`` (Gemma 3's published files, written
+before transformers 4.52: ``language_model.model.`` and ``language_model.lm_head.``, which transformers' own loading
+renames the same way) beside the vision tower (``model.visual.``, ``vision_tower.``, ``multi_modal_projector.``)
+and, in some releases, multi-token-prediction layers (``mtp.``, which transformers does not load); their
+``config.json`` holds the language model's config as ``text_config``. ``DST`` gets that config as the causal-LM
+class's of :data:`TEXT_MODELS`, the language model's tensors renamed to ``model.*`` (and ``lm_head.weight``), shard
+by shard (one source shard in memory at a time), and the tokenizer and generation files.
 The vision tower is not copied: a run trains the language model only, and ``SRC``'s vision tensors are unchanged for
 whoever puts the trained language model back beside them. transformers' ``Qwen3_5ForCausalLM.from_pretrained`` of
 ``SRC`` itself would drop the vision tower the same way (``_keys_to_ignore_on_load_unexpected``), but hybridtrain
@@ -20,9 +22,14 @@ import shutil
 import sys
 from pathlib import Path
 
-TEXT_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+TEXT_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 """Conditional-generation ``model_type`` -> the causal-LM class of its language model."""
+TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
+"""Conditional-generation ``model_type`` -> its language model's ``model_type`` (where ``text_config`` omits it)."""
 PREFIX = "model.language_model."
+LEGACY_PREFIX = "language_model.model."
+"""The language model's prefix in folders written before transformers 4.52 (the published Gemma 3 files; its head,
+where stored, is ``language_model.lm_head.weight``)."""
 COPIED = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
           "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json")
 """Files copied as they are (those present)."""
@@ -36,9 +43,10 @@ def command(folder: str | Path) -> str:
 
 def text_name(name: str) -> str | None:
     """The causal-LM name of tensor ``name`` of the conditional model (``None``: not the language model's)."""
-    if name.startswith(PREFIX):
-        return "model." + name[len(PREFIX):]
-    return name if name == "lm_head.weight" else None
+    for prefix in (PREFIX, LEGACY_PREFIX):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return "lm_head.weight" if name in ("lm_head.weight", "language_model.lm_head.weight") else None
 
 
 def extract(src: Path, dst: Path) -> Path:
@@ -53,7 +61,9 @@ def extract(src: Path, dst: Path) -> Path:
         raise ValueError(f"{src} holds a {kind!r} model; this extracts the language model of {sorted(TEXT_MODELS)}")
     text = dict(config["text_config"])
     text["architectures"] = [TEXT_MODELS[kind]]
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    if "tie_word_embeddings" in config:  # else the text config class's default (Gemma 3's: tied)
+        text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+    text.setdefault("model_type", TEXT_TYPES[kind])
     for key in ("dtype", "torch_dtype", "transformers_version"):
         if key in config:
             text.setdefault(key, config[key])
@@ -68,7 +78,7 @@ def extract(src: Path, dst: Path) -> Path:
             save_file(tensors, str(dst / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
     if not weight_map:
-        raise ValueError(f"{src} holds no tensor under {PREFIX!r}")
+        raise ValueError(f"{src} holds no tensor under {PREFIX!r} or {LEGACY_PREFIX!r}")
     if len(shards) > 1:
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                      indent=2))

@@ -26,6 +26,11 @@ class TwinFailed(RuntimeError):
     """transformers itself cannot run a tiny twin of the config (the config is inconsistent)."""
 
 
+class AdapterFailed(RuntimeError):
+    """hybridtrain's model of the twin, built with the derived adapter, raises where transformers' own forward runs
+    (the model's modules take arguments or state the plans do not describe); the message names the exception."""
+
+
 def twin_config(family: Any, hf_config: Any) -> Any:
     """A tiny copy of ``hf_config`` (see the module docstring)."""
     twin = copy.deepcopy(hf_config)
@@ -84,13 +89,17 @@ def self_check(family: Any, hf_config: Any, tps: tuple[int, ...] = (1, 2)) -> di
         out: dict[int, float] = {}
         for tp in tps:
             if tp == 1:
-                got = _logits(Path(tmp), family, ids, _single(), twin._attn_implementation)
+                try:
+                    got = _logits(Path(tmp), family, ids, _single(), twin._attn_implementation)
+                except Exception as err:  # noqa: BLE001 - whatever the model's modules raise is the reason to refuse
+                    raise AdapterFailed(f"hybridtrain's model of the twin fails at tp=1 where transformers' own "
+                                        f"forward runs: {type(err).__name__}: {err}") from None
             else:
                 from hybridtrain.parallel.spawn import run_world
 
                 run = run_world(partial(_rank_logits, tmp, family, ids, twin._attn_implementation), tp, timeout_s=180)
                 if run.problems or "logits" not in run.emitted[0]:
-                    raise RuntimeError(f"the tp={tp} self-check failed: {run.problem_report()}")
+                    raise AdapterFailed(f"hybridtrain's model of the twin fails at tp={tp}: {run.problem_report()}")
                 got = run.emitted[0]["logits"]
             out[tp] = float((got - want).abs().max()) / max(scale, 1e-12)
     return out

@@ -13,6 +13,8 @@ turns restarts into a block-causal mask (a token attends only to its own record)
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from functools import partial
 from typing import Callable
 
 import torch
@@ -140,7 +142,8 @@ class BlockInputs:
         self.cp_base = cp_base
         self.flash = hf_config._attn_implementation == "flash_attention_2"
         self.packed = packed  # False: rows hold one sequence each, so the restart tests (host syncs) are skipped
-        self._made: dict = {}  # sliding -> (key, position ids, (args, cos_sin)); "documents" -> (_, ids, Documents)
+        # (sliding, layer type) -> (key, position ids, (args, cos_sin)); "documents" -> (_, ids, Documents)
+        self._made: dict = {}
 
     @classmethod
     def shared(cls, builder: ModelBuilder) -> "BlockInputs":
@@ -149,13 +152,18 @@ class BlockInputs:
             builder.stage_shared[cls.__name__] = cls(builder.hf_config, builder.packed, builder.cp, builder.cp_base)
         return builder.stage_shared[cls.__name__]
 
-    def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None) -> tuple:
+    def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, sliding: bool, rotary: nn.Module | None,
+                 layer_type: str | None = None) -> tuple:
         """``(attention kwargs, (cos, sin) or None, local position ids)`` for ``hidden [B, S, H]`` (at cp > 1 this
-        rank's ``[B, S / cp, H]``) at the rows' position ids ``pos [B, S]``."""
+        rank's ``[B, S / cp, H]``) at the rows' position ids ``pos [B, S]``. ``layer_type``: the block's
+        ``config.layer_types`` entry, for a rotary embedding with one table per layer type (Gemma 3, OLMo 3:
+        :func:`rotary_layer_type`); ``None``: one table for every block."""
         key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
-        made = self._made.get(sliding)
+        which = (sliding, layer_type)
+        made = self._made.get(which)
         if made is None or made[0] != key or made[1] is not pos:  # the reference keeps pos's id from reuse
-            made = self._made[sliding] = (key, pos, self._make(hidden, pos, sliding, rotary))
+            rope = rotary if layer_type is None or rotary is None else partial(rotary, layer_type=layer_type)
+            made = self._made[which] = (key, pos, self._make(hidden, pos, sliding, rope))
         return made[2]
 
     def documents(self, pos: torch.Tensor) -> Documents | RankChunks | None:
@@ -244,10 +252,11 @@ class DecoderBlock(nn.Module):
         window = (attention.sliding_window if hasattr(attention, "sliding_window")
                   else getattr(builder.hf_config, "sliding_window", None))
         self.sliding = bool(window) and not self.linear
-        self.rotary = None
+        self.rotary, self.layer_type = None, None
         if builder.family.rotary_embed:
             rotary_cls = type(builder.hf_model.get_submodule(builder.family.rotary_embed))
             self.rotary = rotary_cls(config=builder.hf_config)
+            self.layer_type = rotary_layer_type(self.rotary, builder.hf_config, index)
         self.inputs = BlockInputs.shared(builder)  # nothing float but the hidden states crosses stages
         moe_spec = builder.family.moe
         # experts split over ep and trained: the marker makes DeepSpeed reduce them over their own data-parallel
@@ -274,7 +283,7 @@ class DecoderBlock(nn.Module):
 
 
     def _run(self, hidden: torch.Tensor, pos: torch.Tensor, log: CarryLog | None = None) -> torch.Tensor:
-        args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary)
+        args, cos_sin, local_pos = self.inputs(hidden, pos, self.sliding, self.rotary, self.layer_type)
         if self.linear:
             return self._run_linear(hidden, pos, cos_sin, log)
         if cos_sin is None:
@@ -311,6 +320,15 @@ class DecoderBlock(nn.Module):
             return out, pos, *sums
         out, p_sum, counts = out
         return out, pos, sums[0] + p_sum, sums[1] + counts
+
+
+def rotary_layer_type(rotary: nn.Module, hf_config, index: int) -> str | None:
+    """The layer type block ``index`` asks its rotary embedding for: ``config.layer_types[index]`` where the rotary
+    module keeps one table per layer type (its ``forward`` takes ``layer_type``: Gemma 3's local and global bases,
+    OLMo 3's; their models call it once per type and give each block its type's ``(cos, sin)``), else ``None``."""
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return None
+    return str(hf_config.layer_types[index])
 
 
 def varlen_kwargs(pos: torch.Tensor) -> dict:

@@ -100,13 +100,16 @@ def check_derived_family(cfg: Config, hf_config, announce=None) -> None:
     """``model.family=auto``: run the self-check (:mod:`hybridtrain.models.selfcheck`) and refuse the
     model with the measured difference when hybridtrain and transformers disagree."""
     from hybridtrain.models.families import family_of
-    from hybridtrain.models.selfcheck import TOLERANCE, TwinFailed, self_check
+    from hybridtrain.models.selfcheck import TOLERANCE, AdapterFailed, TwinFailed, self_check
 
     try:
         diffs = self_check(family_of(cfg.model), hf_config)
     except TwinFailed as err:
         raise PlanError("model.config", f"{err}; check the model.config overrides (e.g. head_dim against "
                         "hidden_size / num_attention_heads)") from None
+    except AdapterFailed as err:
+        raise PlanError("model.family", f"auto: the adapter derived for {cfg.model.model_type!r} from transformers' "
+                        f"plans cannot run this model: {err}; it needs a verified family (docs/families.md)") from None
     measured = ", ".join(f"tp={tp}: {d:.2e}" for tp, d in diffs.items())
     if max(diffs.values()) > TOLERANCE:
         raise PlanError("model.family", f"auto: the adapter derived for {cfg.model.model_type!r} from transformers' plans "

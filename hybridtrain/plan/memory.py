@@ -30,7 +30,7 @@ reduction is skipped (``hybridtrain.engine.reduces_gradients``). ZeRO-0 in 16 bi
 
 Activations (per micro-batch, per rank; measured, not assumed: ``bench/activations.py`` counts every tensor autograd
 saves for the backward through hybridtrain's own layers, per storage, parameters excluded, and
-``bench/results/activations_2026-12-05_234455.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
+``bench/results/activations_2026-12-07_141659.json`` holds the rows and the fit). ``s`` seq len, ``b`` micro-batch,
 ``h`` hidden, ``I`` MLP width, ``q`` / ``k`` query and key widths (heads x head dim), ``a`` heads, ``t`` = tp,
 ``w`` activation bytes, ``V`` padded vocabulary; per block, bytes per token (bf16 / fp32, :data:`ACTIVATIONS`):
 
@@ -47,6 +47,9 @@ phi3        16.2, 8.1, 8.5, 6.3                 24.2, 16.1, 17.0, 12.3          
 olmo2       20.2, 8.1, 13.0, 12.3 (q/k norms)   24.2, 16.1, 17.0, 16.3              6.0 / 4  10 / 12
 gpt2        16.9 (q = k = h), 9.9               33.1, 19.9                          2.0 / 4  4 / 8
 gpt_neox    20.4 (q = k = h), 4.1               40.5, 8.1                           5.9 / 3.9 3.9 / 7.8
+smollm3     as llama (NoPE blocks too)          as llama                            6.0 / 4  8 / 12
+olmo3       as olmo2                            as olmo2                            6.0 / 4  10 / 12
+gemma3_text 36.5, 8.2, 12.4, 12.6 (q/k norms)   40.5, 16.2, 16.9, 16.6              6.0 / 4  10 / 12
 =========== =================================== =================================== ======== ==========
 
 so a Llama-2-7B block keeps about ``47 s b h`` bytes in bf16 (the old assumed ``34 s b h`` was low; the head's
@@ -244,6 +247,8 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
     ("gemma2", "fp32"): Activations(hidden=40.137, mlp=16.037, query=9.007, kv=8.059, scores=7.999, outside=12.016, vocab=8.01),  # fit 0.1%
     ("gpt2", "bf16"): Activations(hidden=16.875, mlp=9.875, scores=1.984, outside=4.0, vocab=4.014),  # fit 0.4%
     ("gpt2", "fp32"): Activations(hidden=33.05, mlp=19.85, scores=3.984, outside=8.0, vocab=4.016),  # fit 0.3%
+    ("gemma3_text", "bf16"): Activations(hidden=36.457, mlp=8.197, query=12.418, kv=12.566, scores=5.984, outside=10.016, vocab=3.979),  # fit 0.4%
+    ("gemma3_text", "fp32"): Activations(hidden=40.457, mlp=16.197, query=16.918, kv=16.566, scores=3.984, outside=12.016, vocab=3.947),  # fit 0.3%
     ("gpt_neox", "bf16"): Activations(hidden=20.352, mlp=4.114, scores=5.922, outside=3.875, vocab=4.01),  # fit 0.6%
     ("gpt_neox", "fp32"): Activations(hidden=40.523, mlp=8.136, scores=3.859, outside=7.75, vocab=4.012),  # fit 0.4%
     ("llama", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
@@ -252,12 +257,16 @@ ACTIVATIONS: dict[tuple[str, str], Activations] = {
     ("mistral", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
     ("olmo2", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979),  # fit 0.3%
     ("olmo2", "fp32"): Activations(hidden=24.197, mlp=16.099, query=17.039, kv=16.316, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
+    ("olmo3", "bf16"): Activations(hidden=20.197, mlp=8.099, query=13.039, kv=12.316, scores=5.984, outside=10.0, vocab=3.979),  # fit 0.3%
+    ("olmo3", "fp32"): Activations(hidden=24.197, mlp=16.099, query=17.039, kv=16.316, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
     ("phi3", "bf16"): Activations(hidden=16.164, mlp=8.082, query=8.533, kv=6.263, scores=5.828, outside=8.0, vocab=3.994),  # fit 0.3%
     ("phi3", "fp32"): Activations(hidden=24.164, mlp=16.082, query=17.033, kv=12.263, scores=3.672, outside=12.0, vocab=3.979),  # fit 0.2%
     ("qwen2", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
     ("qwen2", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
     ("qwen3", "bf16"): Activations(hidden=16.362, mlp=8.181, query=10.411, kv=10.539, scores=5.984, outside=8.0, vocab=3.979),  # fit 0.4%
     ("qwen3", "fp32"): Activations(hidden=24.362, mlp=16.181, query=16.911, kv=16.539, scores=3.984, outside=12.0, vocab=3.947),  # fit 0.3%
+    ("smollm3", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=5.984, outside=8.0, vocab=3.994),  # fit 0.3%
+    ("smollm3", "fp32"): Activations(hidden=24.164, mlp=16.082, query=9.033, kv=8.263, scores=3.984, outside=12.0, vocab=3.979),  # fit 0.2%
     # mixture-of-experts families: their attention family's constants, the MoE MLP's fitted over them (fit_moe)
     ("deepseek_v3", "fp32"): Activations(hidden=24.052, mlp=16.026, query=8.008, kv=8.008, scores=4.0, outside=12.0, vocab=3.979, latent=12.052, routed=8.631, expert=15.987, router=4.016, moe_hidden=0.141),  # attention: its dense blocks' (fit 0.04%)
     ("gpt_oss", "bf16"): Activations(hidden=16.164, mlp=8.082, query=4.533, kv=4.263, scores=2.0, outside=8.0, vocab=3.994, routed=4.688, expert=14.0, router=0.016, moe_hidden=4.383),  # attention: qwen2's, its own eager matrix

@@ -117,6 +117,9 @@ def build_plan(cfg: Config, hf_config, machine: Machine, vocab_size: int,
     _need(cfg.model.attn_implementation in family.attn_implementations, "model.attn_implementation",
           f"{cfg.model.attn_implementation!r}: transformers runs {family.model_type} only with "
           f"{list(family.attn_implementations)}; use model.attn_implementation={family.attn_implementations[0]}")
+    for key, why in family.refused_config.items():
+        _need(not getattr(hf_config, key, None), f"model.config.{key}",
+              f"{key}={getattr(hf_config, key, None)!r}: {why}; set model.config.{key}=false")
     pad_multiple = vocab_pad_multiple(cfg, machine)
     _need(pad_multiple >= 1, "model.vocab_pad_multiple", f"must be >= 1 or null, got {pad_multiple}")
     cfg.model.vocab_pad_multiple = pad_multiple  # null resolved for this machine, as config.yaml records it

@@ -9,8 +9,9 @@ transformers logits equal hybridtrain's element by element (``trainer.save_logit
 plan's model-state estimate is within 10% of what rank 0 measured.
 
 CI runs one multi-process layout per family (chosen so the families together cover tp, pp and dp);
-the ``slow`` tier runs (1,2,2), (2,1,2), (2,2,1) and tp=4 for every family, and resumes two families
-under another layout.
+the ``slow`` tier runs (1,2,2), (2,1,2), (2,2,1) and tp=4 for every family, the 8-rank (2,2,2) and (2,1,4) for
+SmolLM3, OLMo 3 and Gemma 3, cp = 2 x tp = 2 for every family that takes cp, and resumes three families (Gemma 3
+among them) under another layout.
 """
 from __future__ import annotations
 
@@ -24,15 +25,21 @@ STEPS = 3
 CI_LAYOUT = {  # (dp, tp, pp): every family splits heads; pipelines and replicas spread over them
     "mistral": (1, 2, 2), "qwen2": (2, 2, 1), "qwen3": (1, 2, 2), "gemma": (2, 1, 2), "gemma2": (1, 2, 2),
     "phi3": (1, 2, 2), "olmo2": (1, 2, 2), "gpt_neox": (2, 2, 1), "qwen3_5_text": (1, 2, 2),
+    "smollm3": (2, 2, 1), "olmo3": (1, 2, 2), "gemma3_text": (1, 2, 2),
 }
 NEW = sorted(CI_LAYOUT)
 """The families added beside GPT-2 and Llama (those two run the full parity suite, test_parity.py)."""
-CI_FAMILIES = {"gemma2", "phi3", "gpt_neox", "qwen3_5_text"}
+CI_FAMILIES = {"gemma2", "phi3", "gpt_neox", "qwen3_5_text", "smollm3", "olmo3", "gemma3_text"}
 """Run through the CLI in CI: soft-capping with sliding windows and eager attention, fused projections,
-a parallel residual, Gated DeltaNet blocks beside gated full attention. The other five run in the slow tier; in CI every family still has its
+a parallel residual, Gated DeltaNet blocks beside gated full attention, NoPE layers (SmolLM3), a rotary table per
+layer type on both sides of a pipeline boundary (OLMo 3's sharded q/k norms, Gemma 3's 5:1 sliding and global
+blocks). The other five run in the slow tier; in CI every family still has its
 (1,1,1) logits against transformers (tests/unit/test_family_logits.py), its packed rows
 (tests/unit/test_packing.py) and its block at tp = 2 and 3 (tests/dist/test_tp_layers.py)."""
 SLOW_LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)]
+EIGHT_RANKS = ["smollm3", "olmo3", "gemma3_text"]
+"""Families whose slow tier also runs the 8-rank layouts (:data:`EIGHT_RANK_LAYOUTS`, issue 44)."""
+EIGHT_RANK_LAYOUTS = [(2, 2, 2), (2, 1, 4)]
 
 
 def _common(folder) -> list[str]:
@@ -92,8 +99,16 @@ def test_every_layout_equals_transformers(family, layout, family_folders, oracle
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,before,after", [("qwen2", (1, 2, 2), (2, 1, 1)), ("phi3", (2, 1, 2), (1, 2, 1))],
-                         ids=["qwen2", "phi3"])
+@pytest.mark.parametrize("layout", EIGHT_RANK_LAYOUTS, ids=lambda l: "dp{}_tp{}_pp{}".format(*l))
+@pytest.mark.parametrize("family", EIGHT_RANKS)
+def test_eight_rank_layouts_equal_transformers(family, layout, family_folders, oracle, tmp_path):
+    _check_run(family, layout, family_folders, oracle, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,before,after", [("qwen2", (1, 2, 2), (2, 1, 1)), ("phi3", (2, 1, 2), (1, 2, 1)),
+                                                ("gemma3_text", (1, 2, 2), (2, 1, 1))],
+                         ids=["qwen2", "phi3", "gemma3_text"])
 def test_resume_under_another_layout_continues_the_losses(family, before, after, family_folders, oracle, tmp_path):
     """Steps 1-2 under one layout, a checkpoint, steps 3-4 under another: the oracle's four losses."""
     common = [*_common(family_folders[family]), "trainer.max_steps=4"]

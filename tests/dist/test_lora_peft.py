@@ -14,7 +14,9 @@ with ``peft.get_peft_model`` from the same initial A and B. Per run:
 CI runs Llama at (2, 2, 2) from fresh adapters, GPT-2 (fused Conv1D ``c_attn``) at (1, 2, 2) from a
 peft adapter folder (``finetune.lora.init_from``) with activation checkpointing, and Qwen3.5 at (1, 2, 2) (``all-linear``
 on its Gated DeltaNet blocks: the fused q | k | v projection's adapter cut block by block); the ``slow`` tier runs
-every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``).
+every layout in {1, 2}^3 for Llama, GPT-2 and Phi-3 (unequal fused ``qkv_proj``, fused ``gate_up_proj``), and
+SmolLM3 and Gemma 3 at (1, 1, 2) and OLMo 3 at (1, 2, 2) with ``all-linear`` (SmolLM3 and Gemma 3 at tp = 2: a
+strict xfail, ``ATTENTION_2026``).
 A LoRA run also resumes exactly under its own layout and under another one, and a bad target is a
 one-line exit-2 error.
 """
@@ -131,6 +133,42 @@ def test_lora_matches_peft_every_layout(family, layout, folders, reference, tmp_
     want, adapters = reference(overrides)
     dp, tp, pp = layout
     run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}")
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
+
+
+ATTENTION_2026 = [("smollm3", (1, 1, 2)), ("olmo3", (1, 2, 2)), ("gemma3_text", (1, 1, 2))]
+"""Issue 44's families (NoPE layers; OLMo 3's sharded full-width q/k norms beside adapted q/k projections; Gemma 3's
+per-layer-type rotary and tied head) in the slow tier. SmolLM3 and Gemma 3 at tp = 2 match peft's losses (1e-4) but
+not every trained adapter element: SmolLM3 one element of 512 in 2 of its 56 adapters (layer 0 ``down_proj``, layer 2
+``q_proj`` ``lora_B``: 1.1e-3 and 4e-3 of the tensor's largest, over the 1e-3 check), Gemma 3 11 of 84 adapters (one
+element each but 19 in layer 1's ``gate_proj`` ``lora_B``; one ``lora_A`` element 3% off); SmolLM3 at (1,1,1),
+(1,1,2) and (1,2,1) matches on every element. Not explained yet (the suspect: Adam's first step moves ``lora_B`` by
+``lr x sign(g)``, so an element whose gradient is near zero flips with the reduction order and carries into ``lora_A``);
+they run where every check holds, and the tp = 2 case is
+:func:`test_lora_at_tp2_on_smollm3_and_gemma3_misses_some_adapter_elements`."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout", ATTENTION_2026, ids=[f for f, _ in ATTENTION_2026])
+def test_lora_matches_peft_on_the_2026_attention_families(family, layout, folders, reference, tmp_path):
+    folder = folders(family)
+    overrides = _overrides(folder, "finetune.lora.target_modules=all-linear")
+    want, adapters = reference(overrides)
+    dp, tp, pp = layout
+    run_cli(tmp_path / "run", *overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}")
+    check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="issue 44 finding: at tp = 2 some trained adapter elements differ from peft's beyond 1e-3 "
+                          "of the tensor's largest (losses within 1e-4); see ATTENTION_2026",
+                   strict=True)
+@pytest.mark.parametrize("family", ["smollm3", "gemma3_text"])
+def test_lora_at_tp2_on_smollm3_and_gemma3_misses_some_adapter_elements(family, folders, reference, tmp_path):
+    folder = folders(family)
+    overrides = _overrides(folder, "finetune.lora.target_modules=all-linear")
+    want, adapters = reference(overrides)
+    run_cli(tmp_path / "run", *overrides, "parallel.dp=1", "parallel.tp=2", "parallel.pp=2")
     check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
 
 

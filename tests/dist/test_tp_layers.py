@@ -268,8 +268,17 @@ _BLOCK_CONFIGS = {  # 12 query heads (6 KV heads with grouped-query attention): 
                        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
                        linear_num_key_heads=6, linear_num_value_heads=12, linear_key_head_dim=16,
                        linear_value_head_dim=8),
+    # SmolLM3: block 1 NoPE (no_rope_layer_interval=2); OLMo 3: block 0 sliding, its own rotary base, full-width
+    # q/k norms; Gemma 3: block 0 sliding, per-head q/k norms, query_pre_attn_scalar apart from head_dim
+    "smollm3": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                    num_hidden_layers=2, max_position_embeddings=16, no_rope_layer_interval=2, pad_token_id=0),
+    "olmo3": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192,
+                  num_hidden_layers=1, max_position_embeddings=16, sliding_window=4, pad_token_id=0),
+    "gemma3_text": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
+                        intermediate_size=192, num_hidden_layers=1, max_position_embeddings=16,
+                        query_pre_attn_scalar=24, sliding_window=4),
 }
-_BLOCKS = {"qwen3_5_text": (0, 1), "qwen3_next": (0,)}
+_BLOCKS = {"qwen3_5_text": (0, 1), "qwen3_next": (0,), "smollm3": (0, 1)}
 """The blocks checked where they differ (default: block 0)."""
 _EAGER = {"gemma2"}  # attention soft-capping runs only in its eager kernel
 
@@ -286,6 +295,7 @@ def case_block(tp, model_type: str, index: int = 0) -> Checks:
     from hybridtrain.models.build import shard_block
     from hybridtrain.models.hf_model import hf_config_of, reference_model
     from hybridtrain.models.families import fused_sizes, get_family
+    from hybridtrain.models.stages import rotary_layer_type
 
     family = get_family(model_type)
     cfg = hf_config_of(model_type, _BLOCK_CONFIGS[model_type], vocab_size=10,
@@ -308,7 +318,9 @@ def case_block(tp, model_type: str, index: int = 0) -> Checks:
     if family.rotary_embed:  # (cos, sin) from the model's own rotary embedding
         pos = torch.arange(S).unsqueeze(0)  # [1, S]
         rotary = model.get_submodule(family.rotary_embed)
-        kwargs.update(position_ids=pos, position_embeddings=rotary(x, position_ids=pos))
+        layer_type = rotary_layer_type(rotary, cfg, index)  # Gemma 3, OLMo 3: one table per layer type
+        table = rotary(x, position_ids=pos, **({"layer_type": layer_type} if layer_type else {}))
+        kwargs.update(position_ids=pos, position_embeddings=table)
 
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref, **kwargs)

@@ -42,10 +42,24 @@ TINY: dict[str, dict] = {
                          intermediate_size=128, max_position_embeddings=128, linear_num_key_heads=4,
                          linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
                          linear_conv_kernel_dim=4, tie_word_embeddings=False),
+    "smollm3": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=128, max_position_embeddings=128, no_rope_layer_interval=2,
+                    use_sliding_window=True, sliding_window=8, pad_token_id=2),
+    "olmo3": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=128, max_position_embeddings=128, sliding_window=8, pad_token_id=1,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
+    "gemma3_text": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                        intermediate_size=128, max_position_embeddings=128, query_pre_attn_scalar=32, sliding_window=8,
+                        pad_token_id=0),
 }
 """``model.config`` of each family's tiny twin (HF names). Qwen3.5's: blocks 0-2 Gated DeltaNet with two value heads
 per key head and value heads narrower than key heads (a mixed-up q | k | v split shows), block 3 gated full
-attention with partial rotary (transformers' defaults: ``layer_types`` 3:1, ``partial_rotary_factor`` 0.25)."""
+attention with partial rotary (transformers' defaults: ``layer_types`` 3:1, ``partial_rotary_factor`` 0.25).
+SmolLM3's: NoPE on blocks 1 and 3 (``no_rope_layer_interval=2``), which are also its sliding-window blocks
+(transformers puts windows on NoPE layers only). OLMo 3's: blocks 0-2 sliding, block 3 full, each type its own rotary
+base. Gemma 3's: blocks 0-4 sliding and block 5 global (transformers' 5:1 default), rotary bases 1e4 (sliding) and 1e6
+(global, transformers' defaults), ``query_pre_attn_scalar`` apart from ``head_dim``."""
 
 NOISE = {"gemma2": 0.1}
 """Standard deviation of the noise added to every weight (default 0.05): enough that Gemma 2's logit caps bind."""

@@ -35,7 +35,7 @@ def family(request):
 def test_families_are_registered_once():
     assert {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt_neox",
             "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text",
-            "qwen3_5_moe_text", "qwen3_next"} == set(FAMILIES)
+            "qwen3_5_moe_text", "qwen3_next", "smollm3", "olmo3", "gemma3_text"} == set(FAMILIES)
     assert get_family("llama") is LLAMA and get_family("gpt2") is GPT2
     assert all(get_family(k).model_type == k for k in FAMILIES)
 

@@ -50,6 +50,10 @@ TRAPS = {  # transformers' own model with the family's trap switched off must gi
     "phi3": {"sliding_window": None},
     "gpt_neox": {"use_parallel_residual": False},
     "qwen3_5_text": {"layer_types": ["full_attention"] * 4},  # blocks 0-2 are Gated DeltaNet
+    "smollm3": {"no_rope_layers": [1] * 4},  # blocks 1 and 3 are NoPE
+    "olmo3": {"layer_types": ["full_attention"] * 4},  # blocks 0-2 slide, with their own rotary base
+    "gemma3_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}  # one base for all
+                                        for t in ("sliding_attention", "full_attention")}},
 }
 
 

@@ -7,9 +7,9 @@ config in the family tests (``docs/families.md``).
 """
 from __future__ import annotations
 
-from hybridtrain.models.families import (deepseek_v3, gemma, gemma2, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral,
-                                         olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe,
-                                         qwen3_moe, qwen3_next)
+from hybridtrain.models.families import (deepseek_v3, gemma, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mistral,
+                                         mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5,
+                                         qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
 from hybridtrain.models.families.base import (  # noqa: F401  (the package's API)
     Family,
     MoE,
@@ -28,7 +28,8 @@ LLAMA = llama.FAMILY
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, phi3.FAMILY,
     olmo2.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, gpt_oss.FAMILY,
-    deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5_moe.FAMILY, qwen3_next.FAMILY)}
+    deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5_moe.FAMILY, qwen3_next.FAMILY, smollm3.FAMILY, olmo3.FAMILY,
+    gemma3.FAMILY)}
 """Supported HF ``model_type`` values, each verified exact against transformers (``docs/families.md``)."""
 
 

@@ -222,6 +222,9 @@ class Family:
     unverified_lora: Mapping[str, str] = field(default_factory=dict)
     """Block-relative module path -> why LoRA adapters on it (or on modules under it) are refused in this version
     (Qwen3.5's Gated DeltaNet ``linear_attn``: not yet proven against peft)."""
+    refused_config: Mapping[str, str] = field(default_factory=dict)
+    """HF config key -> why the family cannot train with it set (true or non-empty): the plan refuses such a config
+    naming ``model.config.<key>`` (Gemma 3's ``use_bidirectional_attention``, an embedding model's attention)."""
     tp_divides: tuple[str, ...] = ()
     """Further HF config keys tp must divide (:func:`tp_divisible`) and a pretrained model's config may not
     override (:meth:`shape_keys`): Gated DeltaNet's key and value head counts."""
