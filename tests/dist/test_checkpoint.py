@@ -374,7 +374,7 @@ def _save_probe(rank: int, world: int, emit) -> None:
                                lora=None, model_state_bytes={"optim": 0, "params": 0})
 
     run_dir = Path(os.environ[SAVE_ENV])
-    cfg = SimpleNamespace(trainer=SimpleNamespace(keep_last=None))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(keep_last=None), finetune=SimpleNamespace(objective="sft"))
     plan = SimpleNamespace(zero_stage=0, global_batch_size=1, layout=lambda: {"dp": 2, "tp": 2})
     hf_config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=50257)
     small = [("ln.tiny", torch.nn.Parameter(shard("ln.tiny", Split(dim=0))), Split(dim=0))]  # warm-up: the save's own first-use costs
