@@ -26,6 +26,18 @@ def _changed(section: Any) -> list[str]:
     return [f.name for f in fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
+def check_pair_rows(data: Any, objective: str) -> None:
+    """What every objective over preference pairs needs of ``data`` beside ``data.format=preference``: a pair is one
+    row of its two sequences (``data.packing`` null or ``documents``), and no validation records (not supported yet)."""
+    packing = str(getattr(data.packing, "value", data.packing))
+    _need(packing in ("None", "null", "documents", "True", "true"), "data.packing",
+          f"{data.packing}: a preference pair is one row of its two sequences (documents), so data.packing must "
+          "be null or documents")
+    _need(not has_validation(data), "data.val_fraction" if data.val_fraction > 0 else
+          ("data.val_path" if data.val_path else "data.val_split"),
+          f"validation of finetune.objective={objective} is not supported yet; remove the validation records")
+
+
 def check_objective(cfg: Config) -> None:
     """``finetune.objective`` against ``data.format`` and the ``finetune.dpo`` / ``cpo`` / ``orpo`` keys."""
     dpo, data = cfg.finetune.dpo, cfg.data
@@ -47,13 +59,7 @@ def check_objective(cfg: Config) -> None:
         _need(not changed, key, f"is set, but finetune.objective={objective} does not read finetune.{other} (it "
                                 f"belongs to finetune.objective={other}); remove it" +
               f" (finetune.{objective} takes {', '.join(f.name for f in fields(getattr(cfg.finetune, objective)))})")
-    packing = str(getattr(data.packing, "value", data.packing))
-    _need(packing in ("None", "null", "documents", "True", "true"), "data.packing",
-          f"{data.packing}: a preference pair is one row of its two sequences (documents), so data.packing must "
-          "be null or documents")
-    _need(not has_validation(data), "data.val_fraction" if data.val_fraction > 0 else
-          ("data.val_path" if data.val_path else "data.val_split"),
-          f"validation of finetune.objective={objective} is not supported yet; remove the validation records")
+    check_pair_rows(data, objective)
     if objective == "cpo":
         _check_cpo(cfg.finetune.cpo)
         return

@@ -6,7 +6,7 @@ from typing import Any
 
 from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
-from hybridtrain.plan.data import has_validation
+from hybridtrain.plan.objective import check_pair_rows
 
 
 def _need(ok: bool, key: str, message: str) -> None:
@@ -30,13 +30,7 @@ def check_reward(cfg: Config, family: Any, hf_config: Any) -> None:
     _need(data.format == "preference", "finetune.objective",
           f"reward trains on preference pairs, but data.format={data.format}; set data.format=preference "
           "(records with prompt, chosen and rejected)")
-    packing = str(getattr(data.packing, "value", data.packing))
-    _need(packing in ("None", "null", "documents", "True", "true"), "data.packing",
-          f"{data.packing}: a preference pair is one row of its two sequences (documents), so data.packing must "
-          "be null or documents")
-    _need(not has_validation(data), "data.val_fraction" if data.val_fraction > 0 else
-          ("data.val_path" if data.val_path else "data.val_split"),
-          "validation of finetune.objective=reward is not supported yet; remove the validation records")
+    check_pair_rows(data, "reward")
     _need(str(cfg.finetune.method) != "lora", "finetune.method",
           "lora with finetune.objective=reward is not supported yet (the scalar head would stay frozen and peft's "
           "adapter folder would lack it); use finetune.method=full")
