@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.objectives import LOSS_TYPES, STATS  # noqa: F401  (STATS: the metrics this loss sums)
+from hybridtrain.objectives.stats import StepSums
+
 
 def pair_loss(loss_type: str, beta: float, label_smoothing: float, tau: float, logps: torch.Tensor,
               ref: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ class PreferenceLoss:
         self.loss_weights = [float(w) for w in dpo.loss_weights] if dpo.loss_weights else [1.0] * len(self.loss_types)
         self.recording: list | None = None
         """With a list: reference mode; ``(index [B], logps [B, 2])`` pairs are appended to it."""
-        self.stats: torch.Tensor | None = None
+        self.stats = StepSums(len(STATS) + 1)
         self.__name__ = "preference_loss"
 
     @property
@@ -142,12 +144,10 @@ class PreferenceLoss:
         rewards = self.beta * (logps - ref)  # [B, 2]
         chosen, rejected = rewards.unbind(-1)
         sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
-                            logps[:, 0].sum(), logps[:, 1].sum(), logps.new_tensor(float(len(chosen)))]).double()
-        self.stats = sums if self.stats is None else self.stats + sums
+                            logps[:, 0].sum(), logps[:, 1].sum(), logps.new_tensor(float(len(chosen)))])
+        self.stats.add(sums)
 
     def take_stats(self, device) -> torch.Tensor:
         """This rank's :data:`STATS` sums and pair count since the last call (``[7]`` float64; zeros on a rank
         that computed no loss), reset."""
-        out = self.stats if self.stats is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
-        self.stats = None
-        return out.to(device)
+        return self.stats.take(device)

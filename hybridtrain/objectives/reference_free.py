@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from hybridtrain.objectives import CPO_LOSS_TYPES, CPO_STATS, ORPO_STATS
 from hybridtrain.objectives.dpo import segment_sums
+from hybridtrain.objectives.stats import StepSums
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ class ReferenceFreeLoss:
         self.names = CPO_STATS if self.objective == "cpo" else ORPO_STATS
         """The metric names :meth:`metrics` returns, TRL's."""
         self.pair_stats = len(self.names) - 1  # every name but nll_loss is a mean over pairs
-        self.stats: torch.Tensor | None = None
+        self.stats = StepSums(self.pair_stats + 3)
         self.__name__ = f"{self.objective}_loss"
 
     @property
@@ -115,16 +116,14 @@ class ReferenceFreeLoss:
         # STATS' order, then the extra pair sums, the NLL sum and its tokens, the pairs
         sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
                             logps[:, 0].sum(), logps[:, 1].sum(), *extra, nll_sum, nll_tokens,
-                            logps.new_tensor(float(len(chosen)))]).double()
-        self.stats = sums if self.stats is None else self.stats + sums
+                            logps.new_tensor(float(len(chosen)))])
+        self.stats.add(sums)
 
     def take_stats(self, device) -> torch.Tensor:
         """This rank's metric sums since the last call (float64: the pair sums of :attr:`names` but
         ``nll_loss``, the NLL sum and its token count, the pair count; zeros on a rank that computed no loss),
         reset."""
-        out = self.stats if self.stats is not None else torch.zeros(self.pair_stats + 3, dtype=torch.float64)
-        self.stats = None
-        return out.to(device)
+        return self.stats.take(device)
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:
         """TRL's metrics from the world's summed :meth:`take_stats`: means over the step's pairs, ``nll_loss``

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.objectives.stats import StepSums
+
+
 STATS = ("accuracy", "margin", "mean_reward")
 """The per-step metrics under TRL's ``RewardTrainer`` names: the share of pairs whose chosen sequence scores
 higher, the mean ``r_chosen - r_rejected``, the mean reward over both sequences of every pair."""
@@ -40,7 +43,7 @@ class RewardLoss:
         """The context-parallel context (its group all-reduces the rewards)."""
         coefficient = reward.center_rewards_coefficient
         self.center = None if coefficient is None else float(coefficient)
-        self.stats: torch.Tensor | None = None
+        self.stats = StepSums(len(STATS) + 1)
         self.__name__ = "reward_loss"
 
     def rewards(self, scores: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -73,12 +76,10 @@ class RewardLoss:
     def _add_stats(self, rewards: torch.Tensor) -> None:
         chosen, rejected = rewards.unbind(-1)
         sums = torch.stack([(chosen > rejected).float().sum(), (chosen - rejected).sum(), rewards.sum() / 2,
-                            rewards.new_tensor(float(len(chosen)))]).double()
-        self.stats = sums if self.stats is None else self.stats + sums
+                            rewards.new_tensor(float(len(chosen)))])
+        self.stats.add(sums)
 
     def take_stats(self, device) -> torch.Tensor:
         """This rank's :data:`STATS` sums and pair count since the last call (``[4]`` float64; zeros on a rank
         that computed no loss), reset."""
-        out = self.stats if self.stats is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
-        self.stats = None
-        return out.to(device)
+        return self.stats.take(device)
