@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 
+from helpers.tp_checks import emitted_checks
 from hybridtrain.parallel.spawn import WorldRun, run_world
 
 CP_GROUPS = {2: [0, 1], 4: [0, 1, 2, 3]}
@@ -167,12 +168,7 @@ def world_run() -> WorldRun:
 
 def _assert_checks(world_run: WorldRun, ranks, key: str, atol: float) -> None:
     for rank in ranks:
-        emitted = world_run.emitted[rank]
-        if key not in emitted:
-            pytest.fail(f"rank {rank} returned nothing for {key}:\n{world_run.problem_report()}")
-        if isinstance(emitted[key], str):  # the child's traceback
-            pytest.fail(emitted[key])
-        for check, (got, want) in emitted[key].items():
+        for check, (got, want) in emitted_checks(world_run, rank, key).items():
             assert got is not None, f"rank {rank} {key}: {check}: no gradient"
             torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m: f"rank {rank} {key}: {check}\n{m}")
 

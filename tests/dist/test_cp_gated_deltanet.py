@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 
+from helpers.tp_checks import emitted_checks
 from hybridtrain.parallel.spawn import WorldRun, run_world
 
 CP_GROUPS = {2: [0, 1], 4: [0, 1, 2, 3]}
@@ -181,12 +182,7 @@ def full_world() -> WorldRun:
 def _assert_case(world_run: WorldRun, cp: int, case: str) -> None:
     key = f"cp{cp}-{case}"
     for rank in CP_GROUPS[cp]:
-        emitted = world_run.emitted[rank]
-        if key not in emitted:
-            pytest.fail(f"rank {rank} returned nothing for {key}:\n{world_run.problem_report()}")
-        if isinstance(emitted[key], str):  # the child's traceback
-            pytest.fail(emitted[key])
-        for check, (got, want) in emitted[key].items():
+        for check, (got, want) in emitted_checks(world_run, rank, key).items():
             rtol = next((tol for name, tol in FLOAT32.items() if check.startswith(name)), 0.0)
             torch.testing.assert_close(got, want, rtol=rtol, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {key}: {check}\n{m}")

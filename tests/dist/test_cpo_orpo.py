@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers.data import write_jsonl
-from helpers.dpo import make_adapter
+from helpers.dpo import check_steps as steps_equal, make_adapter, pair_file
 from helpers.launch import metrics, run_cli
 from helpers.reference_free import METRICS, overrides, trl_run
-from hybridtrain.data.embedded import preference_pairs
 
 STEPS, BATCH, LR, SEED = 3, 4, 1e-4, 5
 CASES = {
@@ -32,25 +31,15 @@ CASES = {
 CI = ("cpo", "simpo", "orpo")
 
 
-def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
-    return abs(got - want) <= max(rel * abs(want), abs_)
-
-
 def check_steps(ours: list[dict], theirs: list[dict], names: tuple[str, ...], grad_rel: float) -> None:
     """Every step's loss, metrics and gradient norm of two runs (the tolerances of the module)."""
-    assert len(ours) == len(theirs) == STEPS
-    for step, (a, b) in enumerate(zip(ours, theirs), 1):
-        assert _close(a["loss"], b["loss"], 1e-4), (step, "loss", a["loss"], b["loss"])
-        assert _close(a["grad_norm"], b["grad_norm"], grad_rel), (step, "grad_norm", a["grad_norm"], b["grad_norm"])
-        for key in names:
-            floor = 1e-5 if key.startswith(("rewards/", "log_odds")) else 0.0
-            assert _close(a[key], b[key], 1e-4, floor), (step, key, a[key], b[key])
+    floors = {key: 1e-5 if key.startswith(("rewards/", "log_odds")) else 0.0 for key in names}
+    steps_equal(ours, theirs, STEPS, grad_rel, floors)
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> tuple[list[dict], Path]:
-    records = preference_pairs(16, seed=3)
-    return records, write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", records)
+    return pair_file(tmp_path_factory.mktemp("pairs"))
 
 
 def run(tmp: Path, case: str, folder: Path, pairs_file: Path, layout: tuple[int, int, int, int] = (1, 1, 1, 1),

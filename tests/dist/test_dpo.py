@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.data import write_jsonl
-from helpers.dpo import METRICS, make_adapter, overrides, trl_run
+from helpers.dpo import METRICS, check_steps as steps_equal, make_adapter, overrides, pair_file, trl_run
 from helpers.launch import metrics, run_cli
-from hybridtrain.data.embedded import preference_pairs
 
 STEPS, BATCH, LR, SEED, BETA = 3, 4, 1e-4, 5, 0.1
 ALL = ["sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "apo_zero", "sft"]
@@ -23,25 +21,14 @@ WEIGHTS = [1.0, 0.05, 1.0, 1.0, 1.0, 1.0, 0.1]  # each term of about the same si
 SMOOTHING = 0.1  # robust's
 
 
-def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
-    return abs(got - want) <= max(rel * abs(want), abs_)
-
-
 def check_steps(ours: list[dict], theirs: list[dict], grad_rel: float) -> None:
     """Every step's loss, metrics and gradient norm of two runs (the tolerances of the module)."""
-    assert len(ours) == len(theirs) == STEPS
-    for step, (a, b) in enumerate(zip(ours, theirs), 1):
-        assert _close(a["loss"], b["loss"], 1e-4), (step, "loss", a["loss"], b["loss"])
-        assert _close(a["grad_norm"], b["grad_norm"], grad_rel), (step, "grad_norm", a["grad_norm"], b["grad_norm"])
-        for key in METRICS:
-            floor = 1e-5 if key.startswith("rewards/") else 0.0
-            assert _close(a[key], b[key], 1e-4, floor), (step, key, a[key], b[key])
+    steps_equal(ours, theirs, STEPS, grad_rel, {key: 1e-5 if key.startswith("rewards/") else 0.0 for key in METRICS})
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> tuple[list[dict], Path]:
-    records = preference_pairs(16, seed=3)
-    return records, write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", records)
+    return pair_file(tmp_path_factory.mktemp("pairs"))
 
 
 def _kw(loss_type=ALL, weights=WEIGHTS, smoothing=SMOOTHING) -> dict:

@@ -14,35 +14,23 @@ from pathlib import Path
 
 import pytest
 
-from helpers.data import write_jsonl
+from helpers.dpo import check_steps as steps_equal, close, pair_file
 from helpers.launch import metrics, run_cli
 from helpers.reward import METRICS, overrides, scores, trl_steps, trl_trainer
-from hybridtrain.data.embedded import preference_pairs
 from hybridtrain.rundir import RunDir
 
 STEPS, BATCH, LR, SEED, CENTER = 3, 4, 1e-4, 5, 0.1
 KW = dict(steps=STEPS, batch=BATCH, lr=LR, seed=SEED, center=CENTER)
 
 
-def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
-    return abs(got - want) <= max(rel * abs(want), abs_)
-
-
 def check_steps(ours: list[dict], theirs: list[dict], grad_rel: float) -> None:
     """Every step's loss, metrics and gradient norm of two runs (the tolerances of the module)."""
-    assert len(ours) == len(theirs) == STEPS
-    for step, (a, b) in enumerate(zip(ours, theirs), 1):
-        assert _close(a["loss"], b["loss"], 1e-4), (step, "loss", a["loss"], b["loss"])
-        assert _close(a["grad_norm"], b["grad_norm"], grad_rel), (step, "grad_norm", a["grad_norm"], b["grad_norm"])
-        assert a["accuracy"] == b["accuracy"], (step, "accuracy", a["accuracy"], b["accuracy"])
-        for key in ("margin", "mean_reward"):
-            assert _close(a[key], b[key], 1e-4, 1e-6), (step, key, a[key], b[key])
+    steps_equal(ours, theirs, STEPS, grad_rel, {key: None if key == "accuracy" else 1e-6 for key in METRICS})
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> tuple[list[dict], Path]:
-    records = preference_pairs(16, seed=3)
-    return records, write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", records)
+    return pair_file(tmp_path_factory.mktemp("pairs"))
 
 
 def run(tmp: Path, family: str, folder: Path, pairs_file: Path, layout: tuple[int, int, int, int] = (1, 1, 1, 1),
@@ -136,5 +124,5 @@ def test_resume_under_another_layout_trains_the_same_steps(hf_checkpoints, pairs
     full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [3, 4]
     for a, b in zip(resumed, full[2:]):
-        assert _close(a["loss"], b["loss"], 1e-4) and _close(a["grad_norm"], b["grad_norm"], 1e-3), (a, b)
-        assert _close(a["margin"], b["margin"], 1e-4, 1e-6), (a, b)
+        assert close(a["loss"], b["loss"], 1e-4) and close(a["grad_norm"], b["grad_norm"], 1e-3), (a, b)
+        assert close(a["margin"], b["margin"], 1e-4, 1e-6), (a, b)

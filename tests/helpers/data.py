@@ -7,6 +7,17 @@ from pathlib import Path
 from hybridtrain.data.embedded import documents
 
 
+CHAT_PAIRS = [
+    {"prompt": [{"role": "system", "content": "You recite scripture."},
+                {"role": "user", "content": "Who made the light?"}],
+     "chosen": [{"role": "assistant", "content": "God said, Let there be light."}],
+     "rejected": [{"role": "assistant", "content": "Nobody at all"}]},
+    {"prompt": [{"role": "user", "content": "And then?"}],
+     "chosen": [{"role": "assistant", "content": "And there was light."}],
+     "rejected": [{"role": "assistant", "content": "Darkness"}]}]
+"""Two chat-format preference pairs, the first with a system turn."""
+
+
 def chapters(n: int, start: int = 0) -> list[str]:
     """``n`` chapters of the embedded corpus (title line, then verses)."""
     return documents()[start:start + n]

@@ -44,6 +44,27 @@ def make_checkpoint(folder: Path, family: str, seed: int = 7, sharded: bool = Fa
     return folder
 
 
+def save_vision_language(folder: Path, model_type: str, text_config: dict, **config):
+    """``save_pretrained`` of a tiny vision-language model of ``model_type`` (``AutoModelForImageTextToText``)
+    whose language model is ``text_config`` (the embedded tokenizer's vocabulary; perturbed weights, seed 5), plus
+    the embedded tokenizer; ``config``: the rest of its configuration (the vision tower's). Returns the model in
+    eval mode, the oracle of the folder's language model on text."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from helpers.families import VOCAB
+
+    text = dict(text_config, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(5)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, text_config=text, **config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(folder))
+    save_tokenizer(folder)
+    return model.eval()
+
+
 def hf_loss(folder: Path, input_ids: np.ndarray, labels: np.ndarray) -> float:
     """transformers' own loss of the model in ``folder`` on one batch (labels already shifted)."""
     import torch

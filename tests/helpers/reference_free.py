@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers.dpo import order
+from helpers.dpo import in_order, order, policy
 from hybridtrain.objectives import CPO_STATS, ORPO_STATS
 
 METRICS = {"cpo": CPO_STATS, "orpo": ORPO_STATS}
@@ -30,26 +30,16 @@ def trl_run(folder: Path, records: list[dict], out: Path, objective: str, keys: 
     ``ORPOTrainer`` (``orpo``) on ``records`` taken in :func:`~helpers.dpo.order` (TRL's shuffling replaced by
     it), one process, the whole batch in one micro-batch, no truncation (``max_length`` past every pair); with
     ``adapter`` a peft adapter folder trained on the frozen base; ``chat_template`` replaces the tokenizer's."""
-    import torch
     from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if objective == "cpo":
         from trl.experimental.cpo import CPOConfig as Config, CPOTrainer as Trainer
     else:
         from trl.experimental.orpo import ORPOConfig as Config, ORPOTrainer as Trainer
 
-    class InOrder(Trainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-
     ordered = [records[i] for i in order(len(records), steps, batch, seed)]
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model = policy(folder, adapter)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -61,6 +51,6 @@ def trl_run(folder: Path, records: list[dict], out: Path, objective: str, keys: 
                   save_strategy="no", report_to=[], bf16=False, use_cpu=True, seed=seed, data_seed=seed,
                   max_length=100_000, gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True,
                   **keys)
-    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(ordered), processing_class=tokenizer)
+    trainer = in_order(Trainer)(model=model, args=args, train_dataset=Dataset.from_list(ordered), processing_class=tokenizer)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers.dpo import order
+from helpers.dpo import in_order, order
 
 METRICS = ("accuracy", "margin", "mean_reward")
 """TRL's names, which hybridtrain's ``metrics.jsonl`` uses too."""
@@ -29,13 +29,8 @@ def trl_trainer(folder: Path, records: list[dict], out: Path, *, steps: int, bat
     """TRL's ``RewardTrainer`` on ``records`` taken in :func:`~helpers.dpo.order` (its shuffling replaced by
     that order), one process, trained; its per-step log records are ``trainer.state.log_history``."""
     from datasets import Dataset
-    from torch.utils.data import SequentialSampler
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
-
-    class InOrder(RewardTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     ordered = [records[i] for i in order(len(records), steps, batch, seed)]
     args = RewardConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
@@ -44,8 +39,8 @@ def trl_trainer(folder: Path, records: list[dict], out: Path, *, steps: int, bat
                         logging_steps=1, save_strategy="no", report_to=[], bf16=False, use_cpu=True, seed=seed,
                         data_seed=seed, center_rewards_coefficient=center, max_length=None,
                         dataloader_num_workers=0, disable_tqdm=True, model_init_kwargs={"dtype": "float32"})
-    trainer = InOrder(model=str(folder), args=args, train_dataset=Dataset.from_list(ordered),
-                      processing_class=AutoTokenizer.from_pretrained(str(folder)))
+    trainer = in_order(RewardTrainer)(model=str(folder), args=args, train_dataset=Dataset.from_list(ordered),
+                                      processing_class=AutoTokenizer.from_pretrained(str(folder)))
     trainer.train()
     return trainer
 

@@ -38,15 +38,22 @@ def run_cases_at_degrees(cases: Mapping[str, Callable], degrees: Sequence[int], 
                 emit(case_key(n, name), f"tp={n} rank {rank}, case {name} raised:\n{traceback.format_exc()}")
 
 
+def emitted_checks(world_run: WorldRun, rank: int, key: str, where: str = "") -> dict:
+    """The checks ``name -> (got, want)`` rank ``rank`` emitted under ``key``; fails the test with the world's
+    problem report when it emitted nothing, or with the child's traceback when the case raised."""
+    emitted = world_run.emitted[rank]
+    if key not in emitted:
+        pytest.fail(f"{where}rank {rank} returned nothing for {key}:\n{world_run.problem_report()}")
+    if isinstance(emitted[key], str):  # the child's traceback
+        pytest.fail(emitted[key])
+    return emitted[key]
+
+
 def assert_rank_checks(world_run: WorldRun, tp: int, case: str, rel: float, approx_floats: bool = False) -> None:
     """Every check ``name -> (got, want)`` each rank of degree ``tp`` emitted for ``case``: tensors within
     ``rel`` of the largest entry (at least 1), floats approximately with ``approx_floats``, the rest equal."""
-    for rank, emitted in enumerate(world_run.emitted[:tp]):
-        if case_key(tp, case) not in emitted:
-            pytest.fail(f"tp={tp} rank {rank} returned nothing for {case}:\n{world_run.problem_report()}")
-        checks = emitted[case_key(tp, case)]
-        if isinstance(checks, str):  # the child's traceback
-            pytest.fail(checks)
+    for rank in range(tp):
+        checks = emitted_checks(world_run, rank, case_key(tp, case), f"tp={tp} ")
         for check, (got, want) in checks.items():
             where = f"tp={tp} rank {rank} {case}: {check}"
             if isinstance(want, torch.Tensor):

@@ -31,21 +31,9 @@ def _gemma3_vision_language_folder(folder):
     """``save_pretrained`` of a tiny ``Gemma3ForConditionalGeneration`` (``model_type`` ``gemma3``) whose language
     model is the tiny ``gemma3_text`` twin (perturbed weights), plus the embedded tokenizer. transformers writes its
     tensors as the published folders hold them (``language_model.model.*``, the head tied)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from helpers.finetune import save_vision_language
 
-    from helpers.finetune import save_tokenizer
-
-    config = AutoConfig.for_model("gemma3", vision_config=VISION, mm_tokens_per_image=4,
-                                  text_config=dict(TINY["gemma3_text"], vocab_size=VOCAB, bos_token_id=0,
-                                                   eos_token_id=0))
-    torch.manual_seed(5)
-    model = AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(str(folder))
-    save_tokenizer(folder)
-    return model.eval()
+    return save_vision_language(folder, "gemma3", TINY["gemma3_text"], vision_config=VISION, mm_tokens_per_image=4)
 
 
 def test_the_published_gemma3_folder_is_refused_and_its_extracted_language_model_trains(tmp_path):

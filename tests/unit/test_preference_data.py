@@ -17,15 +17,7 @@ from hybridtrain.data.tokenizer import load_tokenizer
 from hybridtrain.parallel.dims import ParallelDims
 from hybridtrain.plan import PlanError
 
-from helpers.data import write_jsonl
-
-CHAT = [{"prompt": [{"role": "system", "content": "You recite scripture."},
-                    {"role": "user", "content": "Who made the light?"}],
-         "chosen": [{"role": "assistant", "content": "God said, Let there be light."}],
-         "rejected": [{"role": "assistant", "content": "Nobody at all"}]},
-        {"prompt": [{"role": "user", "content": "And then?"}],
-         "chosen": [{"role": "assistant", "content": "And there was light."}],
-         "rejected": [{"role": "assistant", "content": "Darkness"}]}]
+from helpers.data import CHAT_PAIRS as CHAT, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -155,22 +155,12 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 def _vision_language_folder(folder, kind: str):
     """``save_pretrained`` of a tiny ``Qwen3_5ForConditionalGeneration`` (``kind="qwen3_5"``) or its MoE twin, its
     language model the tiny text twin's (perturbed weights), plus the embedded tokenizer."""
-    from helpers.families import TINY, VOCAB
-    from helpers.finetune import save_tokenizer
+    from helpers.families import TINY
+    from helpers.finetune import save_vision_language
     from helpers.moe import MOE_TINY
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     text = TINY["qwen3_5_text"] if kind == "qwen3_5" else MOE_TINY["qwen3_5_moe_text"]
-    config = AutoConfig.for_model(kind, text_config=dict(text, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
-                                  vision_config=VISION)
-    torch.manual_seed(5)
-    model = AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(str(folder))
-    save_tokenizer(folder)
-    return model.eval()
+    return save_vision_language(folder, kind, text, vision_config=VISION)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
