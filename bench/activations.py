@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime as dt
 import functools
 import json
@@ -283,8 +284,20 @@ def _facts(family: str, shape: str):
     from hybridtrain.models.families import family_of
     from hybridtrain.plan.costs import model_facts
 
-    cfg, hf = config(family, 1024, attn="eager", shape=json.loads(shape))  # every family has eager (Gemma 2 no sdpa)
-    return model_facts(family_of(cfg.model), hf, 1024)
+    from hybridtrain.plan import model_config
+
+    cfg = copy.deepcopy(_composed(family))  # the shape's HF keys set on the typed config, as ++model.config.KEY does
+    full = {**SHAPES[family], **json.loads(shape)}
+    full["n_positions" if family == "gpt2" else "max_position_embeddings"] = 2048
+    cfg.model.config.update(full)
+    return model_facts(family_of(cfg.model), model_config(cfg), 1024)
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(family: str):
+    """:func:`config`'s typed config of ``family`` at s = 1024 (eager: every family has it, Gemma 2 no sdpa), composed
+    once: composing with Hydra takes half a second, and the recorded rows hold about a hundred shapes."""
+    return config(family, 1024, attn="eager")[0]
 
 
 def estimate(row: dict, cp: int | None = None) -> int:

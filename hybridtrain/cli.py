@@ -24,6 +24,9 @@ REPO = CONF_DIR.parent
 """The checkout this package belongs to (``conf/``, ``recipes/``, ``bench/`` lie there)."""
 TAIL = 6000
 """Characters of stdout and of stderr a failure message shows."""
+WARM_START = "HYBRIDTRAIN_WARM_START"
+"""Names the socket of a warm-start server (:mod:`hybridtrain.warmstart`) :func:`run` starts its runs from; a run
+whose environment is not the server's starts as a fresh interpreter."""
 
 
 def compose_raw(overrides: Sequence[str]):
@@ -82,9 +85,16 @@ def run(run_dir: Path | str | None, overrides: Sequence[str], *, timeout: float 
         check: bool = False) -> subprocess.CompletedProcess:
     """Run ``python -m hybridtrain`` to the end, stdout and stderr captured as text; with ``check`` a
     non-zero exit raises :class:`RunFailed`. ``timeout`` (seconds) kills it and raises
-    :class:`subprocess.TimeoutExpired`."""
-    proc = subprocess.run(command(run_dir, overrides), cwd=cwd, env=environment(env), capture_output=True,
-                          text=True, timeout=timeout)
+    :class:`subprocess.TimeoutExpired`. With :data:`WARM_START` set, a warm-start server forks the run
+    (:mod:`hybridtrain.warmstart`: what ``python -m hybridtrain`` runs, without importing its libraries again)."""
+    args, full = command(run_dir, overrides), environment(env)
+    proc = None
+    if os.environ.get(WARM_START):  # a warm-start server of this process (tests, sweeps): the same run, forked
+        from hybridtrain import warmstart
+
+        proc = warmstart.run(os.environ[WARM_START], args, full, cwd, timeout)
+    if proc is None:
+        proc = subprocess.run(args, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise RunFailed(describe(proc))
     return proc

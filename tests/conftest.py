@@ -42,6 +42,31 @@ cluster among them, are made once); a long module started last would leave one w
 so these go first, then the other dist modules, then the many short unit modules."""
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_starts(request, tmp_path_factory):
+    """In a test process that runs dist tests, a warm-start server (:mod:`hybridtrain.warmstart`) that forks the
+    runs of :func:`hybridtrain.cli.run` (``run_cli``) whose environment is the default one, so that each skips
+    the seconds of importing torch, transformers, Hydra and DeepSpeed in its controller and preload process;
+    ``HYBRIDTRAIN_TEST_WARM=0`` starts every run as a fresh interpreter (what ``tests/dist/test_warmstart.py``
+    compares a warm run with)."""
+    from hybridtrain.cli import WARM_START
+
+    dist = any("dist" in Path(str(item.fspath)).resolve().relative_to(HERE).parts[:1] for item in request.session.items)
+    if not dist or os.environ.get("HYBRIDTRAIN_TEST_WARM") == "0" or WARM_START in os.environ:
+        yield None
+        return
+    from hybridtrain.warmstart import Server
+
+    folder = tmp_path_factory.mktemp("warm")
+    os.environ[WARM_START] = str(folder / "warm.sock")  # before the server takes its environment
+    server = Server(folder)
+    try:
+        yield server
+    finally:
+        server.close()
+        os.environ.pop(WARM_START, None)
+
+
 @pytest.fixture(scope="session")
 def family_folders(tmp_path_factory) -> dict[str, Path]:
     """One tiny ``save_pretrained`` checkpoint per model family (:data:`helpers.families.TINY`, the embedded

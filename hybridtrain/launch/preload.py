@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import NoReturn
 
 
-def warm(run_dir: Path) -> None:
-    """Import every module a rank of the run in ``run_dir`` imports before its first step, and nothing
-    more: no tensor is made, no thread pool started, no device touched (all of that happens per rank)."""
+def warm_common() -> None:
+    """Import the modules every rank imports before its first step, whatever its model (DeepSpeed, its
+    pipeline engine, hybridtrain's engine, loop and checkpointing): no tensor is made, no thread pool started."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
@@ -52,24 +52,41 @@ def warm(run_dir: Path) -> None:
     import hybridtrain.engine.pipeline  # noqa: F401
     import hybridtrain.observe.observer  # noqa: F401
     import hybridtrain.train.loop  # noqa: F401
+
+
+OPTIONAL = ("deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer")
+"""Imported by deepspeed.initialize's expert-parallel check in every rank (optional: named otherwise in
+another DeepSpeed version)."""
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""Imported by DeepSpeed's ZeRO and BF16 optimizers: it calls torch.compile at import (torch._inductor, a
+costly import), so an fp32 run without ZeRO, which never imports it, does not warm it."""
+
+
+def import_optional(names) -> None:
+    """Import each module of ``names`` that this version has (a rank imports what it needs itself)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def modeling_module(hf_config) -> str:
+    """The name of the transformers module of ``hf_config``'s model classes."""
+    return type(hf_config).__module__.replace(".configuration_", ".modeling_")  # transformers.models.X.*_X
+
+
+def warm(run_dir: Path) -> None:
+    """Import every module a rank of the run in ``run_dir`` imports before its first step, and nothing
+    more: no tensor is made, no thread pool started, no device touched (all of that happens per rank)."""
+    warm_common()
     from hybridtrain.plan import model_config
     from hybridtrain.rundir import RunDir
 
     files = RunDir(run_dir)
-    config_module = type(model_config(files.config())).__module__  # transformers.models.X.configuration_X
-    optional = [config_module.replace(".configuration_", ".modeling_"),  # the family's modules
-                # deepspeed.initialize's expert-parallel check imports these two in every rank
-                "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer"]
     plan = files.plan()
-    if plan.zero_stage > 0 or plan.precision != "fp32":
-        # DeepSpeed's ZeRO and BF16 optimizers import Muon's, which calls torch.compile at import
-        # (torch._inductor, a costly import); an fp32 run without ZeRO never does, so it is not warmed then
-        optional.append("deepspeed.runtime.zero.muon.muon_optimizer")
-    for name in optional:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # named otherwise in this version: the rank imports what it needs itself
-            pass
+    import_optional([modeling_module(model_config(files.config())), *OPTIONAL,
+                     *([MUON] if plan.zero_stage > 0 or plan.precision != "fp32" else [])])
 
 
 def rank_name(rank: int) -> str:
