@@ -53,17 +53,17 @@ def warm() -> None:
 
 
 class Server:
-    """A warm-start server (``python -m hybridtrain.warmstart SOCKET``) for this process's runs: started with the
-    environment a run of :func:`hybridtrain.cli.run` gets, dying with this process; :meth:`close` stops it."""
+    """A warm-start server (``python -m hybridtrain.warmstart SOCKET``) for this process's runs, its socket in
+    ``folder``, started with ``env`` (the environment a run of :func:`hybridtrain.cli.run` gets,
+    ``hybridtrain.cli.environment(None)``), dying with this process; :meth:`close` stops it."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, env: dict[str, str]):
         import subprocess
 
-        from hybridtrain.cli import environment
         from hybridtrain.launch.parent import parent_death
 
         self.path = Path(folder) / "warm.sock"  # a UNIX socket's path: at most 107 bytes
-        self.env = environment(None)
+        self.env = dict(env)
         self._proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.warmstart", str(self.path)], env=self.env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                       preexec_fn=parent_death())
@@ -83,11 +83,32 @@ class Server:
         self._proc.stdout.close()
 
 
+class Environment:
+    """The environment the server started with, and what its imports added to it (torch sets
+    ``TORCHINDUCTOR_CACHE_DIR`` and ``PYTORCH_NVML_BASED_CUDA_CHECK``, as it would in any process that imports it)."""
+
+    UNREAD = ("HYBRIDTRAIN_WARM_START", "PYTEST_CURRENT_TEST")
+    """Variables no library reads at import, which may differ: the server's socket, and the test pytest runs
+    (it sets the variable for each test)."""
+
+    def __init__(self, started: dict[str, str], imported: dict[str, str]):
+        self.started = {k: v for k, v in started.items() if k not in self.UNREAD}
+        self.added = {k: v for k, v in imported.items() if k not in started}
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a fresh interpreter started with ``env`` would import as the server did: ``env`` is the one the
+        server started with (but :data:`UNREAD`), plus any of the variables its imports set, at their values."""
+        env = {k: v for k, v in env.items() if k not in self.UNREAD}
+        extra = {k: v for k, v in env.items() if k not in self.started}
+        return all(env.get(k) == v for k, v in self.started.items()) and all(
+            self.added.get(k) == v for k, v in extra.items())
+
+
 def serve(path: Path) -> NoReturn:
     """Import (:func:`warm`), then serve requests on the UNIX socket ``path`` (until killed: :class:`Server`)."""
-    own = dict(os.environ)  # as started: the imports below may add to it, as they would in a fresh interpreter
-    own.pop("HYBRIDTRAIN_WARM_START", None)
+    started = dict(os.environ)
     warm()
+    own = Environment(started, dict(os.environ))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(16)
@@ -118,7 +139,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def _watch(conn: socket.socket, own: dict[str, str]) -> NoReturn:
+def _watch(conn: socket.socket, own: Environment) -> NoReturn:
     """In a watcher: read the request, fork the run, report its pid and exit code."""
     code = 1
     try:
@@ -126,15 +147,13 @@ def _watch(conn: socket.socket, own: dict[str, str]) -> NoReturn:
         _, fds, _, _ = socket.recv_fds(conn, 1, 3)
         (size,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
         job = json.loads(_recv_exact(conn, size))
-        env = dict(job["env"])
-        env.pop("HYBRIDTRAIN_WARM_START", None)  # the server's own socket, set or not
-        if env != own or len(fds) != 3:
+        if not own.serves(job["env"]) or len(fds) != 3:
             conn.sendall(b"refused\n")
             os._exit(0)
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _run(job, fds)
+            _run(job, {**own.added, **job["env"]}, fds)
         for fd in fds:
             os.close(fd)
         conn.sendall(f"pid {pid}\n".encode())
@@ -161,8 +180,9 @@ def _wait(pid: int, conn: socket.socket) -> int | None:
             return None
 
 
-def _run(job: dict, fds: list[int]) -> NoReturn:
-    """In the run: take the requester's descriptors, folder and umask, then run ``hybridtrain`` as ``-m`` would."""
+def _run(job: dict, env: dict[str, str], fds: list[int]) -> NoReturn:
+    """In the run: take the requester's environment ``env``, descriptors, folder and umask, then run
+    ``hybridtrain`` as ``-m`` would."""
     import runpy
 
     code = 1
@@ -171,6 +191,8 @@ def _run(job: dict, fds: list[int]) -> NoReturn:
             os.dup2(fd, target)
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()  # exactly the requester's (what differs is unread at import: Environment.UNREAD)
+        os.environ.update(env)
         os.chdir(job["cwd"])
         os.umask(job["umask"])
         sys.argv = ["-m", *job["args"]]

@@ -49,7 +49,7 @@ def warm_starts(request, tmp_path_factory):
     the seconds of importing torch, transformers, Hydra and DeepSpeed in its controller and preload process;
     ``HYBRIDTRAIN_TEST_WARM=0`` starts every run as a fresh interpreter (what ``tests/dist/test_warmstart.py``
     compares a warm run with)."""
-    from hybridtrain.cli import WARM_START
+    from hybridtrain.cli import WARM_START, environment
 
     dist = any("dist" in Path(str(item.fspath)).resolve().relative_to(HERE).parts[:1] for item in request.session.items)
     if not dist or os.environ.get("HYBRIDTRAIN_TEST_WARM") == "0" or WARM_START in os.environ:
@@ -59,7 +59,7 @@ def warm_starts(request, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("warm")
     os.environ[WARM_START] = str(folder / "warm.sock")  # before the server takes its environment
-    server = Server(folder)
+    server = Server(folder, environment(None))
     try:
         yield server
     finally:

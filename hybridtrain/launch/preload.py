@@ -84,9 +84,9 @@ def warm(run_dir: Path) -> None:
     from hybridtrain.rundir import RunDir
 
     files = RunDir(run_dir)
+    modeling = modeling_module(model_config(files.config()))
     plan = files.plan()
-    import_optional([modeling_module(model_config(files.config())), *OPTIONAL,
-                     *([MUON] if plan.zero_stage > 0 or plan.precision != "fp32" else [])])
+    import_optional([modeling, *OPTIONAL, *([MUON] if plan.zero_stage > 0 or plan.precision != "fp32" else [])])
 
 
 def rank_name(rank: int) -> str:

@@ -24,7 +24,7 @@ RUN = ["+recipe=gpt_tiny", "parallel.dp=2", "trainer.max_steps=3", NO_REPORT]
 def server(tmp_path_factory, monkeypatch_module):
     folder = tmp_path_factory.mktemp("own_warm")
     monkeypatch_module.setenv(cli.WARM_START, str(folder / "warm.sock"))
-    started = Server(folder)
+    started = Server(folder, cli.environment(None))
     yield started
     started.close()
 
@@ -54,11 +54,14 @@ def test_a_warm_run_is_the_fresh_interpreters_run(server, tmp_path):
 
 
 def test_the_servers_environment_is_served_and_another_refused(server):
+    """Served: the environment the server started with, plus what importing torch adds; refused: one more variable."""
     from hybridtrain.warmstart import read_line
+
+    import torch  # noqa: F401  (sets TORCHINDUCTOR_CACHE_DIR here, as it did in the server: still served)
 
     devnull = os.open(os.devnull, os.O_RDWR)
     try:
-        served = request(server.path, ["--help"], server.env, REPO, [devnull, devnull, devnull])
+        served = request(server.path, ["--help"], cli.environment(None), REPO, [devnull, devnull, devnull])
         refused = request(server.path, ["--help"], {**server.env, "HYBRIDTRAIN_TEST_FRESH": "1"}, REPO,
                           [devnull, devnull, devnull])
     finally:
