@@ -32,6 +32,13 @@ if os.environ.get("HYBRIDTRAIN_TEST_GPU") != "1":
 # (docs/benchmarks.md). Before libgomp is loaded; the ranks inherit it; a value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Nothing in the suite downloads: the HF libraries are offline from the start, as every run puts them
+# (hybridtrain.data.sources.offline). Set here, before any of them is imported, the test processes, the runs
+# and the warm-start server (warm_starts) agree on them, so a test that reads data in this process before it
+# starts a run still gets a warm one.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_slurm.py", "test_bf16_accum.py",
                  "test_packing_layouts.py", "test_lora_peft.py", "test_faults.py", "test_data_e2e.py",
@@ -65,6 +72,19 @@ def warm_starts(request, tmp_path_factory):
     finally:
         server.close()
         os.environ.pop(WARM_START, None)
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Each test gets the session's environment back when it ends: what code run in this process sets there
+    (``hybridtrain.data.sources`` puts the HF libraries offline, a logger sets ``WANDB_MODE``) does not leak
+    into later tests, nor into the environment of their runs, which the warm-start server (:func:`warm_starts`)
+    serves only when it is the one it started with."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="session")
