@@ -67,7 +67,7 @@ def check_lora(cfg: Config, hf_config, plan: Plan, hf_model=None) -> Optional[Lo
     except AdapterError as err:
         raise PlanError(f"{KEY}.target_modules", str(err)) from None
     _check_unverified(spec, family)
-    _check_peft_renames(spec, family, hf_config)
+    _check_peft_renames(spec, family, hf_model)
     _check_stages(spec, family, plan)
     return spec
 
@@ -84,27 +84,37 @@ def _check_unverified(spec: LoraSpec, family: Family) -> None:
                                 f"finetune.lora.target_modules=[{','.join(_other_leaves(family, path))}]")
 
 
-def _check_peft_renames(spec: LoraSpec, family: Family, hf_config) -> None:
-    """Refuse targets that peft would move elsewhere when it loads the adapter: under transformers 5, peft rewrites
-    the target names of MoE model types whose experts transformers fuses (its own tables,
-    ``peft.utils.transformers_weight_conversion``): any target ending in an old expert projection's name
-    (``gate_proj``, ``up_proj``, ``down_proj``) becomes LoRA on the fused experts. On DeepSeek-V3 the dense blocks'
-    MLP and the shared experts carry those names, so peft would adapt the experts instead and the adapter would
-    not load as trained. Models whose only such names are their fused experts (never adapted here) pass."""
+def _check_peft_renames(spec: LoraSpec, family: Family, hf_model) -> None:
+    """Refuse targets that peft would move elsewhere when it loads the adapter. Under transformers 5, peft rewrites
+    the ``target_modules`` of MoE model types whose experts transformers fuses (``PeftModel.from_pretrained`` calls
+    ``peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers``): a target ending in an old
+    expert projection's name (``gate_proj``, ``up_proj``, ``down_proj``) can become LoRA on the fused experts, and
+    which ones do depends on the peft release (0.21 moved DeepSeek-V3's dense MLP and shared experts there; 0.22
+    keeps a target that names only ``nn.Linear`` modules). So the installed peft is asked: the run's targets
+    (full module paths, as ``adapter_config.json`` lists them) go through that conversion on the meta model, and
+    any it changes is refused. Without peft (or a peft without the conversion) the paths load as given."""
     try:
-        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
-    except ImportError:  # a peft without the MoE conversion adapts the paths as given
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
         return
-    pattern = _MODEL_TO_CONVERSION_PATTERN.get(family.model_type)
-    renamed = set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {})) if pattern else set()
-    hit = sorted(t for t in spec.targets if t.rsplit(".", 1)[-1] in renamed)
-    if not hit:
+    targets = sorted(spec.targets)
+    converted = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(targets))
+    convert_peft_config_for_transformers(converted, hf_model, None)
+    moved = sorted(set(targets) - set(converted.target_modules or ()))
+    if not moved:
         return
-    leaves = sorted({t.rsplit(".", 1)[-1] for t in spec.targets} - renamed)
-    raise PlanError(f"{KEY}.target_modules", f"peft maps the target names {sorted(renamed & {t.rsplit('.', 1)[-1] for t in hit})} "
-                    f"of a {family.model_type} model onto its fused experts when it loads an adapter (under "
-                    f"transformers 5), so an adapter on {hit[0]} and {len(hit) - 1} more such modules would not load as "
-                    f"trained; adapt the others only, e.g. finetune.lora.target_modules=[{','.join(leaves)}]")
+    import peft
+
+    leaves = sorted({t.rsplit(".", 1)[-1] for t in targets} - {t.rsplit(".", 1)[-1] for t in moved})
+    onto = sorted(set(converted.target_parameters or ()))
+    names = sorted({t.rsplit(".", 1)[-1] for t in moved})
+    raise PlanError(f"{KEY}.target_modules", f"peft {peft.__version__} maps the target names {names} of a "
+                    f"{family.model_type} model "
+                    f"onto its fused experts when it loads an adapter "
+                    f"(under transformers 5: {onto[0] if onto else 'elsewhere'}), so an adapter on {moved[0]} and "
+                    f"{len(moved) - 1} more such modules would not load as trained; adapt the others only, e.g. "
+                    f"finetune.lora.target_modules=[{','.join(leaves)}]")
 
 
 def _check_stages(spec: LoraSpec, family: Family, plan: Plan) -> None:

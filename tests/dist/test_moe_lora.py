@@ -40,8 +40,9 @@ def _overrides(folder, *extra: str) -> list[str]:
 
 
 DEEPSEEK_TARGETS = "finetune.lora.target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,q_a_proj,q_b_proj]"
-"""MLA's projections: peft moves ``gate_proj`` / ``up_proj`` / ``down_proj`` targets of a DeepSeek-V3 model onto its
-fused experts, so the plan refuses ``all-linear`` there (docs/errors.md)."""
+"""MLA's projections: peft 0.21 moves ``gate_proj`` / ``up_proj`` / ``down_proj`` targets of a DeepSeek-V3 model onto
+its fused experts, so the plan refuses ``all-linear`` there under it (docs/errors.md); these load as written under any
+peft."""
 
 
 SHARED = {"qwen2_moe", "qwen3_5_moe_text"}
@@ -52,7 +53,7 @@ TARGETS = {
     "deepseek_v3": DEEPSEEK_TARGETS,
     "qwen3_5_moe_text": "finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
 }
-"""The targets of the families where ``all-linear`` is refused."""
+"""The targets of the families where ``all-linear`` is refused (under some peft releases, for DeepSeek-V3)."""
 
 
 def _check(family: str, twins, tmp_path, *layout: str) -> None:
@@ -79,7 +80,7 @@ SLOW = {
 }
 """Qwen3.5-MoE with the targets of :data:`TARGETS` (the plan refuses LoRA on its Gated DeltaNet ``linear_attn``: not
 yet proven against peft, ``docs/errors.md``). Qwen3-Next has no slow case: without ``linear_attn`` and the MLP names
-(which peft would move onto its fused experts) only one attention block in four would train."""
+(which peft 0.21 would move onto its fused experts) only one attention block in four would train."""
 
 
 @pytest.mark.slow

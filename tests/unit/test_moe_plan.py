@@ -62,10 +62,6 @@ CASES = {  # id -> (overrides, key, fragments of the message)
     "deepseek_v3_with_cp": ((*TINY_DEEPSEEK, "parallel.cp=2"), "parallel.cp",
                             ["parallel.cp=2: deepseek_v3 cannot run with context parallelism", "value heads narrower",
                              "use parallel.cp=1"]),
-    "deepseek_v3_lora_on_mlp_names": ((*TINY_DEEPSEEK, "finetune.method=lora"), "finetune.lora.target_modules",
-                                      ["peft maps the target names ['down_proj', 'gate_proj', 'up_proj'] of a "
-                                       "deepseek_v3 model onto its fused experts",
-                                       "target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,q_a_proj,q_b_proj]"]),
     "tp_not_dividing_the_experts": ((*TINY_MOE, "model.config.moe_intermediate_size=36", "parallel.tp=8"), "parallel.tp",
                                     ["must divide model.config.moe_intermediate_size=36"]),
 }
@@ -89,6 +85,48 @@ def test_moe_rule_names_the_key(case):
     assert err.key == key, str(err)
     for fragment in fragments:
         assert fragment in str(err), (fragment, str(err))
+
+
+def _moved_by_peft(hf_config, targets: list[str]) -> list[str]:
+    """The full-path LoRA targets the installed peft rewrites when it loads an adapter on this model (asked on a
+    real, meta-device transformers model)."""
+    peft = pytest.importorskip("peft")
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    config = peft.LoraConfig(r=8, target_modules=list(targets))
+    convert_peft_config_for_transformers(config, model, None)
+    return sorted(set(targets) - set(config.target_modules))
+
+
+def test_lora_on_deepseek_v3_mlp_names_is_refused_exactly_where_the_installed_peft_moves_them():
+    """DeepSeek-V3's dense blocks' MLP and its shared experts carry the names (``gate_proj``, ``up_proj``,
+    ``down_proj``) peft's transformers-5 conversion may rewrite onto the fused experts; peft 0.21 did for any
+    target ending in them, 0.22 keeps a target naming only ``nn.Linear`` modules. The plan refuses ``all-linear``
+    (naming the key, the names and the targets that load as written) exactly when the installed peft moves one,
+    and otherwise plans the dense MLP and the shared experts as targets."""
+    _, hf_config = resolve(compose(*TINY_DEEPSEEK), CPU)
+    mlp = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")] + [
+        f"model.layers.{i}.mlp.shared_experts.{p}" for i in (1, 2, 3) for p in ("gate_proj", "up_proj", "down_proj")]
+    attention = [f"model.layers.{i}.self_attn.{p}" for i in range(4)
+                 for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+    moved = _moved_by_peft(hf_config, mlp + attention)
+    assert set(moved) <= set(mlp), moved  # MLA's projections load as written under any peft
+    cfg = compose(*TINY_DEEPSEEK, "finetune.method=lora")
+    if moved:
+        err = _error(*TINY_DEEPSEEK, "finetune.method=lora")
+        assert err.key == "finetune.lora.target_modules", str(err)
+        for fragment in ("of a deepseek_v3 model onto its fused experts",
+                         "target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,q_a_proj,q_b_proj]"):
+            assert fragment in str(err), (fragment, str(err))
+        return
+    from hybridtrain.plan.lora import check_lora
+
+    plan, hf_config = resolve(cfg, CPU)
+    spec = check_lora(cfg, hf_config, plan)
+    assert set(mlp + attention) <= spec.targets, sorted(set(mlp + attention) - spec.targets)
 
 
 def test_an_moe_model_plans():
