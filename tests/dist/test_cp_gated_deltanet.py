@@ -29,8 +29,8 @@ from hybridtrain.parallel.spawn import WorldRun, run_world
 CP_GROUPS = {2: [0, 1], 4: [0, 1, 2, 3]}
 B, S, HIDDEN = 3, 16, 32
 ATOL = 1e-10
-"""float64 throughout: transformers' delta rule casts its inputs to float32, so the cases run it in float64
-(:func:`_delta_rule_in_float64`); what is left is summation order (a chunk's pieces pad to the rule's 64-token
+"""float64 throughout: transformers' delta rule and its gated norm cast their inputs to float32, so the cases run
+them in float64 (:func:`_delta_rule_in_float64`, :func:`_gated_norm_in_float64`); what is left is summation order (a chunk's pieces pad to the rule's 64-token
 blocks differently from whole documents). A carry that is lost or misplaced moves outputs by 1e-2 and more."""
 FLOAT32 = {"A_log": 1e-5}
 """Checks whose gradient runs through transformers' own float32 cast (``-self.A_log.float().exp()``): summed
@@ -75,6 +75,22 @@ def _delta_rule_in_float64(modeling) -> None:
         setattr(modeling, name, namespace[name])
 
 
+def _gated_norm_in_float64(norm) -> None:
+    """Give ``norm`` (transformers' ``RMSNormGated``, which computes in float32 whatever its input) its own
+    forward's source with the float32 casts made float64: in float32 the two runs' float64 inputs, equal but for
+    summation order, round apart by one float32 ulp here and there (about 1e-7 relative)."""
+    import inspect
+    import sys
+    import textwrap
+    import types
+
+    source = textwrap.dedent(inspect.getsource(type(norm).forward))
+    assert source.count("torch.float32") == 2, f"{type(norm).__name__}.forward changed: update this test's patch"
+    namespace = dict(vars(sys.modules[type(norm).__module__]))
+    exec(compile(source.replace("torch.float32", "torch.float64"), type(norm).__module__, "exec"), namespace)
+    norm.forward = types.MethodType(namespace["forward"], norm)
+
+
 def _build(case: str):
     import importlib
 
@@ -89,6 +105,7 @@ def _build(case: str):
     _delta_rule_in_float64(modeling)
     torch.manual_seed(1)
     layer = getattr(modeling, cls)(config, 0).double()
+    _gated_norm_in_float64(layer.norm)
     with torch.no_grad():  # an untrained norm at 1 would hide a dropped gradient
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
