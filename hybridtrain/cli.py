@@ -105,7 +105,8 @@ class Background:
 
     Stdout and stderr go to ``stdout.txt`` and ``stderr.txt`` in ``output`` (a full pipe never
     blocks a run), so many runs can start at once, each spending its seconds importing torch in
-    parallel with the others.
+    parallel with the others; with :data:`WARM_START` set, the warm-start server forks it as it does
+    :func:`run`'s (then without those seconds).
     """
 
     def __init__(self, run_dir: Path | str | None, overrides: Sequence[str], output: Path, *,
@@ -115,7 +116,18 @@ class Background:
         self.args = command(run_dir, overrides)
         self._out, self._err = output / "stdout.txt", output / "stderr.txt"
         with open(self._out, "w") as out, open(self._err, "w") as err:
-            self._proc = start(run_dir, overrides, env=env, cwd=cwd, stdout=out, stderr=err, text=True)
+            self._proc = None
+            if os.environ.get(WARM_START):  # as in run(): forked by the warm-start server when it serves the env
+                from hybridtrain import warmstart
+
+                stdin = os.open(os.devnull, os.O_RDONLY)
+                try:
+                    self._proc = warmstart.start(os.environ[WARM_START], self.args, environment(env), cwd,
+                                                 [stdin, out.fileno(), err.fileno()])
+                finally:
+                    os.close(stdin)
+            if self._proc is None:
+                self._proc = start(run_dir, overrides, env=env, cwd=cwd, stdout=out, stderr=err, text=True)
         self._done: subprocess.CompletedProcess | None = None
 
     def result(self, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -87,18 +87,29 @@ class Environment:
     """The environment the server started with, and what its imports added to it (torch sets
     ``TORCHINDUCTOR_CACHE_DIR`` and ``PYTORCH_NVML_BASED_CUDA_CHECK``, as it would in any process that imports it)."""
 
-    UNREAD = ("HYBRIDTRAIN_WARM_START", "PYTEST_CURRENT_TEST")
-    """Variables no library reads at import, which may differ: the server's socket, and the test pytest runs
-    (it sets the variable for each test)."""
+    UNREAD = ("PYTEST_CURRENT_TEST",)
+    """Variables no library reads at import, which may differ: the test pytest runs (it sets the variable for
+    each test)."""
+
+    OWN = "HYBRIDTRAIN_"
+    """hybridtrain's own variables (the cache root, the threads, the warm-start socket...), which may differ too:
+    hybridtrain reads them when a run needs them, never at import (``tests/unit/test_warmstart_rules.py``), and no
+    library reads them."""
 
     def __init__(self, started: dict[str, str], imported: dict[str, str]):
-        self.started = {k: v for k, v in started.items() if k not in self.UNREAD}
+        self.started = {k: v for k, v in started.items() if not self.unread(k)}
         self.added = {k: v for k, v in imported.items() if k not in started}
+
+    @classmethod
+    def unread(cls, name: str) -> bool:
+        """Whether the variable ``name`` is read by nothing at import (:data:`UNREAD`, :data:`OWN`)."""
+        return name in cls.UNREAD or name.startswith(cls.OWN)
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a fresh interpreter started with ``env`` would import as the server did: ``env`` is the one the
-        server started with (but :data:`UNREAD`), plus any of the variables its imports set, at their values."""
-        env = {k: v for k, v in env.items() if k not in self.UNREAD}
+        server started with (but the variables nothing reads at import, :meth:`unread`), plus any of the
+        variables its imports set, at their values."""
+        env = {k: v for k, v in env.items() if not self.unread(k)}
         extra = {k: v for k, v in env.items() if k not in self.started}
         return all(env.get(k) == v for k, v in self.started.items()) and all(
             self.added.get(k) == v for k, v in extra.items())
@@ -232,6 +243,54 @@ def request(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Pat
         conn.close()
         return None
     return conn, int(first.split()[1])
+
+
+class Started:
+    """A run the server forked for :func:`start`, with what :class:`subprocess.Popen` offers of it here: its
+    ``pid``, :meth:`poll`, :meth:`wait`, :meth:`kill` and ``returncode`` (as ``Popen`` gives it)."""
+
+    def __init__(self, args: Sequence[str], conn: socket.socket, pid: int):
+        self.args, self.pid, self._conn = list(args), pid, conn
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, once the run ends; :class:`subprocess.TimeoutExpired` after ``timeout`` seconds."""
+        import select
+        import subprocess
+
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            line = read_line(self._conn)
+            self._conn.close()
+            self.returncode = int(line.split()[1]) if line.startswith("exit ") else -signal.SIGKILL
+        return self.returncode
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while the run goes on."""
+        import subprocess
+
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL the run (its watcher reports the exit; its ranks die with it), unless it has ended."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended since: the watcher's line says so
+                pass
+
+
+def start(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | str | None,
+          stdio: Sequence[int]) -> Started | None:
+    """``python -m hybridtrain ARGS`` (``args`` the whole command line, :func:`hybridtrain.cli.command`) started
+    by the server at ``path`` with ``stdio`` as its stdin, stdout and stderr, not waited for; ``None`` when the
+    server refused it or is not there."""
+    started = request(path, args[3:], env, cwd, stdio)  # after "python -m hybridtrain"
+    return None if started is None else Started(args, *started)
 
 
 def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | str | None,

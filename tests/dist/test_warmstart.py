@@ -43,7 +43,7 @@ def _lines(text: str) -> list[str]:
 
 def test_a_warm_run_is_the_fresh_interpreters_run(server, tmp_path):
     warm = cli.run(tmp_path / "warm", RUN, timeout=300, cwd=REPO, check=True)
-    fresh = cli.run(tmp_path / "fresh", RUN, timeout=300, cwd=REPO, check=True, env={"HYBRIDTRAIN_TEST_FRESH": "1"})
+    fresh = cli.run(tmp_path / "fresh", RUN, timeout=300, cwd=REPO, check=True, env={"WARM_START_TEST_FRESH": "1"})
     assert _lines(warm.stdout) == _lines(fresh.stdout) and len(_lines(warm.stdout)) >= 6
     assert "Traceback" not in warm.stderr and "RuntimeWarning" not in warm.stderr, warm.stderr[-2000:]
     assert RunDir(tmp_path / "warm").losses() == RunDir(tmp_path / "fresh").losses()
@@ -62,7 +62,7 @@ def test_the_servers_environment_is_served_and_another_refused(server):
     devnull = os.open(os.devnull, os.O_RDWR)
     try:
         served = request(server.path, ["--help"], cli.environment(None), REPO, [devnull, devnull, devnull])
-        refused = request(server.path, ["--help"], {**server.env, "HYBRIDTRAIN_TEST_FRESH": "1"}, REPO,
+        refused = request(server.path, ["--help"], {**server.env, "WARM_START_TEST_FRESH": "1"}, REPO,
                           [devnull, devnull, devnull])
     finally:
         os.close(devnull)
