@@ -22,6 +22,7 @@ thread and made no tensor.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -67,8 +68,7 @@ class Server:
         self._proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.warmstart", str(self.path)], env=self.env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                       preexec_fn=parent_death())
-        self.pid = self._proc.pid
-        """The server's process id (the runs it forks are its descendants)."""
+        self.pid = self._proc.pid  # the server's process id (the runs it forks are its descendants)
         for line in self._proc.stdout:  # the libraries' import-time notes, then "ready"
             if line.strip() == "ready":
                 break
@@ -129,8 +129,6 @@ def serve(path: Path) -> NoReturn:
     devnull = os.open(os.devnull, os.O_RDWR)  # the starter reads no more: its pipe is not held by the runs
     os.dup2(devnull, 1)
     os.close(devnull)
-    import gc
-
     gc.freeze()  # the forks then leave the pages they share with this process alone
     while True:
         conn, _ = listener.accept()
@@ -308,7 +306,7 @@ def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | 
     err_r, err_w = os.pipe()
     stdin = os.open(os.devnull, os.O_RDONLY)
     try:
-        started = request(path, args[3:], env, cwd, [stdin, out_w, err_w])  # after "python -m hybridtrain"
+        started = start(path, args, env, cwd, [stdin, out_w, err_w])
     finally:
         for fd in (stdin, out_w, err_w):
             os.close(fd)
@@ -316,7 +314,6 @@ def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | 
         os.close(out_r)
         os.close(err_r)
         return None
-    conn, pid = started
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     deadline = None if timeout is None else time.monotonic() + timeout
     killed = False
@@ -327,7 +324,7 @@ def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | 
             wait = None if deadline is None or killed else max(0.0, deadline - time.monotonic())
             events = sel.select(wait)
             if not events and not killed:  # past the deadline: kill it, then read what it wrote
-                os.kill(pid, signal.SIGKILL)
+                started.kill()
                 killed = True
             for key, _ in events:
                 data = os.read(key.fd, 65536)
@@ -336,12 +333,10 @@ def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | 
                 else:
                     sel.unregister(key.fd)
                     os.close(key.fd)
-    line = read_line(conn)
-    conn.close()
+    code = started.wait()
     out, err = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
     if killed:
         raise subprocess.TimeoutExpired(list(args), timeout, output=out, stderr=err)
-    code = int(line.split()[1]) if line.startswith("exit ") else -signal.SIGKILL
     return subprocess.CompletedProcess(list(args), code, out, err)
 
 
