@@ -40,11 +40,11 @@ def main() -> None:
     def side(name: str, env: dict | None):
         def one(r: int) -> dict:
             t0 = time.perf_counter()
-            cli.run(work / f"{name}_{r}", RUN, timeout=600, cwd=ROOT, env=env, check=True)  # env: refused, fresh
+            cli.run(work / f"{name}_{r}", RUN, timeout=600, cwd=ROOT, env=env, check=True)  # env: refused, fresh (a HYBRIDTRAIN_* one would be served)
             return {"wall_s": time.perf_counter() - t0, "losses": RunDir(work / f"{name}_{r}").losses()}
         return one
 
-    sides = {"fresh": side("fresh", {"HYBRIDTRAIN_BENCH_FRESH": "1"}), "warm": side("warm", None)}
+    sides = {"fresh": side("fresh", {"WARM_START_BENCH_FRESH": "1"}), "warm": side("warm", None)}
     info = machine()
     print(f"[bench] {machine_line(info)}", flush=True)
     for fn in sides.values():  # warm-up (data cache, page cache), not recorded
