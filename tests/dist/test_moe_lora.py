@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.launch import run_cli
+from hybridtrain.errors import PlanError
 from helpers.lora_checks import check_lora_run, peft_reference
 from helpers.moe import twin_maker
 
@@ -56,11 +57,17 @@ TARGETS = {
 """The targets of the families where ``all-linear`` is refused (under some peft releases, for DeepSeek-V3)."""
 
 
-def _check(family: str, twins, tmp_path, *layout: str) -> None:
+def _check(family: str, twins, tmp_path, *layout: str, all_linear: bool = False) -> None:
     folder = twins(family)
-    common = _overrides(folder, *((TARGETS[family],) if family in TARGETS else ()))
-    want, adapters = peft_reference(tuple(common))
-    assert any(".shared_expert." in name for name in adapters) == (family in SHARED), sorted(adapters)
+    common = _overrides(folder, *((TARGETS[family],) if family in TARGETS and not all_linear else ()))
+    try:
+        want, adapters = peft_reference(tuple(common))
+    except PlanError as err:
+        if all_linear and "onto its fused experts" in str(err):
+            pytest.skip(f"the installed peft would not load these targets as trained: {err}")
+        raise
+    shared = family in SHARED or all_linear
+    assert any(".shared_expert" in name for name in adapters) == shared, sorted(adapters)
     assert not any(".experts." in name or ".mlp.gate." in name for name in adapters), sorted(adapters)
     run_cli(tmp_path / "run", *common, *layout, timeout=600)
     check_lora_run(tmp_path / "run", folder, want, adapters, tmp_path, STEPS)
@@ -88,3 +95,11 @@ yet proven against peft, ``docs/errors.md``). Qwen3-Next has no slow case: witho
 def test_lora_on_moe_models_matches_peft_every_layout(case, twins, tmp_path):
     family, layout = SLOW[case]
     _check(family, twins, tmp_path, *layout)
+
+
+@pytest.mark.slow
+def test_all_linear_lora_on_deepseek_v3_matches_peft_where_peft_loads_it(twins, tmp_path):
+    """``all-linear`` on DeepSeek-V3 (MLA's projections, the dense block's MLP and the shared experts) at tp = 2 x
+    pp = 2, where the installed peft loads those paths as written (0.22; under 0.21 the plan refuses them and
+    this test is skipped, saying so)."""
+    _check("deepseek_v3", twins, tmp_path, "parallel.tp=2", "parallel.pp=2", all_linear=True)
