@@ -75,7 +75,7 @@ class TokenEmbedding(VocabParallelEmbedding):
             return _with_sums(super().forward(x[0], True), x)
         input_ids, positions = x  # [B, S], [B, S]: the whole rows (at cp > 1 the position ids stay whole)
         if self.cp.size > 1:  # this rank's two chunks of every row from here on: [B, S / cp]
-            input_ids = input_ids[:, self.cp.indices(input_ids.shape[1]).to(input_ids.device)]
+            input_ids = input_ids[:, self.cp.indices(input_ids.shape[1], input_ids.device)]
         out = super().forward(input_ids, False)
         out = self.drop(out) if self.drop is not None else out
         if self.aux is None:
@@ -116,7 +116,7 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, positions, *sums = x  # [B, S, H], [B, S]: each record of a packed row starts at position 0
-        local = positions if self.cp.size == 1 else positions[:, self.cp.indices(positions.shape[1]).to(positions.device)]
+        local = positions if self.cp.size == 1 else positions[:, self.cp.indices(positions.shape[1], positions.device)]
         return self.drop(hidden + self.wpe(local)), positions, *sums
 
 
@@ -210,7 +210,7 @@ class BlockInputs:
         largest position (dynamic, LongRoPE) pick what one process would."""
         from hybridtrain.parallel.context_parallel import CPAttention, flash_segments
 
-        idx = self.cp.indices(pos.shape[1]).to(pos.device)  # [S / cp] global indices of this rank's tokens
+        idx = self.cp.indices(pos.shape[1], pos.device)  # [S / cp] global indices of this rank's tokens
         with torch.no_grad():
             segments = flash_segments(pos, idx) if self.cp_base == "flash_attention_2" else None  # one host copy
             args = {"attention_mask": None,

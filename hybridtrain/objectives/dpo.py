@@ -75,7 +75,7 @@ def segment_sums(token_loss: Any, outputs, labels: torch.Tensor, segments: torch
     one differentiable all-reduce over the cp group adds the ranks' sums."""
     cp = token_loss.cp
     if cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
-        keep = cp.indices(labels.shape[1]).to(labels.device)
+        keep = cp.indices(labels.shape[1], labels.device)
         labels, segments = labels[:, keep], segments[:, keep]
     logp = -token_loss.token_losses(outputs, labels)  # [B, T], 0 at ignored labels
     rows = labels.shape[0]

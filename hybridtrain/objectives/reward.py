@@ -51,7 +51,7 @@ class RewardLoss:
         at the positions ``labels`` mark, over the whole rows (all cp ranks')."""
         cp = self.cp
         if cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
-            keep = cp.indices(labels.shape[1]).to(labels.device)
+            keep = cp.indices(labels.shape[1], labels.device)
             labels, segments = labels[:, keep], segments[:, keep]
         rows = labels.shape[0]
         doc = (torch.arange(rows, device=labels.device).unsqueeze(1) * 2 + segments).reshape(-1)  # [B x T]

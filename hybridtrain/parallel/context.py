@@ -1,7 +1,7 @@
 """The process-group handles (tensor, expert, context parallel) that layers receive explicitly (no module globals)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,10 +74,22 @@ class CPContext:
     size: int = 1
     """The ``cp`` degree."""
 
-    def indices(self, seq_len: int) -> torch.Tensor:
+    _made: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The index tensors :meth:`indices` made, by (``seq_len``, device)."""
+
+    def indices(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global token indices (int64 ``[seq_len / size]``) of this rank's two chunks of a row of ``seq_len``
-        tokens (:func:`chunk_indices`)."""
-        return chunk_indices(seq_len, self.size, self.rank)
+        tokens (:func:`chunk_indices`), on ``device`` (the host when ``None``). Made once per length and device and
+        kept: every stage, block and loss of every micro-batch asks for them, and on a GPU each new copy would be
+        a blocking host-to-device copy (gpu-review-3 finding 6). Read them, never write into them."""
+        key = (seq_len, None if device is None else torch.device(device))
+        made = self._made.get(key)
+        if made is None:
+            made = chunk_indices(seq_len, self.size, self.rank)
+            if device is not None:
+                made = made.to(device)
+            self._made[key] = made
+        return made
 
     def ranges(self, seq_len: int) -> list[tuple[int, int]]:
         """The same tokens as :meth:`indices`, as contiguous ``[start, stop)`` runs in the order the rank holds them:

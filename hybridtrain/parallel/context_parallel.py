@@ -181,7 +181,7 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     mask = ctx.masks.get((window, query.dtype, additive))
     if mask is None:  # the first block of this micro-batch with this window: [B (or 1), 1, S/cp, S]
         mask = ctx.masks[window, query.dtype, additive] = cp_attention_mask(
-            positions, cp.indices(seq).to(query.device), window, query.dtype, additive=additive)
+            positions, cp.indices(seq, query.device), window, query.dtype, additive=additive)
     return base(module, query, key, value, mask, **kwargs)
 
 

@@ -234,7 +234,7 @@ class VocabParallelLoss:
         """``logits [B, S, V_pad/tp]``, or with the head deferred the head's input ``(hidden, position_ids, ...)``."""
         labels, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if self.cp.size > 1:  # [B, S] -> this rank's tokens [B, S / cp], as the embedding took them
-            labels = labels[:, self.cp.indices(labels.shape[1]).to(labels.device)]
+            labels = labels[:, self.cp.indices(labels.shape[1], labels.device)]
         if isinstance(logits, (tuple, list)):
             loss = self._in_pieces(logits[0], logits[1], labels)
         else:

@@ -38,6 +38,30 @@ def test_chunk_indices_are_head_tail():
     assert CPContext(rank=1, size=4).indices(16).tolist() == [2, 3, 12, 13]
 
 
+def test_a_ranks_indices_are_made_once_per_length_and_device(monkeypatch):
+    """gpu-review-3 finding 6: every stage, block and loss of every micro-batch asks for the rank's token indices on
+    its device; ``CPContext.indices`` makes them once per (length, device) and hands back the same tensor, so on a
+    GPU the host-to-device copy happens at the first micro-batch of a shape only. No caller copies them itself."""
+    import re
+    from pathlib import Path
+
+    import hybridtrain.parallel.context as context
+
+    made = []
+    real = context.chunk_indices
+    monkeypatch.setattr(context, "chunk_indices", lambda *a: made.append(a) or real(*a))
+    cp = CPContext(rank=1, size=2)
+    first = cp.indices(16, torch.device("cpu"))
+    assert cp.indices(16, "cpu") is first and first.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert cp.indices(16) is not first and cp.indices(16) is cp.indices(16)  # the host's own, also kept
+    assert cp.indices(8, "cpu").tolist() == [2, 3, 4, 5] and cp.indices(16, "meta").device.type == "meta"
+    assert made == [(16, 2, 1), (16, 2, 1), (8, 2, 1), (16, 2, 1)]
+    root = Path(context.__file__).resolve().parents[1]
+    copied = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py")
+              for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\.indices\([^)]*\)\.to\(", line)]
+    assert not copied, copied
+
+
 @pytest.mark.parametrize("seq_len, cp, rank", [(12, 4, 0), (6, 2, 1), (16, 2, 2), (16, 0, 0)])
 def test_chunk_indices_errors(seq_len, cp, rank):
     with pytest.raises(ValueError, match="cp"):
