@@ -14,7 +14,9 @@ descriptors, folder and umask and runs the ``hybridtrain`` module as ``__main__`
 does). The watcher reports the run's pid, then its exit code (as :attr:`subprocess.Popen.returncode` gives
 it), and kills the run if the requester goes away first. A request whose environment is not the server's
 own is refused (libraries read some of it at import), and the requester starts a fresh interpreter
-instead. The run's preload process and ranks fork from the run as usual and die with it
+instead; so is every request once a file of the ``hybridtrain`` package changed since the server imported it
+(an edit while a test session runs: the fork would mix the old code of what the server imported with the new
+code of what the run imports later). The run's preload process and ranks fork from the run as usual and die with it
 (:mod:`hybridtrain.launch.parent`).
 
 Safe to fork for the reason the preload process is: the server has only imported modules, started no
@@ -115,9 +117,23 @@ class Environment:
             self.added.get(k) == v for k, v in extra.items())
 
 
+def sources(root: Path | None = None) -> dict[str, tuple[int, int]]:
+    """``(mtime_ns, size)`` of every Python file of the ``hybridtrain`` package (``root``): what the server
+    imported, or will import lazily when a run needs it."""
+    root = root or Path(__file__).resolve().parent
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(folder, name))
+                out[os.path.join(folder, name)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
 def serve(path: Path) -> NoReturn:
     """Import (:func:`warm`), then serve requests on the UNIX socket ``path`` (until killed: :class:`Server`)."""
     started = dict(os.environ)
+    imported = sources()  # before the imports: a file edited while they run counts as changed
     warm()
     own = Environment(started, dict(os.environ))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -134,7 +150,7 @@ def serve(path: Path) -> NoReturn:
         conn, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            _watch(conn, own)
+            _watch(conn, own, imported)
         conn.close()
 
 
@@ -148,15 +164,17 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def _watch(conn: socket.socket, own: Environment) -> NoReturn:
-    """In a watcher: read the request, fork the run, report its pid and exit code."""
+def _watch(conn: socket.socket, own: Environment, imported: dict[str, tuple[int, int]]) -> NoReturn:
+    """In a watcher: read the request, fork the run, report its pid and exit code. Refused when the request's
+    environment is not the server's, or when hybridtrain's sources changed since the server imported them (a
+    fork would run the old code of what it imported and the new code of what it imports later)."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _, fds, _, _ = socket.recv_fds(conn, 1, 3)
         (size,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
         job = json.loads(_recv_exact(conn, size))
-        if not own.serves(job["env"]) or len(fds) != 3:
+        if not own.serves(job["env"]) or len(fds) != 3 or sources() != imported:
             conn.sendall(b"refused\n")
             os._exit(0)
         pid = os.fork()

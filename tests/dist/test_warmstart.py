@@ -71,6 +71,31 @@ def test_the_servers_environment_is_served_and_another_refused(server):
     assert refused is None
 
 
+def test_an_edit_of_hybridtrain_after_the_server_imported_it_is_refused(tmp_path, monkeypatch):
+    """A server that imported a copy of the package refuses every request once a file of that copy changed: a
+    fork would run the old code of what the server imported and the new code of what the run imports later."""
+    import shutil
+
+    from hybridtrain.warmstart import read_line, sources
+
+    copy = tmp_path / "src"
+    shutil.copytree(REPO / "hybridtrain", copy / "hybridtrain", ignore=shutil.ignore_patterns("__pycache__"))
+    assert sources(copy / "hybridtrain") and sources(copy / "hybridtrain") == sources(copy / "hybridtrain")
+    monkeypatch.chdir(tmp_path)  # python -m puts its working folder first on the path: the copy's parent, not REPO
+    own = Server(tmp_path, cli.environment(None, path_first=[copy]))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        served = request(own.path, ["--help"], own.env, REPO, [devnull, devnull, devnull])
+        assert served is not None and read_line(served[0]) == "exit 0"
+        served[0].close()
+        lazily = copy / "hybridtrain" / "objectives" / "reward.py"  # a module a run imports when it needs it
+        lazily.write_text(lazily.read_text() + "\n# edited\n")
+        assert request(own.path, ["--help"], own.env, REPO, [devnull, devnull, devnull]) is None
+    finally:
+        os.close(devnull)
+        own.close()
+
+
 def _tree(pid: int) -> list[psutil.Process]:
     return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
 
