@@ -72,6 +72,7 @@ NOT_RUN: dict[str, str] = {
     "python -m bench.run": "the benchmark suite: an hour or more on a quiet machine",
     "python -m bench.run --soak": "2000 steps per layout: a soak test of many minutes",
     "python -m bench.lora": "a benchmark of minutes (LoRA against full fine-tuning), results in bench/results",
+    "python -m bench.dpo_trl": "a benchmark of minutes (DPO against TRL's DPOTrainer), results in bench/results",
     "python -m hybridtrain +recipe=gpt_small data=hf data.name=my_org/my_set data.split=train":
         "reads a dataset from the Hugging Face Hub (network; tests/dist/test_data_e2e.py reads a local one)",
     "python -m hybridtrain.export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--overwrite]":
