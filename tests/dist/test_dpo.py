@@ -126,3 +126,19 @@ def test_the_reference_is_cached_beside_the_data(single, hf_checkpoints, pairs, 
     assert f"reference log-probabilities read from {cached[0]}" in proc.stdout
     check_steps(metrics(tmp_path / "again"), first, grad_rel=1e-3)
     check_steps(first, single, grad_rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (2, 1, 2, 1)], ids=["one_process", "dp2_pp2_ep2"])
+def test_an_moe_model_equals_trl(layout, pairs, tmp_path):
+    """Qwen3-MoE (8 experts, top-2, routers with clear margins) without the router aux loss (packed pair rows
+    refuse it; TRL's ``router_aux_loss_coef=0``): (1,1,1,1) equals TRL, dp2 x pp2 with the experts split over
+    ep = 2 equals TRL too."""
+    from helpers.moe import make_moe_checkpoint
+
+    folder = make_moe_checkpoint(tmp_path / "moe", "qwen3_moe", output_router_logits=False)
+    kw = _kw(["sigmoid"], None, 0.0)
+    extra = ("parallel.ep=2",) if layout[0] > 1 else ()
+    ours = run(tmp_path, "qwen3_moe", folder, pairs[1], layout, extra=extra, **kw)
+    theirs = trl_run(folder, pairs[0], tmp_path / "trl", router_aux_loss_coef=0.0, **kw)
+    check_steps(ours, theirs, grad_rel=1e-4 if layout == (1, 1, 1, 1) else 1e-3)

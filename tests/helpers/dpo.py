@@ -86,10 +86,11 @@ def overrides(folder: Path, pairs: Path, *, steps: int, batch: int, lr: float, s
 
 def trl_run(folder: Path, records: list[dict], out: Path, *, steps: int, batch: int, lr: float, seed: int,
             beta: float, loss_type: list[str], loss_weights: list[float] | None = None, label_smoothing: float = 0.0,
-            adapter: Path | None = None) -> list[dict]:
+            adapter: Path | None = None, **config) -> list[dict]:
     """TRL's per-step log records (``loss``, ``grad_norm`` and :data:`METRICS`) of ``DPOTrainer`` on ``records``
     taken in :func:`order` (TRL's shuffling replaced by that order), one process, ``precompute_ref_log_probs=True``;
-    with ``adapter`` a peft adapter folder trained on the frozen base (the reference: adapters disabled)."""
+    with ``adapter`` a peft adapter folder trained on the frozen base (the reference: adapters disabled); ``config``:
+    more ``DPOConfig`` fields."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -102,7 +103,7 @@ def trl_run(folder: Path, records: list[dict], out: Path, *, steps: int, batch: 
                      logging_steps=1, save_strategy="no", report_to=[], bf16=False, use_cpu=True, seed=seed,
                      data_seed=seed, precompute_ref_log_probs=True, beta=beta, loss_type=list(loss_type),
                      loss_weights=loss_weights, label_smoothing=label_smoothing, max_length=None,
-                     dataloader_num_workers=0, disable_tqdm=True)
+                     dataloader_num_workers=0, disable_tqdm=True, **config)
     trainer = in_order(DPOTrainer)(model=model, args=args, train_dataset=Dataset.from_list(ordered),
                                    processing_class=AutoTokenizer.from_pretrained(str(folder)))
     trainer.train()
