@@ -123,10 +123,11 @@ def _prepared_data(typed, plan, hf_config, machine, preloader, run_dir):
     from hybridtrain.data.prepare import prepare
     from hybridtrain.launch.interrupt import delivered
     from hybridtrain.models.families import family_of
-    from hybridtrain.plan.costs import model_facts
+    from hybridtrain.plan.costs import has_score_head, model_facts
     from hybridtrain.plan.data import check_data_counts
 
-    params = model_facts(family_of(typed.model), hf_config, plan.seq_len).total_params()  # one meta block
+    params = model_facts(family_of(typed.model), hf_config, plan.seq_len,
+                         score_head=has_score_head(typed)).total_params()  # one meta block
     print(summary(plan, hf_config, params), flush=True)
     if typed.finetune.method == "lora":
         from hybridtrain.models.hf_model import meta_model

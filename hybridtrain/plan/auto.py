@@ -47,7 +47,7 @@ from hybridtrain.config.schema import Config
 from hybridtrain.errors import PlanError
 from hybridtrain.models.units import Kind
 from hybridtrain.plan.calibrate import Rates, planned_rates
-from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, layer_time_costs, model_facts
+from hybridtrain.plan.costs import ELEMENTWISE_COST, ModelFacts, has_score_head, layer_time_costs, model_facts
 from hybridtrain.plan.devices import memory_budget, planned_machine, precision_for, uses_gpus
 from hybridtrain.plan.memory import memory_flags, rank_memory, stage_param_sizes
 from hybridtrain.plan.types import Machine, Plan
@@ -304,7 +304,7 @@ def search(cfg: Config, hf_config, machine: Machine, rates: Rates | None = None,
         the time costs divide the whole row's facts by cp themselves)."""
         if (tp, cp) not in cache:
             cache[tp, cp] = model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len // cp, tp,
-                                        vocab_pad_multiple(cfg, machine))
+                                        vocab_pad_multiple(cfg, machine), score_head=has_score_head(cfg))
         return cache[tp, cp]
 
     def facts_for_tp(tp: int) -> ModelFacts:
@@ -368,7 +368,7 @@ def estimate_layout(cfg: Config, hf_config, machine: Machine, rates: Rates) -> C
     dims, par = plan.dims, cfg.parallel
     c = Candidate(dims.dp, dims.tp, dims.pp, plan.micro_batch_size, plan.zero_stage, bool(par.activation_checkpointing),
                   cp=dims.cp, ep=dims.ep)
-    facts = model_facts(family, hf_config, cfg.data.seq_len, dims.tp, pad)
+    facts = model_facts(family, hf_config, cfg.data.seq_len, dims.tp, pad, score_head=has_score_head(cfg))
     per_node = max(1, plan.world_size // plan.nodes)
     top_k = int(getattr(hf_config, family.moe.top_k)) if family.moe is not None else 0
     return estimate(c, plan, facts, cfg, rates, per_node, machine.cpu_cores,

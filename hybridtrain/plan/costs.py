@@ -6,6 +6,7 @@ estimate and the automatic plan search all read these numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -108,6 +109,9 @@ class ModelFacts:
     """Routed experts per MoE block."""
     shared_width: int = 0
     """A shared expert's MLP width (Qwen2-MoE; DeepSeek-V3's shared experts together; 0: none)."""
+    head_out: int = 0
+    """The head's outputs per token: :attr:`padded_vocab` for the LM head (0 reads as that), 1 for a reward
+    model's scalar ``score`` (``finetune.objective=reward``)."""
 
     @property
     def names(self) -> list[str]:
@@ -133,10 +137,17 @@ def _block_split(family: Family, shapes: dict[str, tuple[int, ...]],
     return sharded, replicated, experts
 
 
+def has_score_head(cfg) -> bool:
+    """Whether ``cfg`` trains a reward model (``finetune.objective=reward``): its head is the scalar ``score``."""
+    return getattr(cfg.finetune, "objective", "sft") == "reward"
+
+
 def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1,
-                vocab_pad_multiple: int = 1) -> ModelFacts:
+                vocab_pad_multiple: int = 1, score_head: bool = False) -> ModelFacts:
     """Facts of every pipeline layer of ``hf_config`` (each block from the shapes of its variant,
-    :func:`hybridtrain.models.shapes.block_shapes`, no memory)."""
+    :func:`hybridtrain.models.shapes.block_shapes`, no memory). ``score_head``: the model is a reward model
+    (:func:`has_score_head`), whose head is ``score``, ``Linear(hidden, 1)`` replicated over tp and never tied
+    (:mod:`hybridtrain.models.score`), in place of the LM head and its loss over the vocabulary."""
     from hybridtrain.models.shapes import block_shapes
 
     layers = int(getattr(hf_config, family.n_layers))
@@ -159,6 +170,8 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
                                    experts=tuple(experts)))
         elif unit.kind is Kind.FINAL_NORM:
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
+        elif score_head:  # one score per token, read at each sequence's last; no tied copy of the embedding
+            units.append(UnitFacts(dataclasses.replace(unit, tied=False), (), (hidden,), TRAIN_FACTOR * 2 * hidden, 4))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
     heads, (head_dim, v_head) = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)
@@ -172,7 +185,7 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
     mla = getattr(hf_config, "kv_lora_rank", None)
     latent = sum(int(getattr(hf_config, key, None) or 0) for key in LATENT_KEYS) if mla else 0
     return ModelFacts(family=family, hidden=hidden, heads=heads, num_layers=layers, seq_len=seq_len,
-                      padded_vocab=vocab, units=units, intermediate=width, q_dim=heads * head_dim,
+                      padded_vocab=vocab, head_out=1 if score_head else vocab, units=units, intermediate=width, q_dim=heads * head_dim,
                       kv_dim=kv_heads * head_dim, v_dim=kv_heads * v_head, latent_dim=latent, **routing)
 
 

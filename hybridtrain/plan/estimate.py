@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridtrain.models.families import family_of
-from hybridtrain.plan.costs import model_facts
+from hybridtrain.plan.costs import has_score_head, model_facts
 from hybridtrain.plan.hf import model_config
 from hybridtrain.plan.lora import lora_memory
 from hybridtrain.plan.memory import RankMemory, memory_flags, rank_memory
@@ -16,7 +16,8 @@ def estimate_for_run(run_dir, stage: int = 0) -> RankMemory:
     files = RunDir(run_dir)
     cfg, plan = files.config(), files.plan()
     hf_config = model_config(cfg)
-    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple,
+                        score_head=has_score_head(cfg))
     return rank_memory(facts, plan.stage_bounds, stage, plan.dims, zero=plan.zero_stage,
                        precision=plan.precision, micro_batch=plan.micro_batch_size, micro_batches=plan.grad_accum,
                        checkpointing=cfg.parallel.activation_checkpointing, lora=lora_memory(cfg, hf_config, plan),

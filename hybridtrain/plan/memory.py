@@ -89,7 +89,7 @@ from hybridtrain.config.choices import Packing
 from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind
 from hybridtrain.parallel.dims import ParallelDims
-from hybridtrain.plan.costs import ModelFacts, UnitFacts, layer_time_costs, model_facts
+from hybridtrain.plan.costs import ModelFacts, UnitFacts, has_score_head, layer_time_costs, model_facts
 from hybridtrain.plan.devices import GiB, memory_budget, uses_gpus  # noqa: F401 (GiB: the unit the report prints)
 
 PERSISTENCE_THRESHOLD = 100_000
@@ -366,7 +366,7 @@ def activation_bytes(units: list[UnitFacts], facts: ModelFacts, micro_batch: int
         total += w * b * local * s
     if any(u.kind is Kind.HEAD for u in units):
         head_tokens = local * b if not loss_chunk or local * b <= loss_chunk else loss_chunk
-        total += head_tokens * c.vocab * facts.padded_vocab / tp
+        total += head_tokens * c.vocab * (facts.head_out or facts.padded_vocab) / tp
     ends = sum(u.kind in (Kind.EMBED, Kind.HEAD) for u in units)  # the outside terms, half at each end of the model
     total += local * b * c.outside * h * ends / 2
     return int(total)
@@ -442,7 +442,7 @@ def balanced_inputs(cfg, hf_config, dims: ParallelDims, zero: int, micro_batches
     model's :func:`~hybridtrain.plan.costs.model_facts` at this tp, when the caller has them already)."""
     par = cfg.parallel
     facts = facts or model_facts(family_of(cfg.model), hf_config, cfg.data.seq_len, dims.tp,
-                                 cfg.model.vocab_pad_multiple)
+                                 cfg.model.vocab_pad_multiple, score_head=has_score_head(cfg))
     assert facts.padded_vocab == padded_vocab
     costs = layer_time_costs(facts, par.micro_batch_size, dims)
     per_node = max(1, dims.world // max(1, cfg.launcher.nodes))

@@ -14,6 +14,7 @@ from hybridtrain.models.families import family_of
 from hybridtrain.models.units import Kind, block_index, kind_of
 from hybridtrain.plan.costs import (
     ModelFacts,
+    has_score_head,
     layer_time_costs,
     model_facts,
     stage_flops,
@@ -73,7 +74,8 @@ class PlanReport:
 
 def build_report(cfg: Config, plan: Plan, hf_config, device_memory: int) -> PlanReport:
     """Estimate stages and memory of ``plan``; collect the warnings."""
-    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple)
+    facts = model_facts(family_of(cfg.model), hf_config, plan.seq_len, plan.dims.tp, cfg.model.vocab_pad_multiple,
+                        score_head=has_score_head(cfg))
     costs = layer_time_costs(facts, plan.micro_batch_size, plan.dims)
     stages = []
     lora = lora_memory(cfg, hf_config, plan)  # LoRA: only the adapters train
