@@ -63,10 +63,12 @@ class Observer:
             from hybridtrain.cache import CacheDir
             from hybridtrain.models.families import family_of
             from hybridtrain.plan import model_config
+            from hybridtrain.plan.costs import has_score_head
             from hybridtrain.plan.flops import model_flops_per_token
 
+            # a reward model's head is its score, one output per token (hybridtrain/models/score.py)
             flops = model_flops_per_token(family_of(cfg.model), model_config(cfg), plan.seq_len,
-                                          plan.vocab_size)
+                                          1 if has_score_head(cfg) else plan.vocab_size)
             device = built.engine.device
             name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None
             peak = resolve_peak(cfg.trainer.peak_tflops, plan.precision, name,

@@ -65,8 +65,8 @@ def test_reward_model_equals_trl(single, trl):
 
 def test_the_plans_model_state_is_the_reward_models(single, hf_checkpoints):
     """The plan sizes a reward model with its ``score`` head (``Linear(hidden, 1)``), not the LM head it replaces
-    (8000 x 96 of this model's 1.1M parameters): the estimate is within 10% of what rank 0 measured, and the
-    LM head's estimate would not be."""
+    (8000 x 96 of this model's 1.1M parameters): the estimate is within 10% of what rank 0 measured (the LM
+    head's was 70% over), and the MFU line counts the score's FLOPs."""
     from hybridtrain.plan.costs import model_facts
     from hybridtrain.plan.estimate import estimate_for_run
     from hybridtrain.plan.hf import model_config
@@ -81,6 +81,13 @@ def test_the_plans_model_state_is_the_reward_models(single, hf_checkpoints):
     hf = model_config(cfg)
     lm, score = (model_facts(family_of(cfg.model), hf, 32, score_head=s).total_params() for s in (False, True))
     assert lm - score == int(hf.vocab_size) * int(hf.hidden_size) - int(hf.hidden_size)  # untied: its own head
+    import json
+
+    from hybridtrain.plan.flops import model_flops_per_token
+
+    observe = json.loads((run_dir / "observe.json").read_text())  # MFU's FLOPs per token: the score's, not logits'
+    assert observe["model_flops_per_token"] == model_flops_per_token(family_of(cfg.model), hf,
+                                                                     RunDir(run_dir).plan().seq_len, 1)
 
 
 def test_export_loads_as_sequence_classifier_with_trls_scores(single, trl, pairs, tmp_path):
