@@ -120,12 +120,8 @@ class Background:
             if os.environ.get(WARM_START):  # as in run(): forked by the warm-start server when it serves the env
                 from hybridtrain import warmstart
 
-                stdin = os.open(os.devnull, os.O_RDONLY)
-                try:
-                    self._proc = warmstart.start(os.environ[WARM_START], self.args, environment(env), cwd,
-                                                 [stdin, out.fileno(), err.fileno()])
-                finally:
-                    os.close(stdin)
+                self._proc = warmstart.start(os.environ[WARM_START], self.args, environment(env), cwd,
+                                             out.fileno(), err.fileno())
             if self._proc is None:
                 self._proc = start(run_dir, overrides, env=env, cwd=cwd, stdout=out, stderr=err, text=True)
         self._done: subprocess.CompletedProcess | None = None

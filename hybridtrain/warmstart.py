@@ -301,11 +301,15 @@ class Started:
 
 
 def start(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | str | None,
-          stdio: Sequence[int]) -> Started | None:
+          stdout: int, stderr: int) -> Started | None:
     """``python -m hybridtrain ARGS`` (``args`` the whole command line, :func:`hybridtrain.cli.command`) started
-    by the server at ``path`` with ``stdio`` as its stdin, stdout and stderr, not waited for; ``None`` when the
-    server refused it or is not there."""
-    started = request(path, args[3:], env, cwd, stdio)  # after "python -m hybridtrain"
+    by the server at ``path``, its stdin ``/dev/null``, its stdout and stderr the descriptors given, not waited
+    for; ``None`` when the server refused it or is not there."""
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    try:
+        started = request(path, args[3:], env, cwd, [stdin, stdout, stderr])  # after "python -m hybridtrain"
+    finally:
+        os.close(stdin)
     return None if started is None else Started(args, *started)
 
 
@@ -322,11 +326,10 @@ def run(path: Path | str, args: Sequence[str], env: dict[str, str], cwd: Path | 
 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    stdin = os.open(os.devnull, os.O_RDONLY)
     try:
-        started = start(path, args, env, cwd, [stdin, out_w, err_w])
+        started = start(path, args, env, cwd, out_w, err_w)
     finally:
-        for fd in (stdin, out_w, err_w):
+        for fd in (out_w, err_w):
             os.close(fd)
     if started is None:
         os.close(out_r)

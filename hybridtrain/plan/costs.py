@@ -158,7 +158,8 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
     norm = tuple(math.prod(shape) for shape in shapes.final_norm.values())
     units: list[UnitFacts] = []
     for unit in model_units(family, hf_config):
-        fwd = unit_forward_flops(unit, family, hf_config, seq_len, vocab, shapes.linear_flops.get(unit.variant, 0.0))
+        fwd = unit_forward_flops(unit, family, hf_config, seq_len, 1 if score_head else vocab,
+                                 shapes.linear_flops.get(unit.variant, 0.0))
         if unit.kind is Kind.EMBED:  # lookup; backward accumulates into a dense [V, H] gradient
             units.append(UnitFacts(unit, (vocab * hidden,), (), 0.0, hidden, vocab * hidden))
         elif unit.kind is Kind.POS_EMBED:
@@ -171,7 +172,7 @@ def model_facts(family: Family, hf_config, seq_len: int, tp_for_padding: int = 1
         elif unit.kind is Kind.FINAL_NORM:
             units.append(UnitFacts(unit, (), norm, 0.0, 4 * hidden))
         elif score_head:  # one score per token, read at each sequence's last; no tied copy of the embedding
-            units.append(UnitFacts(dataclasses.replace(unit, tied=False), (), (hidden,), TRAIN_FACTOR * 2 * hidden, 4))
+            units.append(UnitFacts(dataclasses.replace(unit, tied=False), (), (hidden,), TRAIN_FACTOR * fwd, 4))
         else:  # head + loss: logits, softmax cross-entropy forward and backward over the vocabulary
             units.append(UnitFacts(unit, (vocab * hidden,), (), TRAIN_FACTOR * fwd, 4 * vocab))
     heads, (head_dim, v_head) = int(getattr(hf_config, family.heads)), attention_head_dims(family, hf_config)
