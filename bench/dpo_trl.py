@@ -93,23 +93,8 @@ def _theirs(work: Path, name: str, folder: Path, records: list[dict], steps: int
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.t)
 
-    real = dpo.in_order
-
-    def clocked(trainer):  # TRL's trainer in hybridtrain's order, with the step clock
-        cls = real(trainer)
-
-        class Timed(cls):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                self.add_callback(Clock())
-        return Timed
-
-    dpo.in_order = clocked
     t0 = time.perf_counter()
-    try:
-        logs = dpo.trl_run(folder, records, work / name, adapter=adapter, **_kw(steps))
-    finally:
-        dpo.in_order = real
+    logs = dpo.trl_run(folder, records, work / name, adapter=adapter, callbacks=[Clock()], **_kw(steps))
     return {"step_s": statistics.median(times[SKIP:]), "wall_s": time.perf_counter() - t0, "loss": logs[0]["loss"]}
 
 

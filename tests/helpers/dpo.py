@@ -86,11 +86,11 @@ def overrides(folder: Path, pairs: Path, *, steps: int, batch: int, lr: float, s
 
 def trl_run(folder: Path, records: list[dict], out: Path, *, steps: int, batch: int, lr: float, seed: int,
             beta: float, loss_type: list[str], loss_weights: list[float] | None = None, label_smoothing: float = 0.0,
-            adapter: Path | None = None, **config) -> list[dict]:
+            adapter: Path | None = None, callbacks: list | None = None, **config) -> list[dict]:
     """TRL's per-step log records (``loss``, ``grad_norm`` and :data:`METRICS`) of ``DPOTrainer`` on ``records``
     taken in :func:`order` (TRL's shuffling replaced by that order), one process, ``precompute_ref_log_probs=True``;
     with ``adapter`` a peft adapter folder trained on the frozen base (the reference: adapters disabled); ``config``:
-    more ``DPOConfig`` fields."""
+    more ``DPOConfig`` fields; ``callbacks``: the trainer's (``transformers.TrainerCallback``)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -105,7 +105,7 @@ def trl_run(folder: Path, records: list[dict], out: Path, *, steps: int, batch: 
                      loss_weights=loss_weights, label_smoothing=label_smoothing, max_length=None,
                      dataloader_num_workers=0, disable_tqdm=True, **config)
     trainer = in_order(DPOTrainer)(model=model, args=args, train_dataset=Dataset.from_list(ordered),
-                                   processing_class=AutoTokenizer.from_pretrained(str(folder)))
+                                   processing_class=AutoTokenizer.from_pretrained(str(folder)), callbacks=callbacks)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
 
